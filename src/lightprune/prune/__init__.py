@@ -1,0 +1,73 @@
+"""``lightprune.prune``: the API of ``torch.nn.utils.prune``, exact, fast at any size and lean in memory.
+
+Swap ``from torch.nn.utils import prune`` for ``from lightprune import prune`` and keep your code: the names,
+signatures, reparametrization (``name_orig``, ``name_mask``, forward pre-hook) and state_dict keys are torch's.
+
+Example:
+    >>> import torch
+    >>> from lightprune import prune
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> prune.global_unstructured([(net[0], "weight"), (net[2], "weight")], prune.L1Unstructured, amount=0.5)
+    >>> sorted(net[0].state_dict())
+    ['bias', 'weight_mask', 'weight_orig']
+    >>> sum(int((m.weight == 0).sum()) for m in (net[0], net[2]))
+    40
+"""
+
+from lightprune.prune.amount import (
+    _compute_norm,
+    _compute_nparams_toprune,
+    _validate_pruning_amount,
+    _validate_pruning_amount_init,
+    _validate_pruning_dim,
+    _validate_structured_pruning,
+)
+from lightprune.prune.base import BasePruningMethod, PruningContainer, get_mask_dtype, mask_dtype, set_mask_dtype
+from lightprune.prune.functional import (
+    custom_from_mask,
+    global_unstructured,
+    identity,
+    is_pruned,
+    l1_unstructured,
+    ln_structured,
+    random_structured,
+    random_unstructured,
+    remove,
+)
+from lightprune.prune.methods import (
+    CustomFromMask,
+    Identity,
+    L1Unstructured,
+    LnStructured,
+    RandomStructured,
+    RandomUnstructured,
+)
+
+__all__ = [
+    "BasePruningMethod",
+    "CustomFromMask",
+    "Identity",
+    "L1Unstructured",
+    "LnStructured",
+    "PruningContainer",
+    "RandomStructured",
+    "RandomUnstructured",
+    "_compute_norm",
+    "_compute_nparams_toprune",
+    "_validate_pruning_amount",
+    "_validate_pruning_amount_init",
+    "_validate_pruning_dim",
+    "_validate_structured_pruning",
+    "custom_from_mask",
+    "get_mask_dtype",
+    "global_unstructured",
+    "identity",
+    "is_pruned",
+    "l1_unstructured",
+    "ln_structured",
+    "mask_dtype",
+    "random_structured",
+    "random_unstructured",
+    "remove",
+    "set_mask_dtype",
+]

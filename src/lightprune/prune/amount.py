@@ -1,0 +1,156 @@
+"""Validation of pruning amounts, dims and norms, with the names and behaviour of torch's private helpers.
+
+Third-party code calls ``torch.nn.utils.prune``'s underscore helpers directly, so they are provided here with the
+same signatures, results and exception types; only the messages are clearer.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "_compute_norm",
+    "_compute_nparams_toprune",
+    "_validate_pruning_amount",
+    "_validate_pruning_amount_init",
+    "_validate_pruning_dim",
+    "_validate_structured_pruning",
+    "normalize_dim",
+]
+
+
+def _validate_pruning_amount_init(amount: Any) -> None:
+    """Check the type and range of ``amount`` when a pruning method is constructed.
+
+    A float (any real that is not an integral number) is a fraction and must lie in [0, 1]; an integral number
+    is a count of units and must be non-negative. Booleans count as integers, as in torch.
+
+    Args:
+        amount: the value to check.
+
+    Raises:
+        TypeError: ``amount`` is not a real number.
+        ValueError: ``amount`` is out of range.
+
+    Example:
+        >>> _validate_pruning_amount_init(0.3)
+        >>> _validate_pruning_amount_init(1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: amount=1.5 is out of range: a float amount is a fraction in [0, 1], an int amount a count >= 0
+    """
+    if not isinstance(amount, numbers.Real):
+        raise TypeError(
+            f"Invalid type for amount: {amount!r} ({type(amount).__name__}). "
+            "Must be int (a count) or float (a fraction)."
+        )
+    # a float must be a fraction; `not <=` also rejects NaN
+    out_of_range = amount < 0 if isinstance(amount, numbers.Integral) else not 0.0 <= float(amount) <= 1.0
+    if out_of_range:
+        raise ValueError(
+            f"amount={amount} is out of range: a float amount is a fraction in [0, 1], an int amount a count >= 0"
+        )
+
+
+def _compute_nparams_toprune(amount: int | float, tensor_size: int) -> int:
+    """Convert ``amount`` into a number of units: an int as it is, a float as ``round(amount * tensor_size)``.
+
+    Python's ``round`` is used (halves round to even), as torch does.
+
+    Example:
+        >>> _compute_nparams_toprune(0.5, 7), _compute_nparams_toprune(3, 7)
+        (4, 3)
+    """
+    if isinstance(amount, numbers.Integral):
+        return int(amount)
+    return round(amount * tensor_size)
+
+
+def _validate_pruning_amount(amount: int | float, tensor_size: int) -> None:
+    """Check that an integer ``amount`` does not exceed the number of units that can still be pruned.
+
+    Raises:
+        ValueError: ``amount`` is an int larger than ``tensor_size``.
+
+    Example:
+        >>> _validate_pruning_amount(5, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: amount=5 is larger than the number of units that can still be pruned (4)
+    """
+    if isinstance(amount, numbers.Integral) and amount > tensor_size:
+        raise ValueError(f"amount={amount} is larger than the number of units that can still be pruned ({tensor_size})")
+
+
+def _validate_structured_pruning(t: Tensor) -> None:
+    """Check that ``t`` has at least two dimensions, so that it has channels to remove.
+
+    Raises:
+        ValueError: ``t`` is 0-D or 1-D.
+
+    Example:
+        >>> _validate_structured_pruning(torch.ones(3))
+        Traceback (most recent call last):
+        ...
+        ValueError: structured pruning needs a tensor with at least 2 dims; got shape (3,) with 1 dim
+    """
+    if t.dim() <= 1:
+        raise ValueError(
+            "structured pruning needs a tensor with at least 2 dims; "
+            f"got shape {tuple(t.shape)} with {t.dim()} dim{'' if t.dim() == 1 else 's'}"
+        )
+
+
+def _validate_pruning_dim(t: Tensor, dim: int) -> None:
+    """Check that ``dim`` indexes a dimension of ``t`` (negative values count from the end).
+
+    Raises:
+        IndexError: ``dim`` is outside ``[-t.dim(), t.dim() - 1]``.
+
+    Example:
+        >>> _validate_pruning_dim(torch.ones(2, 3), 2)
+        Traceback (most recent call last):
+        ...
+        IndexError: dim=2 is out of range for a tensor of shape (2, 3): allowed dims are -2 ... 1
+    """
+    normalize_dim(t, dim)
+
+
+def normalize_dim(t: Tensor, dim: int) -> int:
+    """Return ``dim`` as a non-negative index into ``t``'s dimensions.
+
+    Raises:
+        TypeError: ``dim`` is not an integer.
+        IndexError: ``dim`` is out of range.
+
+    Example:
+        >>> normalize_dim(torch.ones(2, 3, 4), -1)
+        2
+    """
+    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
+    ndim = t.dim()
+    if not -ndim <= dim < ndim:
+        raise IndexError(
+            f"dim={dim} is out of range for a tensor of shape {tuple(t.shape)}: allowed dims are {-ndim} ... {ndim - 1}"
+        )
+    return int(dim) % ndim
+
+
+def _compute_norm(t: Tensor, n: int | float | str, dim: int) -> Tensor:
+    """Norm of each slice of ``t`` along ``dim``: one value per channel, reducing over every other dim.
+
+    ``n`` is anything ``torch.norm`` accepts as ``p`` (an int or float, ``inf``, ``-inf``, ``'fro'``, ``'nuc'``);
+    the result is the one ``torch.norm(t, p=n, dim=<other dims>)`` gives.
+
+    Example:
+        >>> _compute_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]]), 2, 0)
+        tensor([5., 1.])
+    """
+    channel_dim = normalize_dim(t, dim)
+    other_dims = [d for d in range(t.dim()) if d != channel_dim]
+    return torch.norm(t, p=n, dim=other_dims)

@@ -1,0 +1,317 @@
+"""The functional forms: prune a module's parameter in one call, prune many globally, remove, is_pruned."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount
+from lightprune.prune.base import (
+    Attachment,
+    BasePruningMethod,
+    _check_same_shape,
+    _has_fast_path,
+    _to_mask_dtype,
+    commit_all,
+    find_hook,
+    next_mask,
+    pruning_hooks,
+    uninstall_refresh_if_unpruned,
+)
+from lightprune.prune.methods import (
+    CustomFromMask,
+    Identity,
+    L1Unstructured,
+    LnStructured,
+    RandomStructured,
+    RandomUnstructured,
+)
+from lightprune.prune.select import apply_cut, count_eligible, find_cut
+
+__all__ = [
+    "custom_from_mask",
+    "global_unstructured",
+    "identity",
+    "is_pruned",
+    "l1_unstructured",
+    "ln_structured",
+    "random_structured",
+    "random_unstructured",
+    "remove",
+]
+
+
+def identity(module: nn.Module, name: str) -> nn.Module:
+    """Put ``module.<name>`` under the pruning reparametrization with an all-ones mask; returns ``module``.
+
+    Example:
+        >>> layer = identity(torch.nn.Linear(2, 1), "bias")
+        >>> sorted(dict(layer.named_buffers()))
+        ['bias_mask']
+    """
+    Identity.apply(module, name)
+    return module
+
+
+def random_unstructured(module: nn.Module, name: str, amount: int | float) -> nn.Module:
+    """Prune ``amount`` entries of ``module.<name>`` chosen at random; returns ``module``.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        amount: a float in [0, 1] (fraction of the entries still unpruned) or an int (how many).
+
+    Example:
+        >>> layer = random_unstructured(torch.nn.Linear(4, 5), "weight", amount=0.25)
+        >>> int((layer.weight_mask == 0).sum())
+        5
+    """
+    RandomUnstructured.apply(module, name, amount)
+    return module
+
+
+def l1_unstructured(
+    module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None
+) -> nn.Module:
+    """Prune the ``amount`` entries of ``module.<name>`` with the smallest magnitude; returns ``module``.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        amount: a float in [0, 1] (fraction of the entries still unpruned) or an int (how many).
+        importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 1, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.copy_(torch.tensor([[0.5, -2.0, 0.1]]))
+        >>> l1_unstructured(layer, "weight", amount=2).weight
+        tensor([[ 0., -2.,  0.]], grad_fn=<AliasBackward0>)
+    """
+    L1Unstructured.apply(module, name, amount=amount, importance_scores=importance_scores)
+    return module
+
+
+def random_structured(module: nn.Module, name: str, amount: int | float, dim: int) -> nn.Module:
+    """Prune ``amount`` channels of ``module.<name>`` along ``dim``, chosen at random; returns ``module``.
+
+    Example:
+        >>> layer = random_structured(torch.nn.Conv2d(2, 4, 3), "weight", amount=0.5, dim=0)
+        >>> int((layer.weight_mask.sum(dim=(1, 2, 3)) == 0).sum())
+        2
+    """
+    RandomStructured.apply(module, name, amount, dim)
+    return module
+
+
+def ln_structured(
+    module: nn.Module, name: str, amount: int | float, n: Any, dim: int, importance_scores: Tensor | None = None
+) -> nn.Module:
+    """Prune the ``amount`` channels of ``module.<name>`` along ``dim`` with the smallest Ln norm.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        amount: a float in [0, 1] (fraction of the channels still present) or an int (how many).
+        n: the norm's order, as ``p`` of ``torch.norm`` (int, float, ``inf``, ``-inf``, ``'fro'``, ``'nuc'``).
+        dim: the dimension whose slices are the channels (0 for a layer's output channels).
+        importance_scores: ranks channels instead of the parameter's values; same shape as the parameter.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 3, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.copy_(torch.tensor([[1.0, 1.0], [3.0, 0.0], [0.1, 0.2]]))
+        >>> ln_structured(layer, "weight", amount=1, n=2, dim=0).weight_mask
+        tensor([[1., 1.],
+                [1., 1.],
+                [0., 0.]])
+    """
+    LnStructured.apply(module, name, amount, n, dim, importance_scores=importance_scores)
+    return module
+
+
+def custom_from_mask(module: nn.Module, name: str, mask: Tensor) -> nn.Module:
+    """Prune ``module.<name>`` with a given mask (zeros prune), on top of any existing pruning; returns ``module``.
+
+    Example:
+        >>> layer = custom_from_mask(torch.nn.Linear(2, 1), "bias", mask=torch.tensor([0.0]))
+        >>> layer.bias
+        tensor([0.], grad_fn=<AliasBackward0>)
+    """
+    CustomFromMask.apply(module, name, mask=mask)
+    return module
+
+
+def global_unstructured(
+    parameters: Iterable[tuple[nn.Module, str]],
+    pruning_method: type[BasePruningMethod],
+    importance_scores: dict[tuple[nn.Module, str], Tensor] | None = None,
+    **kwargs: Any,
+) -> None:
+    """Prune many parameters with one ranking across all of them (e.g. the smallest 90% of all weights).
+
+    ``pruning_method`` must be unstructured (``L1Unstructured``, ``RandomUnstructured`` or your own) and ``kwargs``
+    its arguments; ``amount`` refers to all entries still unpruned across ``parameters``. Each parameter gets its
+    own mask, attached as a ``CustomFromMask`` hook.
+
+    The built-in methods never concatenate the parameters: the threshold is found with histogram passes over the
+    tensors in chunks, so the extra memory is the new masks plus bounded temporaries, and every mask owns its
+    memory (torch's hooks each keep a view of one flat mask of all parameters, pytorch #34257).
+
+    Args:
+        parameters: ``(module, name)`` pairs.
+        pruning_method: an unstructured ``BasePruningMethod`` subclass.
+        importance_scores: optional ``{(module, name): scores}``; parameters not in it are ranked by their values.
+        **kwargs: the method's arguments, e.g. ``amount=0.9``.
+
+    Raises:
+        TypeError: ``parameters`` is not iterable, ``importance_scores`` not a dict, or the method not unstructured.
+        ValueError: a pair appears twice, scores have the wrong shape, or ``amount`` is too large.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+        >>> global_unstructured([(net[0], "weight"), (net[1], "weight")], L1Unstructured, amount=0.75)
+        >>> sum(int((m.weight == 0).sum()) for m in net)
+        150
+    """
+    if isinstance(parameters, (str, bytes)) or not isinstance(parameters, Iterable):
+        raise TypeError(
+            f"global_unstructured(): parameters must be an iterable of (module, name) pairs, got {parameters!r}"
+        )
+    pairs = list(parameters)
+    importance_scores = {} if importance_scores is None else importance_scores
+    if not isinstance(importance_scores, dict):
+        raise TypeError(
+            f"global_unstructured(): importance_scores must be a dict {{(module, name): tensor}}, "
+            f"got {type(importance_scores).__name__}"
+        )
+    method = pruning_method(**kwargs)
+    if getattr(method, "PRUNING_TYPE", None) != "unstructured":
+        raise TypeError(
+            'global_unstructured() needs a pruning method of PRUNING_TYPE "unstructured"; '
+            f"{getattr(pruning_method, '__name__', pruning_method)} is {getattr(method, 'PRUNING_TYPE', None)!r}"
+        )
+    seen: set[tuple[int, str]] = set()
+    attachments: list[Attachment] = []
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"global_unstructured(): each parameter must be a (module, name) pair, got {pair!r}")
+        module, name = pair
+        if (id(module), name) in seen:
+            raise ValueError(f"global_unstructured(): ({type(module).__name__}, {name!r}) appears more than once")
+        seen.add((id(module), name))
+        attachments.append(Attachment.plan(module, name, CustomFromMask(mask=torch.empty(0))))
+    if not attachments:
+        return
+    scores = []
+    for attachment in attachments:
+        score = importance_scores.get((attachment.module, attachment.name), attachment.orig)
+        _check_same_shape(score, attachment.orig, "importance_scores", f"parameter {attachment.name!r}")
+        scores.append(score.detach())
+
+    with torch.no_grad():
+        if _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured)):
+            masks = _global_masks_fast(method, attachments, scores)
+        else:
+            masks = _global_masks_like_torch(method, attachments, scores)
+    for attachment, mask in zip(attachments, masks, strict=True):
+        attachment.method.mask = mask
+        attachment.mask = mask
+    commit_all(attachments)
+
+
+def _global_masks_fast(
+    method: L1Unstructured | RandomUnstructured, attachments: list[Attachment], scores: list[Tensor]
+) -> list[Tensor]:
+    """One exact threshold across all tensors, written into one new mask per tensor."""
+    current = [a.current_mask for a in attachments]
+    random = isinstance(method, RandomUnstructured)
+    if random:
+        scores = [torch.rand_like(a.orig) for a in attachments]
+    elif len({s.dtype for s in scores}) > 1:
+        common = scores[0].dtype
+        for s in scores[1:]:
+            common = torch.promote_types(common, s.dtype)
+        scores = [s.to(common) for s in scores]
+    available = count_eligible(current, scores)
+    k = _compute_nparams_toprune(method.amount, available)
+    _validate_pruning_amount(k, available)
+    cut = find_cut(scores, k, eligible=current, magnitude=not random, largest=random)
+    masks = [torch.empty(a.orig.shape, dtype=a.mask_dtype(), device=a.orig.device) for a in attachments]
+    apply_cut(scores, cut, out=masks, eligible=current, base=current, magnitude=not random, largest=random)
+    return masks
+
+
+def _global_masks_like_torch(
+    method: BasePruningMethod, attachments: list[Attachment], scores: list[Tensor]
+) -> list[Tensor]:
+    """For a user's method: the method sees all scores as one vector, as in torch; each mask is then copied out."""
+    flat_scores = torch.cat([s.reshape(-1) for s in scores])
+    current = [a.current_mask for a in attachments]
+    flat_mask = torch.cat(
+        [
+            torch.ones(a.orig.numel(), dtype=flat_scores.dtype, device=flat_scores.device)
+            if m is None
+            else m.reshape(-1).to(flat_scores.dtype)
+            for a, m in zip(attachments, current, strict=True)
+        ]
+    )
+    method._tensor_name = "temp"
+    flat_new = next_mask(method, flat_scores, flat_mask, flat_mask.dtype)
+    masks, start = [], 0
+    for attachment in attachments:
+        count = attachment.orig.numel()
+        piece = flat_new[start : start + count].reshape(attachment.orig.shape)
+        masks.append(_to_mask_dtype(piece.clone(), attachment.mask_dtype()))
+        start += count
+    return masks
+
+
+def remove(module: nn.Module, name: str) -> nn.Module:
+    """Make the pruning of ``module.<name>`` permanent: a plain Parameter holding ``orig * mask``; returns ``module``.
+
+    The Parameter object is the one that was ``name_orig``, so optimizers holding it stay valid.
+
+    Raises:
+        ValueError: ``module.<name>`` is not pruned.
+
+    Example:
+        >>> layer = l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=0.5)
+        >>> layer = remove(layer, "weight")
+        >>> sorted(name for name, _ in layer.named_parameters()), int((layer.weight == 0).sum())
+        (['bias', 'weight'], 4)
+    """
+    key, hook = find_hook(module, name)
+    if hook is None:
+        raise ValueError(
+            f"parameter {name!r} of {type(module).__name__} is not pruned, so its pruning cannot be removed; "
+            f"pruned here: {[h._tensor_name for _, h in pruning_hooks(module)]}"
+        )
+    hook.remove(module)
+    del module._forward_pre_hooks[key]
+    uninstall_refresh_if_unpruned(module)
+    return module
+
+
+def is_pruned(module: nn.Module) -> bool:
+    """True if ``module`` or any submodule has a pruning hook (from lightprune or torch.nn.utils.prune).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> is_pruned(net), is_pruned(identity(net[0], "weight")) and is_pruned(net)
+        (False, True)
+    """
+    for submodule in module.modules():
+        for hook in submodule._forward_pre_hooks.values():
+            if isinstance(hook, BasePruningMethod) or _is_torch_pruning_hook(hook):
+                return True
+    return False
+
+
+def _is_torch_pruning_hook(hook: Any) -> bool:
+    torch_prune = getattr(getattr(torch.nn, "utils", None), "prune", None)
+    base = getattr(torch_prune, "BasePruningMethod", None)
+    return base is not None and isinstance(hook, base)

@@ -1,0 +1,353 @@
+"""The built-in pruning methods: Identity, RandomUnstructured, L1Unstructured, RandomStructured, LnStructured and
+CustomFromMask.
+
+Each method offers torch's ``compute_mask(t, default_mask)`` and, privately, ``_next_mask(scores, current, dtype)``:
+the mask after the method is applied on top of ``current`` with a container's semantics (unstructured methods choose
+among entries still equal to 1, structured ones among channels not yet all zero). The engine calls the latter, which
+selects with an exact O(n) threshold pass (:mod:`lightprune.prune.select`): no ``topk``, no sort, no boolean
+indexing of the full tensor, and ties broken by flat index so the same input always gives the same mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightprune.prune.amount import (
+    _compute_norm,
+    _compute_nparams_toprune,
+    _validate_pruning_amount,
+    _validate_pruning_amount_init,
+    _validate_structured_pruning,
+    normalize_dim,
+)
+from lightprune.prune.base import BasePruningMethod, _check_same_shape, _to_mask_dtype
+from lightprune.prune.select import apply_cut, count_eligible, find_cut, select_smallest
+
+__all__ = [
+    "CustomFromMask",
+    "Identity",
+    "L1Unstructured",
+    "LnStructured",
+    "RandomStructured",
+    "RandomUnstructured",
+]
+
+
+def _unstructured_mask(
+    amount: int | float,
+    scores: Tensor,
+    base: Tensor | None,
+    *,
+    restrict: bool,
+    dtype: torch.dtype,
+    magnitude: bool,
+    largest: bool,
+) -> Tensor:
+    """``base`` (None: all ones) with the ``amount`` lowest-ranked entries set to 0.
+
+    With ``restrict`` the entries are chosen among those where ``base == 1`` and ``amount`` refers to them;
+    otherwise among all entries of ``scores``.
+    """
+    eligible = base if restrict else None
+    available = count_eligible([eligible], [scores])
+    k = _compute_nparams_toprune(amount, available)
+    _validate_pruning_amount(k, available)
+    out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
+    cut = find_cut([scores], k, eligible=[eligible], magnitude=magnitude, largest=largest)
+    apply_cut([scores], cut, out=[out], eligible=[eligible], base=[base], magnitude=magnitude, largest=largest)
+    return out
+
+
+def _active_channels(mask: Tensor | None, dim: int) -> Tensor | None:
+    """Channels along ``dim`` that ``mask`` does not zero entirely (torch: ``mask.sum(other dims) != 0``)."""
+    if mask is None:
+        return None
+    other = [d for d in range(mask.dim()) if d != dim]
+    if mask.dtype == torch.bool:
+        return torch.count_nonzero(mask, dim=other) > 0
+    return mask.sum(dim=other) != 0
+
+
+def _channel_mask(pruned: Tensor, dim: int, shape: torch.Size, base: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``base`` (None: ones) with every channel in ``pruned`` (a bool vector along ``dim``) set to 0."""
+    view = [1] * len(shape)
+    view[dim] = shape[dim]
+    keep = (~pruned).view(view)
+    if base is None:
+        out = torch.empty(shape, dtype=dtype, device=pruned.device)
+        out.copy_(keep.expand(shape))
+        return out
+    return _to_mask_dtype(base * keep.to(base.device), dtype)
+
+
+class _StructuredMethod(BasePruningMethod):
+    """Shared steps of the structured methods: validate, find the channels still there, rank, zero channels."""
+
+    PRUNING_TYPE = "structured"
+    amount: int | float
+    dim: int
+
+    def _rank(self, scores: Tensor, dim: int, active: Tensor | None, available: int, k: int) -> Tensor:
+        """Bool vector over the channels along ``dim``: True for the ``k`` channels to prune."""
+        raise NotImplementedError
+
+    def _masked(self, scores: Tensor, base: Tensor | None, *, restrict: bool, dtype: torch.dtype) -> Tensor | None:
+        _validate_structured_pruning(scores)
+        dim = normalize_dim(scores, self.dim)
+        active = _active_channels(base, dim) if restrict else None
+        available = scores.shape[dim] if active is None else int(active.sum())
+        k = _compute_nparams_toprune(self.amount, available)
+        _validate_pruning_amount(k, available)
+        if k == 0:
+            return None
+        pruned = self._rank(scores, dim, active, available, k)
+        return _channel_mask(pruned.to(scores.device), dim, scores.shape, base, dtype)
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        mask = self._masked(t, default_mask, restrict=False, dtype=default_mask.dtype)
+        return default_mask if mask is None else mask
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        mask = self._masked(scores, current, restrict=True, dtype=dtype)
+        if mask is None:
+            return torch.ones(scores.shape, dtype=dtype, device=scores.device) if current is None else current
+        return mask
+
+
+class Identity(BasePruningMethod):
+    """A method that prunes nothing: the mask stays as it is (all ones on a fresh tensor).
+
+    Useful to put a tensor under the reparametrization without removing anything.
+
+    Example:
+        >>> from lightprune import prune
+        >>> layer = prune.identity(torch.nn.Linear(2, 2), "weight")
+        >>> layer.weight_mask
+        tensor([[1., 1.],
+                [1., 1.]])
+    """
+
+    PRUNING_TYPE = "unstructured"
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        return default_mask
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        if current is None:
+            return torch.ones(scores.shape, dtype=dtype, device=scores.device)
+        return current
+
+    @classmethod
+    def apply(cls, module: nn.Module, name: str) -> Identity:  # type: ignore[override]
+        """Put ``module.<name>`` under the reparametrization with an all-ones mask."""
+        return super().apply(module, name)
+
+
+class RandomUnstructured(BasePruningMethod):
+    """Prune entries chosen uniformly at random.
+
+    Draws ``torch.rand_like`` from the global generator and prunes the entries with the largest draws, as torch
+    does: on a fresh tensor the same seed gives torch's mask (when the draws have no ties).
+
+    Args:
+        amount: a float in [0, 1] (the fraction of the entries still unpruned) or an int (how many of them).
+
+    Example:
+        >>> from lightprune import prune
+        >>> _ = torch.manual_seed(0)
+        >>> layer = prune.random_unstructured(torch.nn.Linear(10, 10), "weight", amount=0.3)
+        >>> int((layer.weight_mask == 0).sum())
+        30
+    """
+
+    PRUNING_TYPE = "unstructured"
+
+    def __init__(self, amount: int | float) -> None:
+        _validate_pruning_amount_init(amount)
+        self.amount = amount
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        draws = torch.rand_like(t)
+        return _unstructured_mask(
+            self.amount, draws, default_mask, restrict=False, dtype=default_mask.dtype, magnitude=False, largest=True
+        )
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        draws = torch.rand_like(scores)
+        return _unstructured_mask(
+            self.amount, draws, current, restrict=True, dtype=dtype, magnitude=False, largest=True
+        )
+
+    @classmethod
+    def apply(cls, module: nn.Module, name: str, amount: int | float) -> BasePruningMethod:  # type: ignore[override]
+        """Prune ``amount`` random entries of ``module.<name>``."""
+        return super().apply(module, name, amount=amount)
+
+
+class L1Unstructured(BasePruningMethod):
+    """Prune the entries with the smallest absolute value (of the importance scores, by default the tensor).
+
+    Exact: a float amount prunes ``round(amount * n)`` entries, ties are broken by flat index (lower first), and
+    ``NaN`` ranks above ``inf`` (it is pruned last), as in ``torch.topk``.
+
+    Args:
+        amount: a float in [0, 1] (the fraction of the entries still unpruned) or an int (how many of them).
+
+    Example:
+        >>> from lightprune import prune
+        >>> prune.L1Unstructured(amount=0.5).compute_mask(torch.tensor([0.1, -3.0, 2.0, -0.5]), torch.ones(4))
+        tensor([0., 1., 1., 0.])
+    """
+
+    PRUNING_TYPE = "unstructured"
+
+    def __init__(self, amount: int | float) -> None:
+        _validate_pruning_amount_init(amount)
+        self.amount = amount
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        return _unstructured_mask(
+            self.amount, t, default_mask, restrict=False, dtype=default_mask.dtype, magnitude=True, largest=False
+        )
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        return _unstructured_mask(
+            self.amount, scores, current, restrict=True, dtype=dtype, magnitude=True, largest=False
+        )
+
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls, module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None
+    ) -> BasePruningMethod:
+        """Prune the ``amount`` smallest-magnitude entries of ``module.<name>`` (or of ``importance_scores``)."""
+        return super().apply(module, name, amount=amount, importance_scores=importance_scores)
+
+
+class RandomStructured(_StructuredMethod):
+    """Prune whole channels along ``dim``, chosen uniformly at random.
+
+    Draws one ``torch.rand`` value per channel still present (as torch does, so the same seed gives torch's
+    channels) and prunes the channels with the smallest draws.
+
+    Args:
+        amount: a float in [0, 1] (the fraction of the channels still present) or an int (how many of them).
+        dim: the dimension whose slices are the channels (``-1``, the last, by default).
+
+    Example:
+        >>> from lightprune import prune
+        >>> _ = torch.manual_seed(0)
+        >>> layer = prune.random_structured(torch.nn.Linear(3, 4), "weight", amount=2, dim=0)
+        >>> layer.weight_mask.sum(dim=1)
+        tensor([3., 3., 0., 0.])
+    """
+
+    def __init__(self, amount: int | float, dim: int = -1) -> None:
+        _validate_pruning_amount_init(amount)
+        self.amount = amount
+        self.dim = dim
+
+    def _rank(self, scores: Tensor, dim: int, active: Tensor | None, available: int, k: int) -> Tensor:
+        draws = torch.rand(available)
+        chosen = select_smallest([draws], k)[0]
+        channels = scores.shape[dim]
+        if active is None:
+            return chosen
+        pruned = torch.zeros(channels, dtype=torch.bool)
+        pruned[torch.nonzero(active.cpu()).flatten()[chosen]] = True
+        return pruned
+
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls, module: nn.Module, name: str, amount: int | float, dim: int = -1
+    ) -> BasePruningMethod:
+        """Prune ``amount`` random channels of ``module.<name>`` along ``dim``."""
+        return super().apply(module, name, amount=amount, dim=dim)
+
+
+class LnStructured(_StructuredMethod):
+    """Prune the channels along ``dim`` with the smallest Ln norm.
+
+    Args:
+        amount: a float in [0, 1] (the fraction of the channels still present) or an int (how many of them).
+        n: the norm's order, anything ``torch.norm`` takes as ``p``: an int or float, ``inf``, ``-inf``, ``'fro'``,
+            ``'nuc'`` (only where torch.norm accepts it: exactly two dims besides ``dim``).
+        dim: the dimension whose slices are the channels (``-1`` by default).
+
+    Example:
+        >>> from lightprune import prune
+        >>> weight = torch.tensor([[1.0, 1.0], [3.0, 0.0], [0.1, 0.2]])
+        >>> prune.LnStructured(amount=1, n=2, dim=0).compute_mask(weight, torch.ones(3, 2))
+        tensor([[1., 1.],
+                [1., 1.],
+                [0., 0.]])
+    """
+
+    def __init__(self, amount: int | float, n: Any, dim: int = -1) -> None:
+        _validate_pruning_amount_init(amount)
+        self.amount = amount
+        self.n = n
+        self.dim = dim
+
+    def _rank(self, scores: Tensor, dim: int, active: Tensor | None, available: int, k: int) -> Tensor:
+        norms = _compute_norm(scores, self.n, dim)
+        return select_smallest([norms], k, eligible=[active])[0]
+
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls,
+        module: nn.Module,
+        name: str,
+        amount: int | float,
+        n: Any,
+        dim: int,
+        importance_scores: Tensor | None = None,
+    ) -> BasePruningMethod:
+        """Prune the ``amount`` channels of ``module.<name>`` along ``dim`` with the smallest Ln norm."""
+        return super().apply(module, name, amount=amount, n=n, dim=dim, importance_scores=importance_scores)
+
+
+class CustomFromMask(BasePruningMethod):
+    """Apply a mask given by the caller (combined with whatever is already pruned).
+
+    Args:
+        mask: a tensor of the parameter's shape; zeros prune. A floating mask may hold fractions, which scale the
+            entries, as in torch; a ``torch.bool`` mask store (see ``mask_dtype``) accepts only 0 and 1.
+
+    Example:
+        >>> from lightprune import prune
+        >>> layer = prune.custom_from_mask(torch.nn.Linear(2, 2), "weight", mask=torch.tensor([[1, 0], [0, 1]]))
+        >>> layer.weight_mask
+        tensor([[1., 0.],
+                [0., 1.]])
+    """
+
+    PRUNING_TYPE = "global"
+
+    def __init__(self, mask: Tensor) -> None:
+        self.mask = mask
+
+    def _checked_mask(self, shape: torch.Size, device: torch.device) -> Tensor:
+        if not isinstance(self.mask, Tensor):
+            raise TypeError(f"mask must be a Tensor, got {type(self.mask).__name__}")
+        _check_same_shape(self.mask, torch.empty(shape, device="meta"), "mask", "the pruned tensor")
+        return self.mask.to(device=device)
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        mask = self._checked_mask(default_mask.shape, default_mask.device)
+        return default_mask * mask.to(dtype=default_mask.dtype)
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        mask = self._checked_mask(scores.shape, scores.device)
+        if current is None:
+            return _to_mask_dtype(mask.clone(), dtype)
+        if current.dtype == torch.bool and mask.dtype != torch.bool:
+            mask = _to_mask_dtype(mask, torch.bool)
+        return _to_mask_dtype(current * mask, dtype)
+
+    @classmethod
+    def apply(cls, module: nn.Module, name: str, mask: Tensor) -> BasePruningMethod:  # type: ignore[override]
+        """Prune ``module.<name>`` with the given ``mask``."""
+        return super().apply(module, name, mask=mask)
