@@ -1,0 +1,255 @@
+"""Choose which parameters of a model to prune.
+
+A selection is a list of ``(qualified_name, module, name)`` triples: ``qualified_name`` is the parameter's dotted
+name in the model (``"features.0.weight"``), ``module`` the module that owns it and ``name`` its attribute name
+there (``"weight"``), i.e. what a pruning function takes as ``(module, name)``.
+
+Names are always the user's names, even for parameters that are already pruned. Pruning reparametrizes a parameter
+``X`` as a parameter ``X_orig`` and a buffer ``X_mask`` and makes ``X`` a plain attribute recomputed by a forward
+pre-hook. Such a parameter is reported as ``X``, and patterns match ``...X``. A pruned tensor is recognized from its
+module's forward pre-hooks (any hook object with a ``_tensor_name`` attribute and a ``compute_mask`` method, as both
+``torch.nn.utils.prune`` and ``lightprune.prune`` install), never from name suffixes alone.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(72, 10))
+    >>> [name for name, _, _ in select_parameters(model)]
+    ['0.weight', '3.weight']
+
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import nn
+
+__all__ = ["DEFAULT_MODULE_TYPES", "pruned_tensor_names", "resolve_pairs", "select_parameters"]
+
+DEFAULT_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+"""Modules whose ``weight`` is pruned by default. Subclasses count too (e.g. ``nn.LazyLinear`` and the ``out_proj`` of
+``nn.MultiheadAttention``); transposed convolutions, norms and embeddings do not."""
+
+_ORIG_SUFFIX = "_orig"
+
+
+def pruned_tensor_names(module: nn.Module) -> set[str]:
+    """Return the names of the tensors of ``module`` that are currently pruned (reparametrized).
+
+    A tensor ``X`` is pruned when one of the module's forward pre-hooks has ``_tensor_name == "X"`` and a
+    ``compute_mask`` method; this works for hooks of both ``torch.nn.utils.prune`` and ``lightprune.prune``.
+
+    Args:
+        module: the module to inspect (its own hooks only, not its children's).
+
+    Example:
+        >>> import torch.nn.utils.prune as torch_prune
+        >>> from torch import nn
+        >>> layer = nn.Linear(4, 2)
+        >>> pruned_tensor_names(layer)
+        set()
+        >>> _ = torch_prune.random_unstructured(layer, "weight", amount=0.5)
+        >>> pruned_tensor_names(layer)
+        {'weight'}
+
+    """
+    names = set()
+    for hook in module._forward_pre_hooks.values():
+        tensor_name = getattr(hook, "_tensor_name", None)
+        if isinstance(tensor_name, str) and callable(getattr(hook, "compute_mask", None)):
+            names.add(tensor_name)
+    return names
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Return ``(user_name, parameter)`` for the parameters registered directly on ``module``.
+
+    The parameter ``X_orig`` of a pruned tensor ``X`` is reported under the name ``X``.
+    """
+    pruned = pruned_tensor_names(module)
+    result = []
+    for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+        if name.endswith(_ORIG_SUFFIX) and name[: -len(_ORIG_SUFFIX)] in pruned:
+            name = name[: -len(_ORIG_SUFFIX)]
+        result.append((name, parameter))
+    return result
+
+
+def _qualify(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _compile(kind: str, patterns: Sequence[str] | str | None) -> list[re.Pattern[str]]:
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            raise ValueError(f"{kind} pattern {pattern!r} is not a valid regular expression: {err}") from None
+    return compiled
+
+
+def select_parameters(
+    model: nn.Module,
+    *,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+    module_types: Sequence[type[nn.Module]] | type[nn.Module] | None = DEFAULT_MODULE_TYPES,
+    parameter_names: Sequence[str] | str | None = ("weight",),
+) -> list[tuple[str, nn.Module, str]]:
+    r"""Select the parameters of ``model`` to prune, by module type, attribute name and regular expressions.
+
+    A parameter is selected when all of these hold:
+
+    * its module is an instance of one of ``module_types`` (``None``: any module);
+    * its attribute name is in ``parameter_names`` (``None``: any name);
+    * ``include`` is ``None`` or one of its patterns matches the *whole* qualified name (``re.fullmatch``);
+    * none of the ``exclude`` patterns matches the whole qualified name (``re.fullmatch``).
+
+    Patterns are matched against the full dotted name, so ``r"features\..*"`` selects everything under
+    ``features`` and ``r".*\.weight"`` every weight; use ``.*`` explicitly for a substring match.
+
+    Args:
+        model: the model to select from.
+        include: a pattern or a sequence of patterns; a parameter must fully match at least one.
+        exclude: a pattern or a sequence of patterns; a parameter fully matching any of them is dropped.
+        module_types: module classes (or one class) whose parameters may be selected; ``None`` for any module.
+        parameter_names: attribute names (or one name) that may be selected; ``None`` for any name.
+
+    Returns:
+        ``(qualified_name, module, name)`` triples in ``model.named_modules()`` order, then in the module's parameter
+        registration order. The qualified name is the name ``model.named_parameters()`` prints, except for a pruned
+        tensor ``X``, reported as ``...X`` rather than ``...X_orig``. A parameter shared by several modules appears
+        once, under its first name.
+
+    Raises:
+        ValueError: if nothing is selected (the message lists the criteria used), or a pattern is invalid.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential()
+        >>> model.add_module("features", nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)))
+        >>> model.add_module("classifier", nn.Linear(4, 2))
+        >>> [name for name, _, _ in select_parameters(model)]
+        ['features.0.weight', 'features.2.weight', 'classifier.weight']
+        >>> [name for name, _, _ in select_parameters(model, include=r"features\..*", exclude=r".*\.0\..*")]
+        ['features.2.weight']
+        >>> [name for name, _, _ in select_parameters(model, include=r"classifier\..*", parameter_names=None)]
+        ['classifier.weight', 'classifier.bias']
+        >>> _, module, name = select_parameters(model)[-1]
+        >>> module is model.classifier, name
+        (True, 'weight')
+
+    """
+    includes = _compile("include", include)
+    excludes = _compile("exclude", exclude)
+    if isinstance(module_types, type):
+        module_types = (module_types,)
+    types = None if module_types is None else tuple(module_types)
+    if isinstance(parameter_names, str):
+        parameter_names = (parameter_names,)
+    names = None if parameter_names is None else set(parameter_names)
+
+    selected = []
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        if types is not None and not isinstance(module, types):
+            continue
+        for name, parameter in _own_parameters(module):
+            if names is not None and name not in names:
+                continue
+            qualified_name = _qualify(prefix, name)
+            if includes and not any(pattern.fullmatch(qualified_name) for pattern in includes):
+                continue
+            if any(pattern.fullmatch(qualified_name) for pattern in excludes):
+                continue
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            selected.append((qualified_name, module, name))
+
+    if not selected:
+        type_names = None if types is None else [cls.__name__ for cls in types]
+        raise ValueError(
+            "no parameter of the model matches the selection: "
+            f"include={include!r}, exclude={exclude!r}, module_types={type_names!r}, "
+            f"parameter_names={None if names is None else sorted(names)!r}"
+        )
+    return selected
+
+
+def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> list[tuple[str, nn.Module, str]]:
+    """Turn explicit ``(module, name)`` pairs into ``(qualified_name, module, name)`` triples.
+
+    This is the explicit alternative to :func:`select_parameters`, for ``parameters_to_prune``-style configuration.
+
+    Args:
+        model: the model that contains every module of ``pairs``.
+        pairs: ``(module, name)`` pairs, ``name`` being the user's name of a parameter of ``module`` (``"weight"``
+            even when that weight is already pruned).
+
+    Returns:
+        Triples in the order of ``pairs``; a parameter given twice (or shared) appears once, at its first position.
+
+    Raises:
+        ValueError: if ``pairs`` is empty, a module is not part of ``model``, or a module has no parameter ``name``
+            (the message lists the module's parameter names).
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> resolve_pairs(model, [(model[2], "weight"), (model[0], "bias")])
+        [('2.weight', Linear(in_features=4, out_features=2, bias=True), 'weight'),
+         ('0.bias', Linear(in_features=4, out_features=4, bias=True), 'bias')]
+        >>> resolve_pairs(model, [(model[0], "wieght")])
+        Traceback (most recent call last):
+        ...
+        ValueError: module '0' (Linear) has no parameter 'wieght'; its parameters are ['weight', 'bias']
+
+    """
+    prefixes: dict[int, str] = {}
+    for prefix, module in model.named_modules():
+        prefixes.setdefault(id(module), prefix)
+
+    triples = []
+    seen: set[int] = set()
+    for index, pair in enumerate(pairs):
+        module, name = _unpack_pair(index, pair)
+        prefix = prefixes.get(id(module))
+        if prefix is None:
+            raise ValueError(f"pairs[{index}]: module {type(module).__name__} is not a submodule of the model")
+        parameters = dict(_own_parameters(module))
+        if name not in parameters:
+            hint = ""
+            base = name[: -len(_ORIG_SUFFIX)]
+            if name.endswith(_ORIG_SUFFIX) and base in parameters:
+                hint = f" ({name!r} holds the original values of the pruned tensor {base!r}; pass {base!r})"
+            where = f"module {prefix!r}" if prefix else "the model itself"
+            raise ValueError(
+                f"{where} ({type(module).__name__}) has no parameter {name!r}; "
+                f"its parameters are {list(parameters)!r}{hint}"
+            )
+        if id(parameters[name]) in seen:
+            continue
+        seen.add(id(parameters[name]))
+        triples.append((_qualify(prefix, name), module, name))
+
+    if not triples:
+        raise ValueError("pairs is empty: give at least one (module, parameter name) pair to prune")
+    return triples
+
+
+def _unpack_pair(index: int, pair: Any) -> tuple[nn.Module, str]:
+    try:
+        module, name = pair
+    except (TypeError, ValueError):
+        raise ValueError(f"pairs[{index}]={pair!r} must be a (module, parameter name) pair") from None
+    if not isinstance(module, nn.Module) or not isinstance(name, str):
+        raise ValueError(f"pairs[{index}]={pair!r} must be a (module, parameter name) pair")
+    return module, name
