@@ -10,9 +10,11 @@ What differs from torch is behind that contract:
 
 * nothing on the module changes until the new mask has been computed, and a failure while attaching it restores
   the module exactly (parameters, buffers, hooks, attributes), for the first call and every later one;
-* a later call replaces the hook in place, so the order of the module's other forward pre-hooks is kept;
+* a later call replaces the hook in place, so the order of the module's other forward pre-hooks is kept, and
+  ``name_orig`` takes ``name``'s place among the parameters, so ``module.parameters()`` keeps its order (an optimizer
+  created after pruning, e.g. when resuming from a checkpoint, lines up with the saved optimizer state);
 * the pruned attribute survives ``copy.deepcopy`` and ``pickle``, and is recomputed after ``.to()``, ``.half()``,
-  ``.double()``, ``.cuda()`` and every other conversion, so it is never stale;
+  ``.double()``, ``.cuda()``, every other conversion and ``load_state_dict``, so it is never stale;
 * masks may be stored as ``torch.bool`` (1 byte an entry) instead of the parameter's dtype, see :func:`mask_dtype`;
 * the built-in methods select with an exact O(n) threshold pass (``select.py``) instead of ``topk`` or boolean
   indexing, so tensors of any size work and ties are broken by flat index.
@@ -213,17 +215,20 @@ class BasePruningMethod(ABC):
         """Make the pruning permanent: ``name`` becomes a plain Parameter again holding ``orig * mask``.
 
         The Parameter object is the one that was ``name_orig`` (its ``.data`` is replaced), so optimizers that hold
-        it stay valid. The caller (``prune.remove``) also removes the hook from the module.
+        it stay valid, and it takes back its place among the module's parameters. The caller (``prune.remove``)
+        also removes the hook from the module.
         """
         name = self._attached_name()
         with torch.no_grad():
             pruned = self.apply_mask(module)
         orig = module._parameters[name + "_orig"]
+        position = list(module._parameters).index(name + "_orig")
         module.__dict__.pop(name, None)
         orig.data = pruned
         del module._parameters[name + "_orig"]
         del module._buffers[name + "_mask"]
         setattr(module, name, orig)
+        move_key(module._parameters, name, position)
 
     def _attached_name(self) -> str:
         if self._tensor_name is None:
@@ -428,6 +433,14 @@ def original_parameter(module: nn.Module, name: str, hook: BasePruningMethod | N
     raise AttributeError(f"{type(module).__name__} has no parameter {name!r}; its parameters are: {params}")
 
 
+def refresh_pruned(module: nn.Module) -> None:
+    """Recompute ``module.<name>`` for every tensor of ``module`` under a lightprune hook."""
+    for _, hook in pruning_hooks(module):
+        name = hook._tensor_name
+        if name is not None and name + "_orig" in module._parameters and name + "_mask" in module._buffers:
+            hook(module, ())
+
+
 class _RefreshingApply:
     """Installed as ``module._apply`` on pruned modules: after a conversion, recompute the pruned attributes.
 
@@ -440,23 +453,39 @@ class _RefreshingApply:
         self.module = module
 
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        module = self.module
-        result = type(module)._apply(module, fn, *args, **kwargs)
-        for _, hook in pruning_hooks(module):
-            name = hook._tensor_name
-            if name is not None and name + "_orig" in module._parameters and name + "_mask" in module._buffers:
-                hook(module, ())
+        result = type(self.module)._apply(self.module, fn, *args, **kwargs)
+        refresh_pruned(self.module)
         return result
 
 
+def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """``load_state_dict`` post-hook: the loaded ``orig`` and ``mask`` make the pruned attribute stale."""
+    refresh_pruned(module)
+
+
 def install_refresh(module: nn.Module) -> None:
+    """Keep ``module``'s pruned attributes current across conversions (``.to()``...) and ``load_state_dict``."""
     if not isinstance(module.__dict__.get("_apply"), _RefreshingApply):
         module.__dict__["_apply"] = _RefreshingApply(module)
+    if _refresh_after_load not in module._load_state_dict_post_hooks.values():
+        module.register_load_state_dict_post_hook(_refresh_after_load)
 
 
 def uninstall_refresh_if_unpruned(module: nn.Module) -> None:
-    if isinstance(module.__dict__.get("_apply"), _RefreshingApply) and not any(True for _ in pruning_hooks(module)):
+    if any(True for _ in pruning_hooks(module)):
+        return
+    if isinstance(module.__dict__.get("_apply"), _RefreshingApply):
         del module.__dict__["_apply"]
+    for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is _refresh_after_load]:
+        del module._load_state_dict_post_hooks[key]
+
+
+def move_key(table: dict[str, Any], key: str, position: int) -> None:
+    """Move ``key`` of an insertion-ordered dict to ``position``, in place (the dict object is kept)."""
+    items = [(k, v) for k, v in table.items() if k != key]
+    items.insert(position, (key, table[key]))
+    table.clear()
+    table.update(items)
 
 
 @dataclass
@@ -468,6 +497,7 @@ class ModuleSnapshot:
     buffers: dict[str, Any] = field(default_factory=dict)
     non_persistent: set[str] = field(default_factory=set)
     hooks: dict[int, Any] = field(default_factory=dict)
+    load_hooks: dict[int, Any] = field(default_factory=dict)
     attributes: dict[str, Any] = field(default_factory=dict)
     containers: list[tuple[PruningContainer, tuple[BasePruningMethod, ...]]] = field(default_factory=list)
 
@@ -479,6 +509,7 @@ class ModuleSnapshot:
             buffers=dict(module._buffers),
             non_persistent=set(module._non_persistent_buffers_set),
             hooks=dict(module._forward_pre_hooks),
+            load_hooks=dict(module._load_state_dict_post_hooks),
             attributes={k: module.__dict__[k] for k in (name, "_apply") if k in module.__dict__},
             containers=[(h, h._pruning_methods) for _, h in pruning_hooks(module) if isinstance(h, PruningContainer)],
         )
@@ -493,6 +524,8 @@ class ModuleSnapshot:
         module._non_persistent_buffers_set.update(self.non_persistent)
         module._forward_pre_hooks.clear()
         module._forward_pre_hooks.update(self.hooks)
+        module._load_state_dict_post_hooks.clear()
+        module._load_state_dict_post_hooks.update(self.load_hooks)
         for key in (name, "_apply"):
             module.__dict__.pop(key, None)
         module.__dict__.update(self.attributes)
@@ -541,8 +574,10 @@ class Attachment:
         if mask.device != self.orig.device:
             mask = mask.to(self.orig.device)
         if self.hook is None:
+            position = list(module._parameters).index(name)
             module.register_parameter(name + "_orig", self.orig)
             del module._parameters[name]
+            move_key(module._parameters, name + "_orig", position)
             module.register_buffer(name + "_mask", mask)
             module.register_forward_pre_hook(self.method)
             install_refresh(module)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from lightprune.prune.base import (
     _to_mask_dtype,
     commit_all,
     find_hook,
+    mask_dtype,
     next_mask,
     pruning_hooks,
     uninstall_refresh_if_unpruned,
@@ -38,6 +39,7 @@ __all__ = [
     "is_pruned",
     "l1_unstructured",
     "ln_structured",
+    "prepare_for_state_dict",
     "random_structured",
     "random_unstructured",
     "remove",
@@ -137,9 +139,9 @@ def custom_from_mask(module: nn.Module, name: str, mask: Tensor) -> nn.Module:
     """Prune ``module.<name>`` with a given mask (zeros prune), on top of any existing pruning; returns ``module``.
 
     Example:
-        >>> layer = custom_from_mask(torch.nn.Linear(2, 1), "bias", mask=torch.tensor([0.0]))
-        >>> layer.bias
-        tensor([0.], grad_fn=<AliasBackward0>)
+        >>> layer = custom_from_mask(torch.nn.Linear(3, 1), "bias", mask=torch.tensor([0.0]))
+        >>> layer.bias_mask, float(layer.bias.abs())
+        (tensor([0.]), 0.0)
     """
     CustomFromMask.apply(module, name, mask=mask)
     return module
@@ -294,6 +296,61 @@ def remove(module: nn.Module, name: str) -> nn.Module:
     del module._forward_pre_hooks[key]
     uninstall_refresh_if_unpruned(module)
     return module
+
+
+def prepare_for_state_dict(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Make ``module``'s pruning reparametrization match ``state_dict``'s keys, so a strict load succeeds.
+
+    A checkpoint of a pruned model has ``<p>_orig`` and ``<p>_mask`` where a fresh model has ``<p>``, and the reverse;
+    neither loads into the other with torch alone. For every parameter ``p`` of every submodule:
+
+    * ``state_dict`` has ``<p>_orig`` and ``<p>_mask`` but ``p`` is not pruned: ``p`` is put under the
+      reparametrization with an all-ones mask of the checkpoint mask's dtype; loading then fills in both;
+    * ``p`` is pruned here but ``state_dict`` has a plain ``<p>`` (and no ``<p>_orig``): the pruning is made
+      permanent (:func:`remove`), so the plain value loads into the Parameter.
+
+    Only a pair of ``_orig`` and ``_mask`` keys whose stem is a parameter counts: a buffer that merely ends in
+    ``_mask`` (an attention mask) is never taken for a pruning mask. Parameter order is kept, so optimizer state
+    saved with the checkpoint still lines up.
+
+    Args:
+        module: the model that will load ``state_dict``.
+        state_dict: the state dict (or just its keys, mapped to tensors) about to be loaded.
+        prefix: prefix of ``module``'s keys in ``state_dict``.
+
+    Returns:
+        The qualified names of the parameters whose reparametrization changed.
+
+    Example:
+        >>> pruned = l1_unstructured(torch.nn.Linear(4, 2), "weight", amount=0.5)
+        >>> fresh = torch.nn.Linear(4, 2)
+        >>> prepare_for_state_dict(fresh, pruned.state_dict())
+        ['weight']
+        >>> fresh.load_state_dict(pruned.state_dict())
+        <All keys matched successfully>
+        >>> torch.equal(fresh.weight, pruned.weight)
+        True
+    """
+    changed = []
+    for module_name, submodule in module.named_modules():
+        base = f"{prefix}{module_name}." if module_name else prefix
+        pruned_here = {hook._tensor_name: hook for _, hook in pruning_hooks(submodule)}
+        for name in list(submodule._parameters):
+            key = base + name
+            if name in pruned_here or (name.endswith("_orig") and name[: -len("_orig")] in pruned_here):
+                continue
+            if key + "_orig" in state_dict and key + "_mask" in state_dict:
+                saved_mask = state_dict[key + "_mask"]
+                dtype = saved_mask.dtype if isinstance(saved_mask, Tensor) else None
+                with mask_dtype(dtype):
+                    identity(submodule, name)
+                changed.append(key)
+        for name in pruned_here:
+            key = base + name
+            if key in state_dict and key + "_orig" not in state_dict:
+                remove(submodule, name)
+                changed.append(key)
+    return changed
 
 
 def is_pruned(module: nn.Module) -> bool:
