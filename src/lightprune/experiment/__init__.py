@@ -1,0 +1,1 @@
+"""Hydra experiment app for prune-finetune runs: data (``data``), models (``models``), reports (``report``)."""
