@@ -254,6 +254,7 @@ def test_unresolved_queries_raise() -> None:
         lambda: schedule.target(0),
         lambda: schedule(0),
         lambda: schedule.is_event(0),
+        lambda: schedule.latest_event(0),
         schedule.events,
         lambda: schedule.final_sparsity,
         lambda: schedule.first_event,
@@ -457,6 +458,14 @@ def test_target_is_a_step_function_through_the_events(schedule: Schedule) -> Non
         # Constant between events, at the level of the earlier one.
         assert schedule(event - 0.5) == schedule(previous)
         assert schedule(event - 1) == schedule(previous)
+
+
+@settings(max_examples=200)
+@given(schedule=any_schedule, t=st.floats(min_value=-10, max_value=1e9, allow_nan=False))
+def test_latest_event_agrees_with_events(schedule: Schedule, t: float) -> None:
+    earlier = [event for event in schedule.events() if event <= t]
+    assert schedule.latest_event(t) == (earlier[-1] if earlier else None)
+    assert schedule(t) == (schedule(earlier[-1]) if earlier else 0.0)
 
 
 @settings(max_examples=200)

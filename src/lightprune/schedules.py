@@ -2,7 +2,8 @@
 
 A schedule answers three questions for the pruning callback, which owns the clock (optimizer steps or epochs):
 
-* *When* to prune: :meth:`Schedule.is_event` and :meth:`Schedule.events`. Events are integer times.
+* *When* to prune: :meth:`Schedule.is_event`, :meth:`Schedule.latest_event` and :meth:`Schedule.events`. Events are
+  integer times.
 * *How much* in total: :meth:`Schedule.target` (also ``schedule(t)``), a fraction in ``[0, 1]`` of the selected
   entries that should be zero.
 * *Until when*: :attr:`Schedule.first_event`, :attr:`Schedule.last_event` and :attr:`Schedule.final_sparsity`.
@@ -208,8 +209,7 @@ class Schedule(ABC):
             (0.0, 0.5, 0.5)
 
         """
-        self._require_resolved()
-        event = self._last_event_at_or_before(t)
+        event = self.latest_event(t)
         return 0.0 if event is None else self._level(event)
 
     def __call__(self, t: float) -> float:
@@ -236,6 +236,21 @@ class Schedule(ABC):
         """
         self._require_resolved()
         return float(t).is_integer() and self._last_event_at_or_before(t) == t
+
+    def latest_event(self, t: float) -> int | None:
+        """Return the latest event at or before time ``t``, or ``None`` if ``t`` is before the first event.
+
+        Constant time (logarithmic for :class:`Points`), so a callback can call it at every step, e.g. to catch up on
+        events it did not see (after resuming, or when its hook did not run at that exact time).
+
+        Example:
+            >>> schedule = Linear(final=0.5, start=2, end=10, frequency=4)
+            >>> [schedule.latest_event(t) for t in (1, 2, 7.5, 99)]
+            [None, 2, 6, 10]
+
+        """
+        self._require_resolved()
+        return self._last_event_at_or_before(t)
 
     @property
     def final_sparsity(self) -> float:
