@@ -136,7 +136,9 @@ class PruningCallback(Callback):
         prune_channel_bias: with a structured method pruning output channels (``dim=0``), also zero the bias
             entries of the pruned channels.
         rewind: lottery-ticket rewinding after every event: ``None`` (off), ``"init"`` (the weights when training
-            starts) or an int ``k`` (the weights after ``k`` units of time). The snapshot lives on the CPU.
+            starts), an int ``k`` (the weights after ``k`` units of time) or a snapshot taken earlier with
+            :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot
+            lives on the CPU.
         make_permanent: at the end of fit, remove the reparametrization of the tensors this callback pruned, so
             the model holds plain Parameters with zeros.
         mask_dtype: dtype of new masks; ``torch.bool`` (1 byte per entry) by default, ``None`` for the parameter's.
@@ -171,7 +173,7 @@ class PruningCallback(Callback):
         module_types: Sequence[type[nn.Module]] | None = DEFAULT_MODULE_TYPES,
         parameter_names: Sequence[str] | str | None = ("weight",),
         prune_channel_bias: bool = False,
-        rewind: str | int | None = None,
+        rewind: str | int | Mapping[str, Tensor] | None = None,
         make_permanent: bool = True,
         mask_dtype: torch.dtype | None = torch.bool,
         log_per_parameter: bool = True,
@@ -209,8 +211,16 @@ class PruningCallback(Callback):
                 "prune_channel_bias=True needs a structured method pruning output channels (dim=0); got "
                 f"method={self.method.__name__} with method_kwargs={self.method_kwargs!r}"
             )
-        if rewind is not None and rewind != "init" and not (isinstance(rewind, int) and rewind >= 0):
-            raise ValueError(f"rewind={rewind!r} must be None, 'init' or an int >= 0 (a time in {unit}s)")
+        snapshot: dict[str, Tensor] | None = None
+        if isinstance(rewind, Mapping):
+            if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in rewind.items()):
+                raise ValueError("a rewind snapshot must map parameter names to tensors (see snapshot_weights)")
+            snapshot = {k: v.detach().to("cpu", copy=True) for k, v in rewind.items()}
+            rewind = 0
+        elif rewind is not None and rewind != "init" and not (isinstance(rewind, int) and rewind >= 0):
+            raise ValueError(
+                f"rewind={rewind!r} must be None, 'init', an int >= 0 (a time in {unit}s) or a snapshot_weights() dict"
+            )
         if mask_dtype is not None and not isinstance(mask_dtype, torch.dtype):
             raise ValueError(f"mask_dtype={mask_dtype!r} must be a torch.dtype (e.g. torch.bool) or None")
         if log_every_n_steps is not None and not (isinstance(log_every_n_steps, int) and log_every_n_steps >= 1):
@@ -241,7 +251,7 @@ class PruningCallback(Callback):
         self._events: list[int] = []
         self._last_event = -1
         self._last_logged = -1
-        self._rewind_snapshot: dict[str, Tensor] | None = None
+        self._rewind_snapshot: dict[str, Tensor] | None = snapshot
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks: thin, each delegating to a named step
@@ -474,7 +484,7 @@ class PruningCallback(Callback):
     # ------------------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _named_weights(pl_module: LightningModule) -> Iterator[tuple[str, Tensor]]:
+    def _named_weights(pl_module: nn.Module) -> Iterator[tuple[str, Tensor]]:
         """Every parameter under its user-facing name (``weight`` for a pruned ``weight_orig``)."""
         for module_name, module in pl_module.named_modules():
             pruned = {hook._tensor_name for _, hook in prune.base.pruning_hooks(module)}
@@ -485,8 +495,21 @@ class PruningCallback(Callback):
                     name = name[: -len("_orig")]
                 yield (f"{module_name}.{name}" if module_name else name), parameter
 
+    @classmethod
+    def snapshot_weights(cls, model: nn.Module) -> dict[str, Tensor]:
+        """A CPU copy of every parameter of ``model``, keyed by its name (``weight``, also for a pruned tensor).
+
+        Pass it as ``rewind=`` to rewind to these weights, e.g. the initial ones, across separate fits.
+
+        Example:
+            >>> snapshot = PruningCallback.snapshot_weights(nn.Linear(2, 1))
+            >>> sorted(snapshot), snapshot["weight"].device.type
+            (['bias', 'weight'], 'cpu')
+        """
+        return {name: p.detach().to("cpu", copy=True) for name, p in cls._named_weights(model)}
+
     def _snapshot(self, pl_module: LightningModule) -> dict[str, Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self._named_weights(pl_module)}
+        return self.snapshot_weights(pl_module)
 
     def _rewind(self, pl_module: LightningModule) -> None:
         """Copy the snapshot's values into the live parameters (a copy: they never share storage)."""
