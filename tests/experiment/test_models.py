@@ -183,7 +183,7 @@ def test_classifier_on_digits_learns():
         max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
     trainer.fit(module, dm)
-    assert trainer.test(module, dm, verbose=False)[0]["test/acc"] > 0.85
+    assert trainer.test(module, dm, verbose=False)[0]["test/acc"] > 0.8
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""Tests for lightprune.experiment.report: summaries, text table, plots and the multirun report."""
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn.utils import prune as torch_prune
+
+from lightprune.experiment.models import LeNet300100
+from lightprune.experiment.report import (
+    RunSummary,
+    collect_runs,
+    format_summary_table,
+    plot_layer_sparsity,
+    plot_training_curves,
+    read_metrics_csv,
+    report_main,
+    sparsity_by_layer,
+    summarize,
+    write_report,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def known_zeros_model() -> nn.Sequential:
+    """Linear(4, 4) with 12 of 16 weights zero, then Linear(4, 2) with none: 24 weights, 12 nonzero."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].weight[:3] = 0
+        model[2].weight.fill_(2.0)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# summarize / RunSummary
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_summarize_numbers_on_known_zeros():
+    summary = summarize(
+        known_zeros_model(),
+        input_shape=(4,),
+        dense_test_acc=torch.tensor(0.98),
+        final_test_acc=0.96,
+        wall_time_s=3.5,
+        config={"prune": {"amount": 0.5}},
+        metrics={"val/acc": torch.tensor(0.97)},
+    )
+    assert summary.layer_sparsity == {"0.weight": 0.75, "2.weight": 0.0}
+    assert (summary.total_weights, summary.nonzero_weights) == (24, 12)
+    assert summary.total_sparsity == 0.5
+    assert summary.compression_ratio == 2.0
+    assert (summary.dense_flops, summary.nonzero_flops) == (24, 12)
+    assert summary.theoretical_speedup == 2.0
+    assert summary.dense_test_acc == pytest.approx(0.98) and isinstance(summary.dense_test_acc, float)
+    assert summary.metrics == {"val/acc": pytest.approx(0.97)}
+    assert summary.config == {"prune": {"amount": 0.5}}
+
+
+def test_summarize_selection_forms_agree():
+    model = known_zeros_model()
+    by_pairs = summarize(model, parameters=[(model[0], "weight")])
+    by_names = summarize(model, parameters=["0.weight"])
+    by_triples = summarize(model, parameters=[("first.weight", model[0], "weight")])
+    assert by_pairs.layer_sparsity == by_names.layer_sparsity == {"0.weight": 0.75}
+    assert by_triples.layer_sparsity == {"first.weight": 0.75}
+    assert by_pairs.total_sparsity == 0.75 and by_pairs.compression_ratio == 4.0
+    assert by_pairs.theoretical_speedup is None and by_pairs.dense_flops is None  # no input_shape given
+    # a bias can be selected too
+    assert summarize(model, parameters=["2.bias"]).total_weights == 2
+
+
+def test_summarize_selection_errors():
+    model = known_zeros_model()
+    with pytest.raises(ValueError, match="not in model"):
+        summarize(model, parameters=[(nn.Linear(2, 2), "weight")])
+    with pytest.raises(ValueError, match="no tensor attribute 'kernel'"):
+        summarize(model, parameters=[(model[0], "kernel")])
+    with pytest.raises(AttributeError):
+        summarize(model, parameters=["7.weight"])
+
+
+def test_summarize_reads_effective_weights_of_reparametrized_model():
+    model = LeNet300100(in_features=10, hidden=(8,), num_classes=2)
+    torch_prune.global_unstructured(
+        [(model.fc1, "weight"), (model.fc2, "weight")], pruning_method=torch_prune.L1Unstructured, amount=48
+    )
+    assert hasattr(model.fc1, "weight_orig")
+    summary = summarize(model, input_shape=(10,))
+    assert summary.total_weights == 96 and summary.nonzero_weights == 48
+    assert summary.total_sparsity == 0.5 and summary.compression_ratio == 2.0
+    assert summary.theoretical_speedup == 2.0
+    assert list(summary.layer_sparsity) == ["fc1.weight", "fc2.weight"]
+    assert sparsity_by_layer(model) == summary.layer_sparsity
+
+
+def test_summarize_fully_pruned_and_omegaconf_config():
+    model = nn.Linear(3, 3, bias=False)
+    nn.init.zeros_(model.weight)
+    config = OmegaConf.create({"a": 1, "b": "${a}"})
+    summary = summarize(model, input_shape=(3,), config=config)
+    assert summary.total_sparsity == 1.0
+    assert math.isinf(summary.compression_ratio) and math.isinf(summary.theoretical_speedup)
+    assert summary.config == {"a": 1, "b": 1}
+    data = json.loads(summary.to_json())  # strict JSON: inf is written as null
+    assert data["compression_ratio"] is None and data["theoretical_speedup"] is None
+
+
+def test_run_summary_json_round_trip(tmp_path):
+    summary = summarize(known_zeros_model(), input_shape=(4,), final_test_acc=0.9, config={"x": [1, 2]})
+    path = tmp_path / "nested" / "summary.json"
+    text = summary.to_json(path)
+    assert path.read_text() == text
+    assert RunSummary.load(path) == summary
+    assert RunSummary.from_json(text) == summary
+    assert RunSummary.from_json('{"final_test_acc": 0.5, "added_later": true}') == RunSummary(final_test_acc=0.5)
+    with pytest.raises(ValueError, match="JSON object"):
+        RunSummary.from_json("[1, 2]")
+
+
+def test_format_summary_table():
+    summary = summarize(known_zeros_model(), input_shape=(4,), dense_test_acc=0.98, final_test_acc=0.9, wall_time_s=7)
+    table = format_summary_table(summary)
+    assert "final test acc        90.00%" in table
+    assert "compression           2.00x" in table
+    assert "  0.weight            75.00%" in table
+    empty = format_summary_table(RunSummary())
+    assert "wall time" in empty and "layer sparsity" not in empty and "-" in empty
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------------------------
+
+METRICS_HEADER = (
+    "epoch,step,pruning/sparsity/fc1.weight,pruning/sparsity/fc2.weight,pruning/sparsity/total,pruning/target,"
+    "train/acc,train/loss,val/acc,val/loss,test/acc,test/loss"
+)
+
+
+def write_metrics_csv(path, restart=False):
+    """A CSVLogger-like metrics.csv: per-step train and pruning rows, per-epoch val rows, a final test row."""
+    rows = [METRICS_HEADER]
+    step = 0
+    for epoch in range(3):
+        for _ in range(5):
+            step += 1
+            target = min(0.9, step / 10)
+            rows.append(f"{epoch},{step},{target * 1.1:.3f},{target * 0.8:.3f},{target},{target},0.8,0.5,,,,")
+        rows.append(f"{epoch},{step},,,,,,,{0.85 + 0.01 * epoch},0.4,,")
+        if restart and epoch == 1:
+            step = 0  # a second Trainer logging to the same logger
+    rows.append(f"2,{step},,,,,,,,,0.87,0.45")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_read_metrics_csv_skips_empty_cells_and_chains_restarts(tmp_path):
+    series = read_metrics_csv(write_metrics_csv(tmp_path / "metrics.csv"))
+    assert len(series["train/loss"]) == 15 and len(series["val/acc"]) == 3
+    assert series["test/acc"] == [(15.0, 0.87)]
+    restarted = read_metrics_csv(write_metrics_csv(tmp_path / "restart.csv", restart=True))
+    steps = [step for step, _ in restarted["train/loss"]]
+    assert steps == sorted(steps) and steps[10] == 11.0  # phase two starts after step 10
+    assert restarted["test/acc"][0][0] == 15.0
+
+
+def test_plot_training_curves_writes_png(tmp_path):
+    out = plot_training_curves(write_metrics_csv(tmp_path / "metrics.csv"), tmp_path / "plots" / "curves.png")
+    assert out == tmp_path / "plots" / "curves.png"
+    content = out.read_bytes()
+    assert content.startswith(PNG_MAGIC) and len(content) > 5000
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["epoch,step,train/loss\n0,1,0.5\n", "step,val/acc\n", "epoch,step,val_acc\n0,3,0.5\n"],
+    ids=["no-pruning-columns", "header-only", "unknown-columns"],
+)
+def test_plot_training_curves_tolerates_missing_columns(tmp_path, content):
+    csv_path = tmp_path / "metrics.csv"
+    csv_path.write_text(content)
+    assert plot_training_curves(csv_path, tmp_path / "out.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_plot_training_curves_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        plot_training_curves(tmp_path / "absent.csv", tmp_path / "out.png")
+
+
+def test_plot_layer_sparsity(tmp_path):
+    summary = summarize(LeNet300100(), input_shape=(784,))
+    out = plot_layer_sparsity(summary, tmp_path / "layers.png")
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    from_dict = plot_layer_sparsity({"layer_sparsity": {"a": 0.2}}, tmp_path / "dict.png")
+    assert from_dict.read_bytes().startswith(PNG_MAGIC)
+    assert plot_layer_sparsity(RunSummary(), tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Multirun report
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_multirun(root):
+    """A Hydra-like sweep: jobs 0, 1 and 10 (to check natural order), one without overrides, one not finished."""
+    sweep = root / "multirun" / "2024-01-01" / "12-00-00"
+    jobs = {
+        "0": (["prune.amount=0.5", "model=lenet300100"], 0.5, 0.97),
+        "1": (["prune.amount=0.9", "model=lenet300100", "+seed=1"], 0.9, 0.95),
+        "10": (None, 0.8, 0.96),
+    }
+    for job, (overrides, sparsity, acc) in jobs.items():
+        run = sweep / job
+        if overrides is not None:
+            (run / ".hydra").mkdir(parents=True)
+            (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {item}\n" for item in overrides))
+        RunSummary(
+            dense_test_acc=0.98,
+            final_test_acc=acc,
+            total_sparsity=sparsity,
+            compression_ratio=1 / (1 - sparsity),
+            theoretical_speedup=2.0,
+        ).to_json(run / "summary.json")
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # a job that died before writing its summary
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    return sweep
+
+
+def test_collect_runs(tmp_path):
+    sweep = make_multirun(tmp_path)
+    runs = collect_runs(sweep)
+    assert [run.run_dir for run in runs] == [str(sweep / job) for job in ("0", "1", "10")]
+    assert runs[0].overrides == ["prune.amount=0.5", "model=lenet300100"]
+    assert runs[2].overrides == []
+    assert [run.final_test_acc for run in runs] == [0.97, 0.95, 0.96]
+    assert len(collect_runs(tmp_path)) == 3  # any parent works
+    with pytest.raises(FileNotFoundError, match="not found"):
+        collect_runs(tmp_path / "nope")
+
+
+def test_write_report(tmp_path):
+    sweep = make_multirun(tmp_path)
+    markdown = write_report(sweep)
+    assert (sweep / "report.md").read_text() == markdown
+    assert (sweep / "accuracy_vs_sparsity.png").read_bytes().startswith(PNG_MAGIC)
+    lines = markdown.splitlines()
+    header = next(line for line in lines if line.startswith("| run"))
+    assert header == "| run | prune.amount | model | seed | sparsity | dense acc | final acc | compression | speed-up |"
+    rows = [line for line in lines if line.startswith("| ") and line != header]
+    assert rows == [
+        "| 0 | 0.5 | lenet300100 |  | 50.0% | 98.00% | 97.00% | 2.00x | 2.00x |",
+        "| 1 | 0.9 | lenet300100 | 1 | 90.0% | 98.00% | 95.00% | 10.00x | 2.00x |",
+        "| 10 |  |  |  | 80.0% | 98.00% | 96.00% | 5.00x | 2.00x |",
+    ]
+    assert "![accuracy versus sparsity](accuracy_vs_sparsity.png)" in markdown
+
+
+def test_write_report_custom_outputs_and_empty_dir(tmp_path):
+    sweep = make_multirun(tmp_path)
+    out_md, out_png = tmp_path / "out" / "r.md", tmp_path / "pngs" / "a.png"
+    markdown = write_report(sweep, out_md=out_md, out_png=out_png)
+    assert out_md.exists() and out_png.read_bytes().startswith(PNG_MAGIC)
+    assert "](../pngs/a.png)" not in markdown  # the link is relative only when below the Markdown's folder
+    assert str(out_png.resolve()) in markdown
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no summary\.json"):
+        write_report(tmp_path / "empty")
+
+
+def test_report_main(tmp_path, capsys):
+    sweep = make_multirun(tmp_path)
+    assert report_main([str(sweep), "--out-md", str(tmp_path / "r.md")]) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 | 0.9 |" in printed and (tmp_path / "r.md").read_text() in printed
+    (tmp_path / "empty").mkdir()
+    assert report_main([str(tmp_path / "empty")]) == 1
+    assert "no summary.json" in capsys.readouterr().err
