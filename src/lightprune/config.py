@@ -1,0 +1,292 @@
+"""Typed configuration of the experiment app, registered in Hydra's ConfigStore.
+
+The dataclasses are the schema of ``conf/``: OmegaConf checks every key and type against them, so a misspelt key or
+a wrong type fails before anything runs, naming the key. :func:`validate_config` then checks ranges and choices that
+types cannot express, with one message listing every problem.
+
+Nothing here requires Hydra to be initialised: :func:`register_configs` is called by the app (and by tests that use
+Hydra's compose API); the dataclasses are plain Python.
+
+Example:
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.structured(ExperimentConfig)
+    >>> cfg.pruning.final_sparsity, cfg.data.name
+    (0.9, 'digits')
+    >>> validate_config(cfg)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "DataConfig",
+    "ExperimentConfig",
+    "ModelConfig",
+    "PruningConfig",
+    "TrainerConfig",
+    "register_configs",
+    "validate_config",
+]
+
+DATASETS = ("digits", "fashion_mnist", "mnist", "idx")
+MODELS = ("lenet300100", "small_cnn")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+PRESETS = ("none", "one_shot", "gmp_cubic", "iterative_rounds", "ln_structured", "custom")
+SCHEDULES = ("constant", "linear", "cubic", "geometric")
+METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured")
+SCOPES = ("global", "layerwise")
+UNITS = ("step", "epoch")
+MASK_DTYPES = ("bool", "param")
+
+
+@dataclass
+class DataConfig:
+    """Which data to train on.
+
+    Attributes:
+        name: ``digits`` (bundled with scikit-learn), ``fashion_mnist``, ``mnist`` or ``idx`` (any MNIST-layout dir).
+        root: directory of the IDX files; ``None`` for the dataset's default location.
+        batch_size: training batch size.
+        val_size: validation examples held out from the training data (a fraction in (0, 1)).
+        test_size: test fraction for ``digits`` (the IDX datasets have their own test files).
+        limit: use at most this many training and test examples of an IDX dataset (quick runs); ``None``: all.
+        flatten: give inputs as vectors (MLPs) instead of ``C x H x W`` images (CNNs).
+        seed: seed of the split and the shuffling.
+    """
+
+    name: str = "digits"
+    root: str | None = None
+    batch_size: int = 64
+    val_size: float = 0.1
+    test_size: float = 0.2
+    limit: int | None = None
+    flatten: bool = False
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """The network and its optimizer.
+
+    Attributes:
+        name: ``lenet300100`` (MLP) or ``small_cnn`` (Conv2d layers, for structured pruning).
+        hidden: hidden layer sizes of the MLP.
+        channels: output channels of the CNN's conv layers.
+        lr: learning rate.
+        optimizer: ``adam``, ``adamw`` or ``sgd``.
+        weight_decay: weight decay.
+    """
+
+    name: str = "lenet300100"
+    hidden: list[int] = field(default_factory=lambda: [300, 100])
+    channels: list[int] = field(default_factory=lambda: [16, 32])
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+
+
+@dataclass
+class PruningConfig:
+    """How to prune during the fine-tuning phase (mirrors :class:`lightprune.PruningCallback`).
+
+    Times (``start``, ``end``, ``frequency``) are fractions of the fine-tuning run, in ``unit``s.
+
+    Attributes:
+        preset: name of the preset this config came from (``none`` disables pruning).
+        method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured`` or the
+            import path of a ``BasePruningMethod`` subclass.
+        scope: ``global`` (one ranking over all selected weights) or ``layerwise``.
+        schedule: ``constant`` (one-shot at ``start``), ``linear``, ``cubic`` (Zhu & Gupta) or ``geometric``.
+        initial_sparsity: sparsity at the first event of a linear/cubic ramp.
+        final_sparsity: target total sparsity at the end of the schedule.
+        start: first event, as a fraction of the fine-tuning run.
+        end: last event, as a fraction of the run.
+        frequency: time between events, as a fraction of the run.
+        unit: ``step`` (optimizer steps) or ``epoch``.
+        rounds: number of rounds of ``iterative_rounds`` (each a fresh fit that prunes, rewinds and retrains).
+        rewind: ``init`` to rewind the unpruned weights to their initial values after each event; ``None``: off.
+        n: order of the norm of ``ln_structured``.
+        dim: channel dimension of the structured methods (0: output channels).
+        prune_channel_bias: with a structured method on dim 0, also zero the bias of pruned channels.
+        include: regular expressions of parameter names to prune (``None``: every Linear/Conv weight).
+        exclude: regular expressions of parameter names to skip.
+        mask_dtype: ``bool`` (1 byte per weight) or ``param`` (the parameter's dtype).
+        log_per_parameter: log the sparsity of every pruned tensor.
+        seed: seed of the random methods.
+    """
+
+    preset: str = "gmp_cubic"
+    method: str = "l1_unstructured"
+    scope: str = "global"
+    schedule: str = "cubic"
+    initial_sparsity: float = 0.0
+    final_sparsity: float = 0.9
+    start: float = 0.0
+    end: float = 0.6
+    frequency: float = 0.02
+    unit: str = "step"
+    rounds: int = 3
+    rewind: str | None = None
+    n: float = 2.0
+    dim: int = 0
+    prune_channel_bias: bool = False
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    mask_dtype: str = "bool"
+    log_per_parameter: bool = True
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of the Lightning Trainer for each phase.
+
+    Attributes:
+        dense_epochs: epochs of dense training before pruning (the dense baseline's accuracy is measured there).
+        max_epochs: epochs of the pruning / fine-tuning phase (per round for ``iterative_rounds``).
+        accelerator: ``cpu``, ``gpu`` or ``auto``.
+        devices: number of devices.
+        precision: Lightning precision string.
+        log_every_n_steps: how often Lightning logs training metrics.
+        enable_progress_bar: show Lightning's progress bar.
+        accumulate_grad_batches: gradient accumulation.
+        deterministic: ask torch for deterministic algorithms.
+    """
+
+    dense_epochs: int = 8
+    max_epochs: int = 16
+    accelerator: str = "cpu"
+    devices: int = 1
+    precision: str = "32-true"
+    log_every_n_steps: int = 5
+    enable_progress_bar: bool = True
+    accumulate_grad_batches: int = 1
+    deterministic: bool = False
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole prune-finetune experiment.
+
+    Attributes:
+        name: a label for the run (shown in reports).
+        seed: global seed (weights, data order).
+        save_model: write the final pruned model's state_dict to ``model.pt``.
+        plots: draw the PNG plots.
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    name: str = "experiment"
+    seed: int = 0
+    save_model: bool = True
+    plots: bool = True
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore as ``experiment_schema`` (used by ``conf/config.yaml``).
+
+    Example:
+        >>> register_configs()
+        >>> from hydra.core.config_store import ConfigStore
+        >>> "experiment_schema.yaml" in ConfigStore.instance().repo
+        True
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="experiment_schema", node=ExperimentConfig)
+
+
+def _check(problems: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        problems.append(f"{key}={value!r}: {allowed}")
+
+
+def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
+    """Check ranges and choices of a whole experiment config; raise one error listing every problem.
+
+    Raises:
+        ValueError: naming each bad key, its value and what is allowed.
+
+    Example:
+        >>> cfg = OmegaConf.structured(ExperimentConfig)
+        >>> cfg.pruning.final_sparsity = 1.5
+        >>> validate_config(cfg)
+        Traceback (most recent call last):
+        ...
+        ValueError: invalid experiment config:
+          pruning.final_sparsity=1.5: must be in [0, 1]
+    """
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    problems: list[str] = []
+    data, model, pruning, trainer = cfg.data, cfg.model, cfg.pruning, cfg.trainer
+    _check(problems, data.name in DATASETS, "data.name", data.name, f"one of {DATASETS}")
+    _check(problems, data.name != "idx" or data.root is not None, "data.root", data.root, "required for data=idx")
+    _check(problems, data.batch_size >= 1, "data.batch_size", data.batch_size, "must be >= 1")
+    _check(problems, 0 < data.val_size < 1, "data.val_size", data.val_size, "must be in (0, 1)")
+    _check(problems, 0 < data.test_size < 1, "data.test_size", data.test_size, "must be in (0, 1)")
+    _check(problems, data.limit is None or data.limit >= 1, "data.limit", data.limit, "must be None or >= 1")
+    _check(problems, model.name in MODELS, "model.name", model.name, f"one of {MODELS}")
+    _check(problems, all(h >= 1 for h in model.hidden), "model.hidden", list(model.hidden), "sizes must be >= 1")
+    _check(problems, all(c >= 1 for c in model.channels), "model.channels", list(model.channels), "must be >= 1")
+    _check(problems, model.lr > 0, "model.lr", model.lr, "must be > 0")
+    _check(problems, model.optimizer in OPTIMIZERS, "model.optimizer", model.optimizer, f"one of {OPTIMIZERS}")
+    _check(problems, model.weight_decay >= 0, "model.weight_decay", model.weight_decay, "must be >= 0")
+    _check(problems, pruning.preset in PRESETS, "pruning.preset", pruning.preset, f"one of {PRESETS}")
+    _check(
+        problems,
+        pruning.method in METHODS or "." in pruning.method,
+        "pruning.method",
+        pruning.method,
+        f"one of {METHODS} or an import path",
+    )
+    _check(problems, pruning.scope in SCOPES, "pruning.scope", pruning.scope, f"one of {SCOPES}")
+    _check(
+        problems,
+        not (pruning.scope == "global" and pruning.method in ("ln_structured", "random_structured")),
+        "pruning.scope",
+        pruning.scope,
+        "structured methods need pruning.scope=layerwise",
+    )
+    _check(problems, pruning.schedule in SCHEDULES, "pruning.schedule", pruning.schedule, f"one of {SCHEDULES}")
+    for key in ("initial_sparsity", "final_sparsity"):
+        value = pruning[key]
+        _check(problems, 0 <= value <= 1, f"pruning.{key}", value, "must be in [0, 1]")
+    _check(
+        problems,
+        pruning.initial_sparsity <= pruning.final_sparsity,
+        "pruning.initial_sparsity",
+        pruning.initial_sparsity,
+        f"must be <= pruning.final_sparsity={pruning.final_sparsity}",
+    )
+    for key in ("start", "end"):
+        _check(problems, 0 <= pruning[key] <= 1, f"pruning.{key}", pruning[key], "a fraction of the run in [0, 1]")
+    _check(problems, pruning.start <= pruning.end, "pruning.start", pruning.start, f"must be <= end={pruning.end}")
+    _check(problems, 0 < pruning.frequency <= 1, "pruning.frequency", pruning.frequency, "a fraction in (0, 1]")
+    _check(problems, pruning.unit in UNITS, "pruning.unit", pruning.unit, f"one of {UNITS}")
+    _check(problems, pruning.rounds >= 1, "pruning.rounds", pruning.rounds, "must be >= 1")
+    _check(problems, pruning.rewind in (None, "init"), "pruning.rewind", pruning.rewind, "None or 'init'")
+    _check(
+        problems, pruning.mask_dtype in MASK_DTYPES, "pruning.mask_dtype", pruning.mask_dtype, f"one of {MASK_DTYPES}"
+    )
+    _check(problems, trainer.dense_epochs >= 1, "trainer.dense_epochs", trainer.dense_epochs, "must be >= 1")
+    _check(problems, trainer.max_epochs >= 1, "trainer.max_epochs", trainer.max_epochs, "must be >= 1")
+    _check(problems, trainer.devices >= 1, "trainer.devices", trainer.devices, "must be >= 1")
+    _check(problems, trainer.log_every_n_steps >= 1, "trainer.log_every_n_steps", trainer.log_every_n_steps, ">= 1")
+    _check(
+        problems,
+        trainer.accumulate_grad_batches >= 1,
+        "trainer.accumulate_grad_batches",
+        trainer.accumulate_grad_batches,
+        "must be >= 1",
+    )
+    if problems:
+        raise ValueError("invalid experiment config:\n  " + "\n  ".join(problems))
