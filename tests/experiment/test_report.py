@@ -170,6 +170,15 @@ def test_read_metrics_csv_skips_empty_cells_and_chains_restarts(tmp_path):
     assert restarted["test/acc"][0][0] == 15.0
 
 
+def test_read_metrics_csv_logging_jitter_is_not_a_restart(tmp_path):
+    # the pruning callback logs at the event's step, Lightning at global_step - 1: rows go 10, 9, 20, 19, ...
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,pruning/target,train/loss\n0,0.0,\n10,0.5,\n9,,1.0\n20,0.8,\n19,,0.9\n18,,0.95\n")
+    series = read_metrics_csv(path)
+    assert series["pruning/target"] == [(0.0, 0.0), (10.0, 0.5), (20.0, 0.8)]
+    assert series["train/loss"] == [(9.0, 1.0), (18.0, 0.95), (19.0, 0.9)]
+
+
 def test_plot_training_curves_writes_png(tmp_path):
     out = plot_training_curves(write_metrics_csv(tmp_path / "metrics.csv"), tmp_path / "plots" / "curves.png")
     assert out == tmp_path / "plots" / "curves.png"

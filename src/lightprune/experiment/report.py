@@ -351,9 +351,10 @@ def read_metrics_csv(metrics_csv: str | Path) -> dict[str, list[tuple[float, flo
     """Reads Lightning ``CSVLogger``'s ``metrics.csv`` into ``{column: [(step, value), ...]}``.
 
     Empty cells (a key not logged at that row) are skipped; a file without a ``step`` column uses the row index.
-    When the step goes back (a second ``Trainer``, e.g. for fine-tuning, logging to the same logger), the later rows
-    are shifted by the largest step so far (the new phase's step 0 is the old phase's last step), so phases are laid
-    end to end.
+    Each series is sorted by step (loggers interleave rows a step or two apart). When the step falls back to at most
+    half of the largest step so far (a second ``Trainer``, e.g. for fine-tuning, logging to the same logger), the
+    later rows are shifted by that largest step (the new phase's step 0 is the old phase's last step), so phases are
+    laid end to end.
 
     Example:
         >>> import tempfile
@@ -364,14 +365,16 @@ def read_metrics_csv(metrics_csv: str | Path) -> dict[str, list[tuple[float, flo
         {'epoch': [(9.0, 0.0), (9.0, 0.0)], 'train/loss': [(9.0, 0.5)], 'val/acc': [(9.0, 0.8)]}
     """
     series: dict[str, list[tuple[float, float]]] = {}
-    offset = previous = largest = 0.0
+    offset = previous = phase_largest = largest = 0.0
     with Path(metrics_csv).open(newline="") as handle:
         for index, row in enumerate(csv.DictReader(handle)):
             step_text = row.get("step") or ""
             raw_step = float(step_text) if step_text else float(index)
-            if raw_step < previous:
+            if raw_step < previous - 2 and raw_step <= phase_largest / 2:  # a new phase, not logging jitter
                 offset = largest
+                phase_largest = 0.0
             previous = raw_step
+            phase_largest = max(phase_largest, raw_step)
             step = raw_step + offset
             largest = max(largest, step)
             for key, text in row.items():
@@ -382,6 +385,8 @@ def read_metrics_csv(metrics_csv: str | Path) -> dict[str, list[tuple[float, flo
                 except ValueError:
                     continue
                 series.setdefault(key, []).append((step, value))
+    for points in series.values():
+        points.sort(key=lambda point: point[0])  # stable: rows of one step keep their order
     return series
 
 
@@ -395,7 +400,7 @@ def _note(ax: Any, text: str) -> None:
 def plot_training_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     """Draws sparsity (top) and accuracy (bottom) over training steps from a ``metrics.csv``.
 
-    Sparsity uses the pruning callback's columns ``pruning/sparsity/total`` (thick), ``pruning/target`` (dashed) and
+    Sparsity uses the pruning callback's columns ``pruning/sparsity/total`` (thick), ``pruning/target`` (dashed red) and
     ``pruning/sparsity/<param>`` (thin); accuracy uses ``train/acc``, ``val/acc`` and ``test/acc`` (also with
     ``_step``/``_epoch`` suffixes). Missing columns are left out; an empty panel says so.
 
@@ -430,7 +435,7 @@ def plot_training_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
         ax_sparsity.plot(steps, values, color="black", linewidth=2, label="total")
     if "pruning/target" in series:
         steps, values = zip(*series["pruning/target"], strict=True)
-        ax_sparsity.plot(steps, values, color="black", linestyle="--", linewidth=1, label="target")
+        ax_sparsity.plot(steps, values, color="tab:red", linestyle="--", linewidth=1.2, label="target", zorder=3)
     if ax_sparsity.lines:
         ax_sparsity.set_ylim(-0.02, 1.02)
         ax_sparsity.legend(fontsize="small", loc="best")
