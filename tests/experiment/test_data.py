@@ -389,6 +389,16 @@ def test_make_datamodule_errors(tmp_path):
             make_datamodule("mnist", root=None)
 
 
+def test_make_datamodule_fashion_mnist_missing_suggests_the_package(tmp_path, monkeypatch):
+    import lightprune.experiment.data as data
+
+    missing = str(tmp_path / "fashion-mnist")
+    monkeypatch.setattr(data, "FASHION_MNIST_ROOT", missing)
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist") as info:
+        make_datamodule("fashion_mnist")
+    assert missing in str(info.value) and "train-images-idx3-ubyte" in str(info.value)
+
+
 @pytest.mark.slow
 def test_real_fashion_mnist():
     if not Path(FASHION_MNIST_ROOT).is_dir():

@@ -650,7 +650,12 @@ def make_datamodule(name: str, /, **kwargs) -> ClassificationDataModule:
         kwargs.setdefault("name", key)
         if key == "fashion_mnist":
             kwargs.setdefault("class_names", FASHION_MNIST_CLASSES)
-        return load_idx_dataset(root, **kwargs)
+        try:
+            return load_idx_dataset(root, **kwargs)
+        except FileNotFoundError as err:
+            if key == "fashion_mnist" and str(root) == FASHION_MNIST_ROOT:
+                raise FileNotFoundError(f"{err}; on Debian/Ubuntu: apt-get install dataset-fashion-mnist") from err
+            raise
     if key == "idx":
         root = kwargs.pop("root", None)
         if root is None:
