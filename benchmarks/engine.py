@@ -1,0 +1,399 @@
+"""lightprune.prune against torch.nn.utils.prune: wall time and extra peak memory, side by side in one run.
+
+Every measurement runs in a fresh Python process (``--case``), so one case's allocations never flatter another's,
+and is repeated (median). Models are ``L x Linear(4096, 4096)`` without bias (16.8M weights a layer). Weights are
+tie-free (distinct magnitudes) wherever torch also runs, and the benchmark checks that lightprune's masks equal
+torch's (a SHA-256 of each mask); the 1B row uses random normal weights and lightprune alone.
+
+Memory is the process's peak resident set during the call minus its resident set just before it (Linux
+``/proc/self/clear_refs`` resets the peak), so it includes the pruned copy ``weight = weight_orig * mask`` the
+reparametrization keeps. On CUDA it is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
+
+Usage:
+    python benchmarks/engine.py                  # the full table (34M, 134M, 268M, 1B): tens of minutes
+    python benchmarks/engine.py --quick          # tiny sizes, one repetition: well under a minute
+    python benchmarks/engine.py --device cuda    # the same on a GPU
+
+Writes a Markdown table to stdout and JSON to ``--out`` (default ``benchmarks/results/engine.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HIDDEN = 4096
+LAYERS_FOR_SIZE = {"34M": 2, "134M": 8, "268M": 16, "1B": 60}
+QUICK_LAYERS = {"2M": 2}
+QUICK_HIDDEN = 1024
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One case, in its own process
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class _Memory:
+    """Extra peak memory of a block: host RSS (CPU) or CUDA allocations."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> _Memory:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")  # reset VmHWM to the current RSS
+            self.before = _status("VmRSS")
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.started
+        if self.device == "cuda":
+            self.extra = torch.cuda.max_memory_allocated() - self.before
+        else:
+            self.extra = _status("VmHWM") - self.before
+
+
+def _tie_free_(weight: Any, generator: Any) -> None:
+    """Fill ``weight`` with distinct magnitudes in random order (consecutive float32 bit patterns, random signs)."""
+    import torch
+
+    n = weight.numel()
+    base = torch.tensor(1e-3, dtype=torch.float32).view(torch.int32).item()
+    bits = torch.randperm(n, generator=generator, dtype=torch.int32).add_(base)
+    values = bits.view(torch.float32)
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8)
+    values[signs.bool()] *= -1
+    weight.copy_(values.view_as(weight))
+
+
+def _model(layers: int, hidden: int, device: str, tie_free: bool, seed: int) -> Any:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)))
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for layer in model:
+            if tie_free:
+                _tie_free_(layer.weight, generator)
+            else:
+                layer.weight.normal_(generator=generator)
+    return model.to(device)
+
+
+def _fingerprint(model: Any) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for layer in model:
+        mask = getattr(layer, "weight_mask", None)
+        if mask is None:
+            continue
+        digest.update((mask != 0).to(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the model, run one operation under the meter, and report time, memory and the masks' fingerprint."""
+    import torch
+    import torch.nn.utils.prune as torch_prune
+
+    from lightprune import prune as lightprune
+
+    torch.set_num_threads(int(spec.get("threads", torch.get_num_threads())))
+    device = spec["device"]
+    model = _model(spec["layers"], spec["hidden"], device, spec["tie_free"], spec["seed"])
+    impl = spec["impl"]
+    api = torch_prune if impl == "torch" else lightprune
+    if impl == "lightprune-bool":
+        lightprune.set_mask_dtype(torch.bool)
+    pairs = [(layer, "weight") for layer in model]
+    op = spec["op"]
+    torch.manual_seed(spec["seed"])
+
+    def global_l1(amount: float) -> None:
+        api.global_unstructured(pairs, pruning_method=api.L1Unstructured, amount=amount)
+
+    if op.startswith("repeat"):  # the second or third global call on already pruned weights
+        calls = int(op[-1])
+        for _ in range(calls - 1):
+            global_l1(0.5)
+    with _Memory(device) as meter:
+        if op == "read":
+            total = sum(float(layer.weight.abs().sum()) for layer in model)
+        elif op == "global_l1" or op.startswith("repeat"):
+            global_l1(0.9 if op == "global_l1" else 0.5)
+        elif op == "l1_layerwise":
+            for module, name in pairs:
+                api.l1_unstructured(module, name, amount=0.9)
+        elif op == "ln_structured":
+            for module, name in pairs:
+                api.ln_structured(module, name, amount=0.5, n=2, dim=0)
+        elif op == "random_structured":
+            for module, name in pairs:
+                api.random_structured(module, name, amount=0.5, dim=0)
+        elif op == "random_unstructured":
+            for module, name in pairs:
+                api.random_unstructured(module, name, amount=0.9)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    result = {
+        "seconds": meter.seconds,
+        "extra_bytes": meter.extra,
+        "weights": sum(p.numel() for p in model.parameters()),
+    }
+    if op == "read":
+        result["checksum"] = total
+    elif spec.get("fingerprint") and not op.startswith("random"):
+        result["fingerprint"] = _fingerprint(model)
+    return result
+
+
+def run_training_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """Median time of forward + backward + optimizer step of a 4 x Linear(2048, 2048) MLP, batch 64."""
+    import torch
+    import torch.nn.utils.prune as torch_prune
+
+    from lightprune import prune as lightprune
+
+    torch.set_num_threads(int(spec.get("threads", torch.get_num_threads())))
+    torch.manual_seed(0)
+    device = spec["device"]
+    width, depth, batch = spec.get("width", 2048), 4, 64
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    pairs = [(m, "weight") for m in model if isinstance(m, torch.nn.Linear)]
+    impl = spec["impl"]
+    if impl == "torch":
+        torch_prune.global_unstructured(pairs, pruning_method=torch_prune.L1Unstructured, amount=0.9)
+    elif impl.startswith("lightprune"):
+        with lightprune.mask_dtype(torch.bool if impl == "lightprune-bool" else None):
+            lightprune.global_unstructured(pairs, pruning_method=lightprune.L1Unstructured, amount=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(batch, width, device=device)
+    target = torch.randn(batch, width, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(spec.get("steps", 20)):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return {"seconds": statistics.median(times)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The driver: fresh processes, repetitions, the table
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--case", json.dumps(spec)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"error": f"exit {done.returncode}: {tail[0][:200]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure(spec: dict[str, Any], repeats: int, timeout: float) -> dict[str, Any]:
+    runs = [_spawn({**spec, "seed": spec.get("seed", 0)}, timeout) for _ in range(repeats)]
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return {"error": runs[0]["error"]}
+    out: dict[str, Any] = {
+        "seconds": statistics.median(r["seconds"] for r in good),
+        "runs": [r["seconds"] for r in good],
+    }
+    if "extra_bytes" in good[0]:
+        out["extra_bytes"] = statistics.median(r["extra_bytes"] for r in good)
+        out["weights"] = good[0]["weights"]
+    for key in ("fingerprint", "checksum"):
+        if key in good[0]:
+            out[key] = good[0][key]
+    return out
+
+
+def _fmt_seconds(value: float | None) -> str:
+    return "—" if value is None else (f"{value:.3f} s" if value < 10 else f"{value:.1f} s")
+
+
+def _fmt_bpw(result: dict[str, Any]) -> str:
+    if "extra_bytes" not in result:
+        return "—"
+    return f"{result['extra_bytes'] / 2**30:.2f} GB ({result['extra_bytes'] / result['weights']:.1f} B/w)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (smoke test)")
+    parser.add_argument("--sizes", default="34M,134M,268M,1B", help="comma-separated: 34M,134M,268M,1B")
+    parser.add_argument("--torch-sizes", default="34M,134M,268M", help="sizes at which torch runs too")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    args = parser.parse_args(argv)
+
+    if args.case:
+        spec = json.loads(args.case)
+        result = run_training_case(spec) if spec["op"] == "train" else run_case(spec)
+        print(json.dumps(result))
+        return 0
+
+    if args.quick:
+        sizes, hidden, repeats = QUICK_LAYERS, QUICK_HIDDEN, 1
+        torch_sizes = set(sizes)
+    else:
+        sizes = {s: LAYERS_FOR_SIZE[s] for s in args.sizes.split(",")}
+        hidden, repeats = HIDDEN, args.repeats
+        torch_sizes = set(args.torch_sizes.split(","))
+
+    rows: list[dict[str, Any]] = []
+    ops = ["global_l1", "l1_layerwise", "ln_structured", "random_structured", "random_unstructured"]
+
+    def record(size: str, op: str, impl: str, spec: dict[str, Any]) -> dict[str, Any]:
+        result = _measure(spec, repeats, args.timeout)
+        row = {"size": size, "op": op, "impl": impl, **result}
+        rows.append(row)
+        print(
+            f"  {size:>5} {op:<20} {impl:<16} {_fmt_seconds(result.get('seconds')):>9}  {_fmt_bpw(result)}"
+            f"  {result.get('error', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+
+    for size, layers in sizes.items():
+        with_torch = size in torch_sizes
+        base = {
+            "layers": layers,
+            "hidden": hidden,
+            "device": args.device,
+            "tie_free": with_torch,
+            "fingerprint": with_torch,
+        }
+        record(size, "read", "sum |w|", {**base, "op": "read", "impl": "lightprune"})
+        for op in ops if with_torch or size != "1B" else ["global_l1"]:
+            impls = ["lightprune", "lightprune-bool"] + (["torch"] if with_torch else [])
+            if size == "1B":
+                impls = ["lightprune-bool"]
+            for impl in impls:
+                record(size, op, impl, {**base, "op": op, "impl": impl})
+        if size in ("134M", "2M"):
+            for op in ("repeat2", "repeat3"):
+                record(size, op, "lightprune-bool", {**base, "op": op, "impl": "lightprune-bool"})
+    train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048}
+    for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
+        record("MLP", "train_step", impl, {**train_base, "impl": impl})
+
+    table = render(rows)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "device": args.device,
+    }
+    try:
+        import torch
+
+        machine["torch"] = torch.__version__
+        if args.device == "cuda":
+            machine["gpu"] = torch.cuda.get_device_name()
+    except ImportError:  # pragma: no cover
+        pass
+    out.write_text(json.dumps({"machine": machine, "rows": rows, "table": table}, indent=2))
+    mismatches = [r for r in rows if r.get("mask_match") is False]
+    return 1 if mismatches else 0
+
+
+def _find(rows: list[dict[str, Any]], size: str, op: str, impl: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["size"] == size and r["op"] == op and r["impl"] == impl), None)
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """The Markdown table: one line per (size, operation, implementation), with ratios to torch and to a read."""
+    lines = [
+        "| size | operation | implementation | time | extra peak memory | speed-up vs torch | time / read pass | masks = torch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["op"] == "train_step":
+            continue
+        torch_row = _find(rows, row["size"], row["op"], "torch")
+        read_row = _find(rows, row["size"], "read", "sum |w|")
+        speedup = ratio = match = "—"
+        if torch_row and "seconds" in torch_row and "seconds" in row and row["impl"] != "torch":
+            speedup = f"{torch_row['seconds'] / row['seconds']:.1f}×"
+        if read_row and "seconds" in read_row and "seconds" in row and row["op"] != "read":
+            ratio = f"{row['seconds'] / read_row['seconds']:.1f}×"
+        if torch_row and "fingerprint" in row and "fingerprint" in torch_row and row["impl"] != "torch":
+            row["mask_match"] = row["fingerprint"] == torch_row["fingerprint"]
+            match = "yes" if row["mask_match"] else "**NO**"
+        time_text = _fmt_seconds(row.get("seconds")) if "error" not in row else f"failed: {row['error']}"
+        lines.append(
+            f"| {row['size']} | {row['op']} | {row['impl']} | {time_text} | {_fmt_bpw(row)} | {speedup} | {ratio} "
+            f"| {match} |"
+        )
+    train = {r["impl"]: r for r in rows if r["op"] == "train_step" and "seconds" in r}
+    if "dense" in train:
+        lines += ["", "| training step (4 × Linear(2048, 2048), batch 64, SGD) | time | vs dense |", "|---|---|---|"]
+        for impl, row in train.items():
+            lines.append(
+                f"| {impl} | {row['seconds'] * 1e3:.1f} ms | {row['seconds'] / train['dense']['seconds']:.2f}× |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
