@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DimOutOfRangeError",
     "_compute_norm",
     "_compute_nparams_toprune",
     "_validate_pruning_amount",
@@ -109,15 +110,23 @@ def _validate_pruning_dim(t: Tensor, dim: int) -> None:
     """Check that ``dim`` indexes a dimension of ``t`` (negative values count from the end).
 
     Raises:
-        IndexError: ``dim`` is outside ``[-t.dim(), t.dim() - 1]``.
+        IndexError: ``dim`` is outside ``[-t.dim(), t.dim() - 1]`` (a :class:`DimOutOfRangeError`).
 
     Example:
         >>> _validate_pruning_dim(torch.ones(2, 3), 2)
         Traceback (most recent call last):
         ...
-        IndexError: dim=2 is out of range for a tensor of shape (2, 3): allowed dims are -2 ... 1
+        lightprune.prune.amount.DimOutOfRangeError: dim=2 is out of range for a tensor of shape (2, 3): ...
     """
     normalize_dim(t, dim)
+
+
+class DimOutOfRangeError(IndexError, ValueError):
+    """A ``dim`` outside a tensor's dimensions.
+
+    An ``IndexError``, as torch's ``_validate_pruning_dim`` raises, and also a ``ValueError``, as torch's
+    ``_compute_norm`` raises for a dim too large, so code catching either of torch's types keeps working.
+    """
 
 
 def normalize_dim(t: Tensor, dim: int) -> int:
@@ -125,7 +134,7 @@ def normalize_dim(t: Tensor, dim: int) -> int:
 
     Raises:
         TypeError: ``dim`` is not an integer.
-        IndexError: ``dim`` is out of range.
+        DimOutOfRangeError: ``dim`` is out of range (an ``IndexError`` and a ``ValueError``).
 
     Example:
         >>> normalize_dim(torch.ones(2, 3, 4), -1)
@@ -135,7 +144,7 @@ def normalize_dim(t: Tensor, dim: int) -> int:
         raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
     ndim = t.dim()
     if not -ndim <= dim < ndim:
-        raise IndexError(
+        raise DimOutOfRangeError(
             f"dim={dim} is out of range for a tensor of shape {tuple(t.shape)}: allowed dims are {-ndim} ... {ndim - 1}"
         )
     return int(dim) % ndim
@@ -146,6 +155,9 @@ def _compute_norm(t: Tensor, n: int | float | str, dim: int) -> Tensor:
 
     ``n`` is anything ``torch.norm`` accepts as ``p`` (an int or float, ``inf``, ``-inf``, ``'fro'``, ``'nuc'``);
     the result is the one ``torch.norm(t, p=n, dim=<other dims>)`` gives.
+
+    Raises:
+        DimOutOfRangeError: ``dim`` is out of range (an ``IndexError`` and a ``ValueError``, torch's two types).
 
     Example:
         >>> _compute_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]]), 2, 0)
