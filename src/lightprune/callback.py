@@ -251,6 +251,7 @@ class PruningCallback(Callback):
         self._events: list[int] = []
         self._last_event = -1
         self._last_logged = -1
+        self._given_snapshot = snapshot
         self._rewind_snapshot: dict[str, Tensor] | None = snapshot
 
     # ------------------------------------------------------------------------------------------------------------
@@ -273,6 +274,7 @@ class PruningCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         install_checkpoint_adapter(pl_module)
         if stage == "fit":
+            self._reset()
             self._select(trainer, pl_module)
 
     @override
@@ -316,6 +318,17 @@ class PruningCallback(Callback):
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        """Start a fit from a clean clock: a second ``fit`` (same callback, new Trainer) replays the schedule.
+
+        Runs in ``setup``, before Lightning restores a checkpoint's state into the callback (``load_state_dict``).
+        """
+        self._resolved = None
+        self._events = []
+        self._last_event = -1
+        self._last_logged = -1
+        self._rewind_snapshot = self._given_snapshot
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve which tensors to prune; check them against other pruning callbacks and the method."""
