@@ -42,6 +42,11 @@ _UNITS = ("step", "epoch")
 _LOG_PREFIX = "pruning/"
 
 
+def _is_int(value: Any) -> bool:
+    """An int that is not a bool: ``True`` must not pass for ``1`` as a time, a step count or a seed."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _resolve_method(method: str | type[prune.BasePruningMethod]) -> type[prune.BasePruningMethod]:
     """A method class from a registry name, an import path ``"package.module.Class"`` or the class itself."""
     if isinstance(method, type) and issubclass(method, prune.BasePruningMethod):
@@ -213,19 +218,23 @@ class PruningCallback(Callback):
             )
         snapshot: dict[str, Tensor] | None = None
         if isinstance(rewind, Mapping):
-            if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in rewind.items()):
-                raise ValueError("a rewind snapshot must map parameter names to tensors (see snapshot_weights)")
+            bad = next(((k, v) for k, v in rewind.items() if not (isinstance(k, str) and isinstance(v, Tensor))), None)
+            if bad is not None:
+                raise ValueError(
+                    f"a rewind snapshot must map parameter names to tensors (see snapshot_weights); got "
+                    f"{bad[0]!r}: {type(bad[1]).__name__}"
+                )
             snapshot = {k: v.detach().to("cpu", copy=True) for k, v in rewind.items()}
             rewind = 0
-        elif rewind is not None and rewind != "init" and not (isinstance(rewind, int) and rewind >= 0):
+        elif rewind is not None and rewind != "init" and not (_is_int(rewind) and rewind >= 0):
             raise ValueError(
                 f"rewind={rewind!r} must be None, 'init', an int >= 0 (a time in {unit}s) or a snapshot_weights() dict"
             )
         if mask_dtype is not None and not isinstance(mask_dtype, torch.dtype):
             raise ValueError(f"mask_dtype={mask_dtype!r} must be a torch.dtype (e.g. torch.bool) or None")
-        if log_every_n_steps is not None and not (isinstance(log_every_n_steps, int) and log_every_n_steps >= 1):
+        if log_every_n_steps is not None and not (_is_int(log_every_n_steps) and log_every_n_steps >= 1):
             raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be None or an int >= 1")
-        if not isinstance(seed, int):
+        if not _is_int(seed):
             raise ValueError(f"seed={seed!r} must be an int")
         if parameters is not None and (include is not None or exclude is not None):
             raise ValueError("give either parameters=[(module, name), ...] or include/exclude patterns, not both")
