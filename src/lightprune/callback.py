@@ -9,6 +9,7 @@ must survive a checkpoint; the masks themselves travel in the model's state_dict
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -270,13 +271,22 @@ class PruningCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
+        """Names the callback's state in a checkpoint: its method, scope, unit and the tensors it selected.
+
+        Two callbacks of a Trainer must prune disjoint tensors (checked at setup), so after setup the selection
+        tells them apart, also when both were given ``parameters=`` pairs, and it is the same when a run resumes
+        with a freshly built model. Before setup (Lightning only checks the keys are distinct when the Trainer is
+        built) the key is this instance's own, so that overlapping callbacks reach setup, which says what overlaps.
+        """
+        if not self._selection:
+            selection = f"unresolved-{id(self):x}"
+        else:
+            selection = repr(self.selection)
+            if len(selection) > 200:
+                digest = hashlib.sha1("\n".join(self.selection).encode()).hexdigest()[:16]
+                selection = f"{len(self._selection)} tensors, sha1 {digest}"
         return self._generate_state_key(
-            method=self.method.__name__,
-            scope=self.scope,
-            unit=self.unit,
-            include=repr(self.include),
-            exclude=repr(self.exclude),
-            parameter_names=repr(self.parameter_names),
+            method=self.method.__name__, scope=self.scope, unit=self.unit, selection=selection
         )
 
     @override
