@@ -258,7 +258,6 @@ class PruningCallback(Callback):
         self._selection: list[tuple[str, nn.Module, str]] = []
         self._biases: list[nn.Module] = []
         self._resolved: Schedule | None = None
-        self._events: list[int] = []
         self._last_event = -1
         self._last_logged = -1
         self._given_snapshot = snapshot
@@ -344,7 +343,6 @@ class PruningCallback(Callback):
         Runs in ``setup``, before Lightning restores a checkpoint's state into the callback (``load_state_dict``).
         """
         self._resolved = None
-        self._events = []
         self._last_event = -1
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
@@ -390,19 +388,17 @@ class PruningCallback(Callback):
         if callable(validate):
             validate()
         self._resolved = schedule
-        self._events = schedule.events()
-        if self.rewind is not None and self._events and self._events[0] < self.rewind:
+        if self.rewind is not None and schedule.first_event < self.rewind:
             raise ValueError(
-                f"rewind={self.rewind} is after the first pruning event at {self.unit} {self._events[0]}: the weights "
-                "to rewind to would not exist yet"
+                f"rewind={self.rewind} is after the first pruning event at {self.unit} {schedule.first_event}: the "
+                "weights to rewind to would not exist yet"
             )
-        end = trainer.max_steps if self.unit == "step" else trainer.max_epochs
-        if self.unit == "step" and (end is None or end < 0):
-            end = int(trainer.estimated_stepping_batches)
-        if self._events and end is not None and end >= 0 and self._events[-1] > end:
+        # the run's last time: steps as Lightning counts them (max_steps, max_epochs and accumulation), or epochs
+        end = trainer.estimated_stepping_batches if self.unit == "step" else trainer.max_epochs
+        if end is not None and 0 <= end < float("inf") and schedule.last_event > end:
             warnings.warn(
-                f"the schedule's last event is at {self.unit} {self._events[-1]}, after the end of training at "
-                f"{self.unit} {end}: the final sparsity {schedule.final_sparsity} will not be reached",
+                f"the schedule's last event is at {self.unit} {schedule.last_event}, after the end of training at "
+                f"{self.unit} {int(end)}: the final sparsity {schedule.final_sparsity} will not be reached",
                 stacklevel=2,
             )
 
@@ -416,18 +412,14 @@ class PruningCallback(Callback):
     def _target_now(self, trainer: Trainer) -> float:
         return 0.0 if self._resolved is None else self._resolved.target(self._now(trainer))
 
-    def _latest_event(self, t: int) -> int | None:
-        """The latest event at or before ``t`` (events missed in between are caught up by one prune to target)."""
-        index = next((i for i in range(len(self._events) - 1, -1, -1) if self._events[i] <= t), None)
-        return None if index is None else self._events[index]
-
     def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
         """Take the rewind snapshot when its time comes, then prune if an event is due."""
         if self._resolved is None:
             return
         if self.rewind is not None and self._rewind_snapshot is None and t >= self.rewind:
             self._rewind_snapshot = self._snapshot(pl_module)
-        event = self._latest_event(t)
+        # the latest event at or before t, in O(1): events missed in between are caught up by one prune to target
+        event = self._resolved.latest_event(t)
         if event is None or event <= self._last_event:
             return
         target = self._resolved.target(t)
