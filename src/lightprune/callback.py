@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import importlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -262,6 +263,11 @@ class PruningCallback(Callback):
         self._last_logged = -1
         self._given_snapshot = snapshot
         self._rewind_snapshot: dict[str, Tensor] | None = snapshot
+        # pruned tensors that their module's forward recomputes (seen), and those it does not (refreshed by us)
+        self._hooked: set[tuple[int, str]] = set()
+        self._unhooked: list[tuple[nn.Module, str]] = []
+        self._watched: list[tuple[nn.Module, str, weakref.ReferenceType[Tensor]]] = []
+        self._watch_pending = True
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks: thin, each delegating to a named step
@@ -306,9 +312,15 @@ class PruningCallback(Callback):
             self._step(trainer, pl_module, trainer.current_epoch)
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._refresh_unhooked()
+        self._watch_forward()
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._classify_watched()
         if self.unit == "step":
             self._step(trainer, pl_module, trainer.global_step)
         step = trainer.global_step
@@ -320,6 +332,19 @@ class PruningCallback(Callback):
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
         if self.make_permanent:
             self._make_permanent()
+        self._refresh_unhooked()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refresh_unhooked()
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refresh_unhooked()
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refresh_unhooked()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -346,6 +371,10 @@ class PruningCallback(Callback):
         self._last_event = -1
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
+        self._hooked = set()
+        self._unhooked = []
+        self._watched = []
+        self._watch_pending = True
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve which tensors to prune; check them against other pruning callbacks and the method."""
@@ -425,6 +454,7 @@ class PruningCallback(Callback):
         target = self._resolved.target(t)
         self._prune_to(target, event)
         self._last_event = event
+        self._watch_pending = True  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
             self._rewind(pl_module)
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
@@ -502,6 +532,50 @@ class PruningCallback(Callback):
         for module, name in pairs:
             if find_hook(module, name)[1] is not None:
                 prune.remove(module, name)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Pruned tensors read without their module's forward
+    # ------------------------------------------------------------------------------------------------------------
+    # A pruned tensor ``name`` is recomputed from ``name_orig * name_mask`` by its module's forward pre-hook. A parent
+    # may read it without calling that forward: nn.MultiheadAttention reads ``out_proj.weight`` directly (pytorch
+    # #69353), and would see values from before the last optimizer step, with an autograd graph already freed by
+    # the last backward ("Trying to backward through the graph a second time"). During the first training batch
+    # after an event, the callback watches which pruned tensors the forward recomputes; the others it recomputes
+    # itself before every training batch and before validation, test and predict. Normal layers cost nothing.
+
+    def _pruned_pairs(self) -> Iterator[tuple[nn.Module, str]]:
+        pairs = [(module, name) for _, module, name in self._selection] + [(module, "bias") for module in self._biases]
+        for module, name in pairs:
+            if find_hook(module, name)[1] is not None and isinstance(module.__dict__.get(name), Tensor):
+                yield module, name
+
+    def _watch_forward(self) -> None:
+        """Remember the pruned tensors not yet classified, to see at batch end whether the forward replaced them."""
+        if not self._watch_pending:
+            return
+        self._watch_pending = False
+        unhooked = {(id(module), name) for module, name in self._unhooked}
+        self._watched = [
+            (module, name, weakref.ref(module.__dict__[name]))
+            for module, name in self._pruned_pairs()
+            if (id(module), name) not in self._hooked and (id(module), name) not in unhooked
+        ]
+
+    def _classify_watched(self) -> None:
+        """A watched tensor still in place after the batch was not recomputed by its module's forward pre-hook."""
+        for module, name, ref in self._watched:
+            if module.__dict__.get(name) is ref():
+                self._unhooked.append((module, name))
+            else:
+                self._hooked.add((id(module), name))
+        self._watched = []
+
+    def _refresh_unhooked(self) -> None:
+        """Recompute the pruned tensors that no forward pre-hook recomputes, from the current ``orig`` and mask."""
+        for module, name in self._unhooked:
+            _, hook = find_hook(module, name)
+            if hook is not None:
+                hook(module, ())
 
     # ------------------------------------------------------------------------------------------------------------
     # Lottery-ticket rewinding
