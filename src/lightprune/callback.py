@@ -653,7 +653,16 @@ class PruningCallback(Callback):
                 logger.log_metrics(values, step=trainer.global_step)
         if log_to_module:
             total = values[_LOG_PREFIX + "sparsity/total"]
-            pl_module.log(_LOG_PREFIX + "sparsity", total, on_step=False, on_epoch=True, reduce_fx="max", prog_bar=True)
+            # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
+            pl_module.log(
+                _LOG_PREFIX + "sparsity",
+                total,
+                on_step=False,
+                on_epoch=True,
+                reduce_fx="max",
+                prog_bar=True,
+                sync_dist=True,
+            )
 
     @property
     def selection(self) -> list[str]:
