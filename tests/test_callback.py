@@ -1,0 +1,982 @@
+"""Tests of ``PruningCallback`` in real, tiny and deterministic Lightning fits on the CPU.
+
+Every fit trains ``Net`` (Linear 8-16-12-4: 128 + 192 + 48 = 368 prunable weights) on 64 fixed samples in 8 batches
+of 8 without shuffling, so two fits of the same configuration are bit-identical. A fit takes a fraction of a second
+with one intra-op thread (the ``_one_thread`` fixture; with several threads on a busy 2-core machine it is 10x slower).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightprune import prune
+from lightprune.callback import PruningCallback, install_checkpoint_adapter
+from lightprune.prune.base import pruning_hooks
+from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
+    pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`.*"),
+]
+
+WEIGHTS = {"net.0.weight": (16, 8), "net.2.weight": (12, 16), "net.4.weight": (4, 12)}
+N = sum(rows * cols for rows, cols in WEIGHTS.values())  # 368
+STEPS_PER_EPOCH = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model, data, fits
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def loader(samples: int = 64, seed: int = 1) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 8, generator=generator)
+    y = torch.randint(0, 4, (samples,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+class Net(L.LightningModule):
+    """Linear 8-16-12-4 with ReLUs, SGD with momentum (so resuming needs the optimizer state to line up)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
+        self.pruned_in: dict[str, list[bool]] = {"sanity": [], "validation": []}
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.pruned_in["sanity" if self.trainer.sanity_checking else "validation"].append(prune.is_pruned(self))
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return loader()
+
+
+def trainer(
+    callbacks: list[Callback] | Callback = (), *, tmp_path: Path | None = None, logger: Any = False, **kwargs: Any
+) -> L.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "logger": logger,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "default_root_dir": tmp_path,
+    }
+    options.update(kwargs)
+    return L.Trainer(callbacks=[callbacks] if isinstance(callbacks, Callback) else list(callbacks), **options)
+
+
+def fit(
+    callbacks: list[Callback] | Callback, model: L.LightningModule | None = None, **kwargs: Any
+) -> tuple[L.LightningModule, L.Trainer]:
+    model = Net() if model is None else model
+    fit_kwargs = {key: kwargs.pop(key) for key in ("ckpt_path", "val_dataloaders") if key in kwargs}
+    run = trainer(callbacks, **kwargs)
+    run.fit(model, **fit_kwargs)
+    return model, run
+
+
+def csv_logger(tmp_path: Path) -> CSVLogger:
+    return CSVLogger(tmp_path, name="csv", version=0)
+
+
+def read_metrics(logger: CSVLogger) -> list[dict[str, float]]:
+    """The rows of metrics.csv, empty cells dropped, values as floats (floats round-trip through their repr)."""
+    with open(logger.experiment.metrics_file_path, newline="") as file:
+        return [{key: float(value) for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
+
+
+def columns(logger: CSVLogger) -> list[str]:
+    with open(logger.experiment.metrics_file_path, newline="") as file:
+        return next(csv.reader(file))
+
+
+def events_logged(rows: list[dict[str, float]]) -> dict[int, float]:
+    """``{step: pruning/target}`` of the rows the callback logged (one per event without ``log_every_n_steps``)."""
+    return {int(row["step"]): row["pruning/target"] for row in rows if "pruning/target" in row}
+
+
+def zeros(tensor: Tensor) -> int:
+    return int((tensor == 0).sum())
+
+
+def weights(model: nn.Module) -> dict[str, Tensor]:
+    """The effective (masked) value of every selected weight, by qualified name."""
+    return {name: model.get_submodule(name.rsplit(".", 1)[0]).weight for name in WEIGHTS}
+
+
+def masks(model: nn.Module) -> dict[str, Tensor]:
+    return {name: model.get_submodule(name.rsplit(".", 1)[0]).weight_mask for name in WEIGHTS}
+
+
+def zero_channels(tensor: Tensor, dim: int) -> int:
+    other = [d for d in range(tensor.dim()) if d != dim]
+    return int((torch.count_nonzero(tensor, dim=other) == 0).sum())
+
+
+def state(model: nn.Module) -> dict[str, Tensor]:
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+def assert_same_state(actual: dict[str, Tensor], expected: dict[str, Tensor], ordered: bool = True) -> None:
+    """Same keys (in the same order unless ``ordered=False``), dtypes and values."""
+    assert list(actual) == list(expected) if ordered else sorted(actual) == sorted(expected)
+    for key in expected:
+        assert actual[key].dtype == expected[key].dtype, key
+        assert torch.equal(actual[key], expected[key]), key
+
+
+def pruning_hook_names(model: nn.Module) -> set[str]:
+    """Qualified names of the tensors under a pruning hook."""
+    return {
+        f"{prefix}.{hook._tensor_name}" if prefix else hook._tensor_name
+        for prefix, module in model.named_modules()
+        for _, hook in pruning_hooks(module)
+    }
+
+
+class Recorder(Callback):
+    """Records, after every training batch (put it after the pruning callback), the number of pruned entries."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int, int]] = []  # (batch number in the fit, global_step, pruned weights)
+        self._batch = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        pruned = sum(zeros(weight) for weight in weights(pl_module).values())
+        self.batches.append((self._batch, trainer.global_step, pruned))
+        self._batch += 1
+
+    def changes(self) -> list[tuple[int, int, int]]:
+        """The records where the pruned count differs from the previous batch's."""
+        previous, changed = 0, []
+        for record in self.batches:
+            if record[2] != previous:
+                changed.append(record)
+            previous = record[2]
+        return changed
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. Schedules as seen through the callback: event steps and targets in metrics.csv
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+GOLDEN: list[tuple[str, Any, dict[str, Any], dict[int, float]]] = [
+    ("constant", Constant(0.4, at=5), {}, {5: 0.4}),
+    ("float is one-shot at the start", 0.3, {}, {0: 0.3}),
+    ("linear", Linear(initial=0.25, final=0.75, start=1, end=9, frequency=4), {}, {1: 0.25, 5: 0.5, 9: 0.75}),
+    ("cubic", Cubic(final=0.8, start=2, end=12, frequency=5), {}, {2: 0.0, 7: 0.7, 12: 0.8}),
+    ("geometric", Geometric(0.5, start=0, frequency=4, rounds=3), {}, {0: 0.5, 4: 0.75, 8: 0.875}),
+    ("points", Points([(10, 0.625), (3, 0.25)]), {}, {3: 0.25, 10: 0.625}),
+    ("callable every step", lambda t: min(t, 8) / 16, {}, {t: min(t, 8) / 16 for t in range(16)}),
+    (
+        "fractions of the 16 steps",
+        Linear(final=0.6, start=0.25, end=0.75, frequency=0.25),
+        {},
+        {4: 0.0, 8: 0.3, 12: 0.6},
+    ),
+    (
+        "fractions of the 8 optimizer steps under accumulation",
+        Linear(final=0.5, start=0.0, end=1.0, frequency=0.25),
+        {"accumulate_grad_batches": 2},
+        {0: 0.0, 2: 1 / 7, 4: 2 / 7, 6: 3 / 7, 7: 0.5},  # end=1.0 is the last step, 7
+    ),
+    (
+        "epochs, the last one when fit ends",
+        Points([(1, 0.25), (2, 0.5)]),
+        {"unit": "epoch"},
+        {STEPS_PER_EPOCH: 0.25, 2 * STEPS_PER_EPOCH: 0.5},
+    ),
+]
+
+
+@pytest.mark.parametrize(("schedule", "options", "expected"), [g[1:] for g in GOLDEN], ids=[g[0] for g in GOLDEN])
+def test_event_steps_and_targets_in_metrics_csv(
+    tmp_path: Path, schedule: Any, options: dict[str, Any], expected: dict[int, float]
+) -> None:
+    options = dict(options)
+    unit = options.pop("unit", "step")
+    logger = csv_logger(tmp_path)
+    fit(PruningCallback(schedule, unit=unit), logger=logger, **options)
+    rows = read_metrics(logger)
+    assert events_logged(rows) == expected
+    for row in rows:
+        if "pruning/target" in row:  # every event reaches its target to the unit: round(target * N) weights
+            assert row["pruning/sparsity/total"] == pytest.approx(round(row["pruning/target"] * N) / N, abs=1e-7)
+
+
+def test_golden_values_are_the_schedules_own() -> None:
+    """The golden table above is the schedules' own target(t); the callback must not re-interpret them."""
+    for _, schedule, options, expected in GOLDEN:
+        if not isinstance(schedule, Schedule) or "unit" in options:
+            continue
+        steps = 2 * STEPS_PER_EPOCH // options.get("accumulate_grad_batches", 1)
+        resolved = schedule if schedule.is_resolved else schedule.resolve(steps)
+        assert {t: resolved.target(t) for t in resolved.events()} == expected
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. Final sparsity exact to the unit
+# ----------------------------------------------------------------------------------------------------------------------
+
+TARGET = 0.3
+RAMP = Linear(final=TARGET, start=0, end=12, frequency=3)  # five events: 0, 0.075, 0.15, 0.225, 0.3
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "l1_unstructured", "scope": "global"},
+        {"method": "random_unstructured", "scope": "global"},
+        {"method": "l1_unstructured", "scope": "layerwise"},
+        {"method": "random_unstructured", "scope": "layerwise"},
+        {"method": "l1_unstructured", "scope": "global", "accumulate_grad_batches": 2},
+        {"method": "l1_unstructured", "scope": "layerwise", "unit": "epoch", "max_epochs": 3},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("make_permanent", [True, False])
+def test_unstructured_final_sparsity_is_exact(options: dict[str, Any], make_permanent: bool) -> None:
+    options = dict(options)
+    schedule = Linear(final=TARGET, start=0, end=2, frequency=1) if options.get("unit") == "epoch" else RAMP
+    trainer_options = {key: options.pop(key) for key in ("accumulate_grad_batches", "max_epochs") if key in options}
+    if "accumulate_grad_batches" in trainer_options:
+        schedule = Linear(final=TARGET, start=0, end=8, frequency=2)
+    callback = PruningCallback(schedule, make_permanent=make_permanent, **options)
+    model, _ = fit(callback, **trainer_options)
+    counts = {name: zeros(weight) for name, weight in weights(model).items()}
+    if options["scope"] == "global":
+        assert sum(counts.values()) == round(TARGET * N) == 110
+    else:
+        assert counts == {name: round(TARGET * rows * cols) for name, (rows, cols) in WEIGHTS.items()}
+        assert list(counts.values()) == [38, 58, 14]
+    if make_permanent:
+        assert pruning_hook_names(model) == set()
+        assert not any(key.endswith(("_orig", "_mask")) for key in model.state_dict())
+    else:  # the masks hold exactly the zeros (no trained weight happens to be zero)
+        assert {name: zeros(mask) for name, mask in masks(model).items()} == counts
+
+
+@pytest.mark.parametrize(
+    ("method", "dim"),
+    [("ln_structured", 0), ("ln_structured", 1), ("random_structured", 0), ("random_structured", 1)],
+)
+def test_structured_final_sparsity_is_exact_in_channels(method: str, dim: int) -> None:
+    callback = PruningCallback(RAMP, method=method, method_kwargs={"dim": dim})
+    assert callback.scope == "layerwise"
+    model, _ = fit(callback)
+    for name, weight in weights(model).items():
+        channels = WEIGHTS[name][dim]
+        assert zero_channels(weight, dim) == round(TARGET * channels), name
+        assert zeros(weight) == round(TARGET * channels) * WEIGHTS[name][1 - dim], name
+
+
+class SmallestFirst(prune.BasePruningMethod):
+    """A user's method without the engine's fast path: torch's container semantics (slice, compute, scatter)."""
+
+    PRUNING_TYPE = "unstructured"
+
+    def __init__(self, amount: int, largest: bool = False) -> None:
+        self.amount, self.largest = amount, largest
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        mask = default_mask.clone()
+        if self.amount:
+            chosen = torch.topk(t.abs().flatten(), self.amount, largest=self.largest).indices
+            mask.view(-1)[chosen] = 0
+        return mask
+
+
+@pytest.mark.parametrize(
+    ("method", "scope"),
+    [(SmallestFirst, "global"), (SmallestFirst, "layerwise"), ("lightprune.prune.L1Unstructured", "global")],
+)
+def test_custom_method_and_import_path_reach_the_target_exactly(method: Any, scope: str) -> None:
+    method_kwargs = {"largest": False} if method is SmallestFirst else {}
+    callback = PruningCallback(RAMP, method=method, method_kwargs=method_kwargs, scope=scope)
+    model, _ = fit(callback)
+    counts = [zeros(weight) for weight in weights(model).values()]
+    assert sum(counts) == 110
+    if scope == "layerwise":
+        assert counts == [38, 58, 14]
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
+    """With accumulate_grad_batches=2 an event at step t runs after the t-th optimizer step, i.e. batch 2t."""
+    logger, recorder = csv_logger(tmp_path), Recorder()
+    callback = PruningCallback(Linear(final=0.5, start=0, end=6, frequency=2))
+    fit([callback, recorder], logger=logger, accumulate_grad_batches=2)
+    assert list(events_logged(read_metrics(logger))) == [0, 2, 4, 6]
+    # (batch number, optimizer steps done, pruned weights) where the pruned count changed
+    assert recorder.changes() == [
+        (3, 2, round(N * 0.5 / 3)),
+        (7, 4, round(N * 0.5 * 2 / 3)),
+        (11, 6, round(N * 0.5)),
+    ]
+
+
+def test_epoch_unit_prunes_at_epoch_starts_only(tmp_path: Path) -> None:
+    """unit='epoch' prunes when an epoch starts; mid-epoch validations (val_check_interval=0.5) never prune."""
+    logger, recorder = csv_logger(tmp_path), Recorder()
+    callback = PruningCallback(Points([(1, 0.25), (2, 0.5)]), unit="epoch")
+    model = Net()
+    fit([callback, recorder], model, logger=logger, max_epochs=3, val_check_interval=0.5, val_dataloaders=loader(16))
+    assert events_logged(read_metrics(logger)) == {8: 0.25, 16: 0.5}
+    assert [(batch, step) for batch, step, _ in recorder.changes()] == [(8, 9), (16, 17)]
+    assert sum(zeros(weight) for weight in weights(model).values()) == round(0.5 * N)
+    assert len(model.pruned_in["validation"]) == 3 * 2 * 2  # 2 validations an epoch, 2 batches each
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 3. What is logged
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_logged_keys_per_parameter_total_and_target(tmp_path: Path) -> None:
+    logger = csv_logger(tmp_path)
+    _, run = fit(PruningCallback(Constant(0.5, at=4), scope="layerwise"), logger=logger)
+    keys = {f"pruning/sparsity/{name}" for name in WEIGHTS} | {"pruning/sparsity/total", "pruning/target"}
+    assert keys <= set(columns(logger))
+    (event,) = [row for row in read_metrics(logger) if "pruning/target" in row]
+    assert event["step"] == 4
+    assert event["pruning/target"] == 0.5
+    for name, (rows, cols) in WEIGHTS.items():
+        assert event[f"pruning/sparsity/{name}"] == round(0.5 * rows * cols) / (rows * cols)
+    assert event["pruning/sparsity/total"] == 0.5
+    assert float(run.callback_metrics["pruning/sparsity"]) == 0.5  # self.log: progress bar and callback_metrics
+
+
+def test_log_per_parameter_false_and_log_every_n_steps(tmp_path: Path) -> None:
+    logger = csv_logger(tmp_path)
+    callback = PruningCallback(Points([(2, 0.25), (9, 0.5)]), log_per_parameter=False, log_every_n_steps=3)
+    fit(callback, logger=logger)
+    assert not [column for column in columns(logger) if column.startswith("pruning/sparsity/net")]
+    rows = [row for row in read_metrics(logger) if "pruning/target" in row]
+    assert [int(row["step"]) for row in rows] == [2, 3, 6, 9, 12, 15]  # events 2 and 9, every 3 steps between
+    assert [row["pruning/target"] for row in rows] == [0.25, 0.25, 0.25, 0.5, 0.5, 0.5]
+    assert [row["pruning/sparsity/total"] for row in rows] == pytest.approx(
+        [round(0.25 * N) / N] * 3 + [0.5] * 3, abs=1e-7
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 4. Resume from a mid-schedule end-of-epoch checkpoint is exact
+# ----------------------------------------------------------------------------------------------------------------------
+# A checkpoint saved mid-epoch would resume with a different data order (the default DataLoader is not resumable),
+# so only end-of-epoch checkpoints are compared.
+
+RESUME_CASES = {
+    "l1 global, permanent": ({}, {}),
+    "l1 global, rewind init, not permanent": ({"rewind": "init", "make_permanent": False}, {}),
+    "random global, seeded draws": ({"method": "random_unstructured", "make_permanent": False}, {}),
+    "random layerwise, rewind init": ({"method": "random_unstructured", "scope": "layerwise", "rewind": "init"}, {}),
+    "rewind after 2 steps, float masks": ({"rewind": 2, "mask_dtype": None, "make_permanent": False}, {}),
+    "random structured with bias, epochs": (
+        {"method": "random_structured", "prune_channel_bias": True, "unit": "epoch", "make_permanent": False},
+        {"schedule": Linear(final=0.6, start=0, end=4, frequency=1)},
+    ),
+}
+
+
+def resume_schedule(case: dict[str, Any]) -> Schedule:
+    return case.get("schedule", Cubic(final=0.7, start=2, end=30, frequency=4))  # events 2, 6, ..., 30
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES), ids=list(RESUME_CASES))
+def test_resume_from_mid_schedule_checkpoint_is_exact(tmp_path: Path, case: str) -> None:
+    options, extra = RESUME_CASES[case]
+
+    def run(ckpt_path: Path | None) -> L.LightningModule:
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+        callback = PruningCallback(resume_schedule(extra), **options)
+        model, done = fit(
+            [callback, checkpoints], ckpt_path=ckpt_path, max_epochs=4, enable_checkpointing=True, tmp_path=tmp_path
+        )
+        assert done.global_step == 4 * STEPS_PER_EPOCH
+        return model
+
+    uninterrupted = run(None)
+    middle = tmp_path / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
+    saved = torch.load(middle, weights_only=False)
+    assert any(key.endswith("_mask") for key in saved["state_dict"]), "the checkpoint must be mid-schedule, masked"
+    resumed = run(middle)  # a fresh, unpruned Net
+    assert_same_state(state(resumed), state(uninterrupted))
+    assert pruning_hook_names(resumed) == pruning_hook_names(uninterrupted)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A module-scoped pruned run shared by the checkpoint, validate/test/predict and fit-end tests
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class PrunedRun:
+    def __init__(self, root: Path) -> None:
+        self.user_pruned = Net()
+        prune.l1_unstructured(self.user_pruned.net[0], "bias", amount=3)  # the user's own pruning, not selected
+        self.callback = PruningCallback(Cubic(final=0.6, start=0, end=12, frequency=4), make_permanent=False)
+        checkpoints = ModelCheckpoint(root / "ckpt", every_n_epochs=1, save_top_k=-1)
+        self.model, self.trainer = fit(
+            [self.callback, checkpoints], self.user_pruned, enable_checkpointing=True, tmp_path=root
+        )
+        self.checkpoint = root / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
+
+
+@pytest.fixture(scope="module")
+def pruned_run(tmp_path_factory: pytest.TempPathFactory) -> PrunedRun:
+    return PrunedRun(tmp_path_factory.mktemp("pruned_run"))
+
+
+def test_not_permanent_keeps_exact_bool_masks(pruned_run: PrunedRun) -> None:
+    model = pruned_run.model
+    assert pruning_hook_names(model) == {*WEIGHTS, "net.0.bias"}
+    assert all(mask.dtype == torch.bool for mask in masks(model).values())
+    assert sum(zeros(mask) for mask in masks(model).values()) == round(0.6 * N)
+    assert zeros(model.net[0].bias_mask) == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 5. A pruned checkpoint loads into a fresh model, strictly, with no key surgery
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class AdaptingNet(Net):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        install_checkpoint_adapter(self)
+
+
+def test_pruned_checkpoint_loads_into_fresh_model(pruned_run: PrunedRun) -> None:
+    saved = torch.load(pruned_run.checkpoint, weights_only=False)["state_dict"]
+    assert {"net.0.weight_orig", "net.0.weight_mask", "net.0.bias_orig", "net.0.bias_mask"} <= set(saved)
+    with pytest.raises(RuntimeError, match="weight_orig"):  # what torch alone does
+        Net().load_state_dict(saved)
+    fresh = Net(seed=5)
+    install_checkpoint_adapter(fresh)
+    install_checkpoint_adapter(fresh)  # twice is a no-op
+    assert str(fresh.load_state_dict(saved, strict=True)) == "<All keys matched successfully>"
+    assert_same_state(state(fresh), saved, ordered=False)  # the masks are registered in parameter order
+    x = next(iter(loader()))[0]
+    fresh.eval()
+    expected = torch.func.functional_call(Net(), _effective(saved), (x,))
+    assert torch.equal(fresh(x), expected)
+
+
+def _effective(saved: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A plain state_dict with orig * mask for every pruned tensor."""
+    plain = {}
+    for key, value in saved.items():
+        if key.endswith("_orig"):
+            plain[key[: -len("_orig")]] = torch.where(saved[key[: -len("_orig")] + "_mask"].bool(), value, 0)
+        elif not key.endswith("_mask"):
+            plain[key] = value
+    return plain
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
+def test_pruned_checkpoint_loads_with_load_from_checkpoint_and_ckpt_path(pruned_run: PrunedRun) -> None:
+    saved = torch.load(pruned_run.checkpoint, weights_only=False)["state_dict"]
+    loaded = AdaptingNet.load_from_checkpoint(pruned_run.checkpoint, weights_only=False)
+    assert_same_state(state(loaded), saved, ordered=False)
+    # the callback's setup installs the adapter for trainer.<stage>(ckpt_path=...)
+    model = Net(seed=5)
+    trainer(PruningCallback(0.5)).validate(model, loader(16), ckpt_path=pruned_run.checkpoint, weights_only=False)
+    assert_same_state(state(model), saved, ordered=False)
+
+
+def test_plain_state_dict_loads_into_pruned_model(pruned_run: PrunedRun) -> None:
+    pruned = copy.deepcopy(pruned_run.model)
+    plain = _effective(state(pruned_run.model))
+    install_checkpoint_adapter(pruned)
+    pruned.load_state_dict(plain, strict=True)
+    assert pruning_hook_names(pruned) == set()
+    assert_same_state(state(pruned), plain, ordered=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 6. Buffers whose name ends in _mask, and MultiheadAttention
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Attention(Net):
+    """A causal self-attention block: a buffer ``attn_mask`` (lightning's ModelPruning fails on it with KeyError:
+    'attn_orig') and an nn.MultiheadAttention, whose ``out_proj.weight`` is read without calling out_proj's forward."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.embed = nn.Linear(2, 8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.register_buffer("attn_mask", torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x.view(-1, 4, 2))
+        h, _ = self.attn(h, h, h, attn_mask=self.attn_mask, need_weights=False)
+        return self.net(h.mean(dim=1))
+
+
+ATTENTION_WEIGHTS = [*WEIGHTS, "embed.weight", "attn.out_proj.weight"]
+
+
+def test_mask_buffer_and_multihead_attention_prune_checkpoint_and_resume(tmp_path: Path) -> None:
+    def run(ckpt_path: Path | None) -> tuple[L.LightningModule, PruningCallback]:
+        callback = PruningCallback(Linear(final=0.5, start=0, end=28, frequency=4), make_permanent=False)
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+        model, _ = fit(
+            [callback, checkpoints],
+            Attention(),
+            ckpt_path=ckpt_path,
+            max_epochs=4,
+            enable_checkpointing=True,
+            tmp_path=tmp_path,
+            val_dataloaders=loader(16),
+        )
+        return model, callback
+
+    uninterrupted, callback = run(None)
+    assert callback.selection == ATTENTION_WEIGHTS
+    assert torch.equal(uninterrupted.attn_mask, Attention().attn_mask)
+    out_proj = uninterrupted.attn.out_proj
+    assert zeros(out_proj.weight_mask) > 0
+    # the forward sees the current orig * mask, although MultiheadAttention never calls out_proj's forward
+    assert torch.equal(out_proj.weight, torch.where(out_proj.weight_mask, out_proj.weight_orig, 0))
+    x = next(iter(loader()))[0]
+    permanent = copy.deepcopy(uninterrupted).eval()
+    for name in ATTENTION_WEIGHTS:
+        prune.remove(permanent.get_submodule(name.rsplit(".", 1)[0]), "weight")
+    assert torch.equal(uninterrupted.eval()(x), permanent(x))
+
+    middle = tmp_path / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
+    saved = torch.load(middle, weights_only=False)["state_dict"]
+    assert {"attn_mask", "attn.out_proj.weight_orig", "attn.out_proj.weight_mask"} <= set(saved)
+    assert "attn_orig" not in saved
+    resumed, _ = run(middle)
+    assert_same_state(state(resumed), state(uninterrupted))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 7. validate / test / predict and the sanity check never prune
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pruned", [False, True], ids=["fresh model", "pruned model"])
+def test_validate_test_predict_leave_the_model_untouched(pruned_run: PrunedRun, pruned: bool) -> None:
+    model = copy.deepcopy(pruned_run.model) if pruned else Net()
+    before, hooked = state(model), pruning_hook_names(model)
+    callback = PruningCallback(Constant(0.9, at=0), include=r".*", parameter_names=None, module_types=None)
+    run = trainer(callback)
+    run.validate(model, loader(16))
+    run.test(model, loader(16))
+    predictions = run.predict(model, loader(16))
+    assert len(predictions) == 2
+    assert_same_state(state(model), before)
+    assert pruning_hook_names(model) == hooked
+
+
+def test_sanity_check_never_prunes() -> None:
+    model = Net()
+    callback = PruningCallback(Constant(0.5, at=0))
+    fit(callback, model, num_sanity_val_steps=2, val_dataloaders=loader(16), max_epochs=1)
+    assert model.pruned_in["sanity"] == [False, False]
+    assert model.pruned_in["validation"] == [True, True]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 8. Reuse: fit after fit, test after fit, several callbacks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def total_zeros(model: nn.Module) -> int:
+    return sum(zeros(weight) for weight in weights(model).values())
+
+
+@pytest.mark.parametrize("second", ["same callback, same model", "same callback, new model", "new callback"])
+@pytest.mark.parametrize("make_permanent", [True, False])
+def test_fit_twice(tmp_path: Path, second: str, make_permanent: bool) -> None:
+    def new_callback() -> PruningCallback:
+        return PruningCallback(Linear(final=0.5, start=2, end=10, frequency=4), make_permanent=make_permanent)
+
+    callback = new_callback()
+    model, _ = fit(callback)
+    assert total_zeros(model) == round(0.5 * N)
+    logger = csv_logger(tmp_path)
+    if second == "same callback, new model":
+        model = Net(seed=3)
+    elif second == "new callback":
+        callback = new_callback()
+    fit(callback, model, logger=logger)
+    # the second fit replays the schedule (its events are logged) and ends exactly at the target
+    assert events_logged(read_metrics(logger)) == {2: 0.0, 6: 0.25, 10: 0.5}
+    assert total_zeros(model) == round(0.5 * N)
+    assert (pruning_hook_names(model) == set()) is make_permanent
+
+
+@pytest.mark.parametrize("make_permanent", [True, False])
+def test_test_after_fit(make_permanent: bool) -> None:
+    model, run = fit(PruningCallback(0.5, make_permanent=make_permanent))
+    before = state(model)
+    (metrics,) = run.test(model, loader(16))
+    assert math.isfinite(metrics["test_loss"])
+    assert_same_state(state(model), before)
+    assert total_zeros(model) == round(0.5 * N)
+
+
+def test_two_callbacks_on_disjoint_parameters_reach_their_targets() -> None:
+    unstructured = PruningCallback(Linear(final=0.5, end=8, frequency=4), include=r"net\.[02]\.weight")
+    structured = PruningCallback(Constant(0.5, at=3), method="ln_structured", include=r"net\.4\..*")
+    model, _ = fit([unstructured, structured])
+    assert zeros(model.net[0].weight) + zeros(model.net[2].weight) == round(0.5 * (128 + 192))
+    assert zero_channels(model.net[4].weight, 0) == 2
+    assert unstructured.state_key != structured.state_key
+
+
+def test_two_callbacks_with_disjoint_explicit_parameters_checkpoint_and_resume(tmp_path: Path) -> None:
+    def run(ckpt_path: Path | None) -> tuple[L.LightningModule, list[PruningCallback]]:
+        model = Net()
+        first = PruningCallback(Linear(final=0.5, end=20, frequency=4), parameters=[(model.net[0], "weight")])
+        second = PruningCallback(Linear(final=0.25, end=20, frequency=4), parameters=[(model.net[2], "weight")])
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+        fit([first, second, checkpoints], model, ckpt_path=ckpt_path, enable_checkpointing=True, max_epochs=3)
+        return model, [first, second]
+
+    uninterrupted, (first, second) = run(None)
+    assert first.state_key != second.state_key
+    assert zeros(uninterrupted.net[0].weight) == 64
+    assert zeros(uninterrupted.net[2].weight) == 48
+    middle = tmp_path / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    assert {first.state_key, second.state_key} <= set(torch.load(middle, weights_only=False)["callbacks"])
+    resumed, _ = run(middle)
+    assert_same_state(state(resumed), state(uninterrupted))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"include": r"net\.[02]\.weight"}, {"include": r"net\.2\..*"}),
+        ({}, {}),  # identical configurations
+    ],
+)
+def test_overlapping_selections_raise_at_setup(first: dict[str, Any], second: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"two PruningCallbacks select the same parameters \[.*'net\.2\.weight'"):
+        fit([PruningCallback(0.5, **first), PruningCallback(0.25, **second)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 9. Lottery ticket rewinding
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class RewindSpy(Callback):
+    """Snapshots every parameter (user-facing names) at ``at`` and checks the weights around each event."""
+
+    def __init__(self, callback: PruningCallback, events: list[int], at: int | None) -> None:
+        self.callback, self.events, self.at = callback, events, at
+        self.expected: dict[str, Tensor] | None = None
+        self.checked: list[int] = []
+        self.drifted: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.at == 0:
+            self.expected = PruningCallback.snapshot_weights(pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        current = PruningCallback.snapshot_weights(pl_module)
+        if step == self.at:  # no event here: the callback snapshots the same values
+            self.expected = current
+        if self.expected is None:
+            return
+        same = all(torch.equal(current[name], self.expected[name]) for name in self.expected)
+        if step in self.events:
+            assert same, f"not rewound after the event at step {step}"
+            for name in WEIGHTS:  # the effective weights are the snapshot's, masked
+                module = pl_module.get_submodule(name.rsplit(".", 1)[0])
+                assert torch.equal(module.weight, torch.where(module.weight_mask, self.expected[name], 0))
+            self.checked.append(step)
+        elif step + 1 in self.events and not same:
+            self.drifted.append(step)
+
+
+@pytest.mark.parametrize("rewind", ["init", 3, "snapshot"])
+def test_rewind_after_every_event(rewind: Any) -> None:
+    events = [4, 8, 12, 16]
+    model = Net()
+    spy_at: int | None = 0 if rewind in ("init", "snapshot") else rewind
+    given = PruningCallback.snapshot_weights(model) if rewind == "snapshot" else rewind
+    callback = PruningCallback(
+        Linear(initial=0.2, final=0.8, start=4, end=16, frequency=4), rewind=given, make_permanent=False
+    )
+    spy = RewindSpy(callback, events, spy_at)
+    fit([callback, spy], model)
+    assert spy.checked == events  # every event rewinds, not just the first (lightning's ModelPruning: only once)
+    assert spy.drifted == ([3] if spy_at == 0 else []) + [7, 11, 15]  # training moved the weights in between
+    snapshot = callback._rewind_snapshot
+    assert snapshot is not None
+    assert all(tensor.device.type == "cpu" for tensor in snapshot.values())
+    live = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    assert not live & {tensor.untyped_storage().data_ptr() for tensor in snapshot.values()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rewind_snapshot_lives_on_cpu_for_a_cuda_model() -> None:
+    callback = PruningCallback(Linear(final=0.5, start=2, end=6, frequency=2), rewind="init")
+    model, _ = fit(callback, accelerator="cuda")
+    assert next(model.parameters()).device.type == "cuda"
+    assert {tensor.device.type for tensor in callback._rewind_snapshot.values()} == {"cpu"}
+    assert total_zeros(model) == round(0.5 * N)
+
+
+class GlobalRngSpy(Callback):
+    """Put one before and one after the pruning callback: the global RNG state must not change in between."""
+
+    def __init__(self, before: GlobalRngSpy | None = None) -> None:
+        self.before, self.state, self.compared = before, torch.Tensor(), 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.before is None:
+            self.state = torch.get_rng_state()
+        else:
+            assert torch.equal(torch.get_rng_state(), self.before.state)
+            self.compared += 1
+
+
+def test_random_masks_come_from_seed_and_event_not_from_the_global_generator() -> None:
+    def random_masks(global_seed: int, seed: int) -> dict[str, Tensor]:
+        torch.manual_seed(global_seed)
+        before = GlobalRngSpy()
+        after = GlobalRngSpy(before)
+        callback = PruningCallback(RAMP, method="random_unstructured", seed=seed, make_permanent=False)
+        model, _ = fit([before, callback, after])
+        assert after.compared == 2 * STEPS_PER_EPOCH  # the draws left the global generator as it was
+        return {name: mask.clone() for name, mask in masks(model).items()}
+
+    reference = random_masks(global_seed=1, seed=0)
+    assert_same_state(random_masks(global_seed=2, seed=0), reference)
+    other = random_masks(global_seed=1, seed=1)
+    assert any(not torch.equal(other[name], reference[name]) for name in WEIGHTS)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 10, 11. Fit end: only this callback's tensors become plain Parameters; channel biases
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_make_permanent_removes_only_this_callbacks_reparametrization() -> None:
+    model = Net()
+    prune.l1_unstructured(model.net[0], "bias", amount=3)
+    prune.random_unstructured(model.net[4], "bias", amount=1)
+    callback = PruningCallback(RAMP, scope="layerwise")
+    fit(callback, model)
+    assert pruning_hook_names(model) == {"net.0.bias", "net.4.bias"}  # the user's hooks are kept
+    for name in WEIGHTS:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        assert isinstance(module._parameters["weight"], nn.Parameter)
+        assert "weight_orig" not in module._parameters
+        assert "weight_mask" not in module._buffers
+    assert sorted(key for key in model.state_dict() if key.endswith(("_orig", "_mask"))) == [
+        "net.0.bias_mask",
+        "net.0.bias_orig",
+        "net.4.bias_mask",
+        "net.4.bias_orig",
+    ]
+    assert [zeros(weight) for weight in weights(model).values()] == [38, 58, 14]
+    assert zeros(model.net[0].bias) == 3
+
+
+@pytest.mark.parametrize("make_permanent", [True, False])
+def test_prune_channel_bias_zeroes_the_bias_of_pruned_channels(make_permanent: bool) -> None:
+    callback = PruningCallback(
+        Linear(final=0.5, end=8, frequency=4),
+        method="ln_structured",
+        method_kwargs={"n": 1},
+        prune_channel_bias=True,
+        make_permanent=make_permanent,
+    )
+    model, _ = fit(callback)
+    for name, (rows, _) in WEIGHTS.items():
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        pruned_rows = torch.count_nonzero(module.weight, dim=1) == 0
+        assert int(pruned_rows.sum()) == round(0.5 * rows)
+        assert torch.equal(module.bias == 0, pruned_rows)
+        if not make_permanent:
+            assert torch.equal(module.bias_mask, ~pruned_rows)
+    assert (pruning_hook_names(model) == set()) is make_permanent
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 12. Configuration mistakes raise at construction or setup, naming the value and what is allowed
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "l2_unstructured"}, r"method='l2_unstructured' is not supported: use one of 'l1_unstructured'"),
+        ({"method": "no_such_package.Method"}, r"method='no_such_package.Method' could not be imported"),
+        ({"method": "torch.nn.Linear"}, r"method='torch.nn.Linear' is not a lightprune.prune.BasePruningMethod"),
+        ({"method": "torch.nn.utils.prune.L1Unstructured"}, r"is not a lightprune.prune.BasePruningMethod subclass"),
+        ({"method": 3}, r"method=3 is not supported"),
+        (
+            {"method": torch.nn.utils.prune.l1_unstructured},
+            r"is not supported: use one of .*a BasePruningMethod subclass",
+        ),
+        ({"method_kwargs": {"amount": 0.5}}, r"method_kwargs must not contain 'amount'"),
+        ({"method_kwargs": {"dim": 0}}, r"method_kwargs=\{'dim': 0\} do not fit L1Unstructured"),
+        ({"method": "ln_structured", "method_kwargs": {"p": 2}}, r"method_kwargs=.*'p': 2.* do not fit LnStructured"),
+        ({"scope": "local"}, r"scope='local' is not supported: allowed are \('global', 'layerwise'\)"),
+        ({"method": "ln_structured", "scope": "global"}, r"scope='global' needs an unstructured method.*LnStructured"),
+        ({"method": "random_structured", "scope": "global"}, r"use scope='layerwise'"),
+        ({"unit": "batch"}, r"unit='batch' is not supported: allowed are \('step', 'epoch'\)"),
+        ({"prune_channel_bias": True}, r"prune_channel_bias=True needs a structured method .*L1Unstructured"),
+        (
+            {"method": "ln_structured", "method_kwargs": {"dim": 1}, "prune_channel_bias": True},
+            r"prune_channel_bias=True needs .*dim=0.*'dim': 1",
+        ),
+        ({"rewind": "start"}, r"rewind='start' must be None, 'init', an int >= 0"),
+        ({"rewind": -1}, r"rewind=-1 must be None"),
+        ({"rewind": 1.5}, r"rewind=1.5 must be None"),
+        ({"rewind": True}, r"rewind=True must be None"),
+        (
+            {"rewind": {"net.0.weight": [1.0]}},
+            r"rewind snapshot must map parameter names to tensors.*'net.0.weight': list",
+        ),
+        ({"mask_dtype": "bool"}, r"mask_dtype='bool' must be a torch.dtype"),
+        ({"log_every_n_steps": 0}, r"log_every_n_steps=0 must be None or an int >= 1"),
+        ({"log_every_n_steps": 2.0}, r"log_every_n_steps=2.0 must be None or an int >= 1"),
+        ({"log_every_n_steps": True}, r"log_every_n_steps=True must be"),
+        ({"seed": "0"}, r"seed='0' must be an int"),
+        ({"parameters": [], "include": "net.*"}, r"give either parameters=.* or include/exclude patterns, not both"),
+        ({"schedule": "cubic"}, r"schedule='cubic' must be a lightprune.schedules.Schedule, a sparsity in \[0, 1\]"),
+        ({"schedule": 1.5}, r"sparsity=1.5 must be in \[0, 1\]"),
+    ],
+)
+def test_configuration_mistakes_raise_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    kwargs = dict(kwargs)
+    schedule = kwargs.pop("schedule", 0.5)
+    with pytest.raises(ValueError, match=message):
+        PruningCallback(schedule, **kwargs)
+
+
+def _explicit_bias(model: Net) -> dict[str, Any]:
+    return {"parameters": [(model.net[0], "bias")], "method": "ln_structured"}
+
+
+@pytest.mark.parametrize(
+    ("make_kwargs", "trainer_kwargs", "message"),
+    [
+        (lambda model: {"include": [r"encoder\..*"]}, {}, re.escape("include=" + repr([r"encoder\..*"]))),
+        (
+            lambda model: {"exclude": r".*", "parameter_names": ("weight",)},
+            {},
+            r"no parameter of the model matches the selection: include=None, exclude='\.\*'",
+        ),
+        (_explicit_bias, {}, r"net.0.bias has shape \(16,\): structured pruning needs >= 2 dims"),
+        (
+            lambda model: {"parameters": [(nn.Linear(2, 2), "weight")]},
+            {},
+            r"module Linear is not a submodule of the model",
+        ),
+        (
+            lambda model: {"schedule": Linear(final=0.5, end=0.5)},
+            {"max_epochs": -1, "max_steps": -1},
+            r"gives times as fractions of the run, but the run length in steps is unknown \(inf\)",
+        ),
+        (
+            lambda model: {"schedule": Linear(final=0.5, start=2, end=8), "rewind": 5},
+            {},
+            r"rewind=5 is after the first pruning event at step 2",
+        ),
+    ],
+)
+def test_configuration_mistakes_raise_at_setup(
+    make_kwargs: Callable[[Net], dict[str, Any]], trainer_kwargs: dict[str, Any], message: str
+) -> None:
+    model = Net()
+    kwargs = make_kwargs(model)
+    callback = PruningCallback(kwargs.pop("schedule", 0.5), **kwargs)
+    before = state(model)
+    with pytest.raises(ValueError, match=message):
+        fit(callback, model, **trainer_kwargs)
+    assert_same_state(state(model), before)  # nothing was pruned
+    assert pruning_hook_names(model) == set()
+
+
+def test_last_event_after_the_end_of_training_warns() -> None:
+    with pytest.warns(UserWarning, match=r"last event is at step 40, after the end of training at step 16"):
+        fit(PruningCallback(Linear(final=0.5, end=40, frequency=8)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 14. Mask dtype
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mask_dtype", "model_dtype"), [(torch.bool, torch.float64), (None, torch.float64), (None, torch.float32)]
+)
+def test_mask_dtype(mask_dtype: torch.dtype | None, model_dtype: torch.dtype) -> None:
+    callback = PruningCallback(RAMP, mask_dtype=mask_dtype, make_permanent=False)
+    model = Net().to(model_dtype)
+    fit(callback, model, precision="64-true" if model_dtype == torch.float64 else "32-true")
+    expected = model_dtype if mask_dtype is None else mask_dtype
+    assert {mask.dtype for mask in masks(model).values()} == {expected}
+    assert sum(zeros(mask) for mask in masks(model).values()) == round(TARGET * N)
+
+
+def test_defaults_bool_masks_weights_only_no_rewind() -> None:
+    callback = PruningCallback(0.5)
+    assert callback.mask_dtype == torch.bool
+    assert callback.rewind is None  # lottery-ticket rewinding is opt-in (lightning's ModelPruning: on by default)
+    assert (callback.scope, callback.unit, callback.make_permanent) == ("global", "step", True)
+    assert callback.parameter_names == ("weight",)

@@ -1,0 +1,177 @@
+"""``PruningCallback`` under DDP (gloo, 2 CPU processes): every rank holds the same masks after every event.
+
+The fit runs in a script launched with ``subprocess`` and ``strategy="ddp"``, so Lightning starts the second rank the
+way it does in real use (it re-runs the script with ``LOCAL_RANK=1``). Each rank gets its own shard of the data and
+its own global RNG seed, re-seeded before every batch end; the masks must still agree on every rank after every
+event: magnitude masks because DDP keeps the weights identical, random masks because the callback draws them from
+its own ``(seed, event)`` and not from the global generator.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import CSVLogger
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightprune.callback import PruningCallback
+    from lightprune.schedules import Geometric, Linear
+
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        def train_dataloader(self):
+            generator = torch.Generator().manual_seed(1)
+            x, y = torch.randn(128, 8, generator=generator), torch.randint(0, 4, (128,), generator=generator)
+            return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+    class PerRankSeed(Callback):
+        # runs before the pruning callbacks: every rank's global RNG differs at every event
+        def setup(self, trainer, pl_module, stage):
+            torch.manual_seed(trainer.global_rank)
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            torch.manual_seed(1000 * trainer.global_rank + trainer.global_step)
+
+
+    class Dump(Callback):
+        # runs after the pruning callbacks: the masks after every batch, the data seen, the final state
+        def __init__(self):
+            self.masks, self.first_inputs = {}, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.first_inputs.append(batch[0][0].clone())
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.masks[trainer.global_step] = {
+                key: value.clone() for key, value in pl_module.state_dict().items() if key.endswith("_mask")
+            }
+
+        def on_train_end(self, trainer, pl_module):
+            torch.save(
+                {"masks": self.masks, "inputs": self.first_inputs, "state": pl_module.state_dict()},
+                out / f"rank{trainer.global_rank}.pt",
+            )
+
+
+    magnitude = PruningCallback(
+        Linear(final=0.6, start=0, end=12, frequency=3), include=r"net\\.[02]\\.weight", make_permanent=False
+    )
+    random = PruningCallback(
+        Geometric(0.3, start=1, frequency=2, rounds=6),
+        method="random_unstructured",
+        include=r"net\\.4\\.weight",
+        parameter_names=("weight",),
+        make_permanent=False,
+        log_per_parameter=False,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        callbacks=[PerRankSeed(), magnitude, random, Dump()],
+        logger=CSVLogger(out, name="csv", version=0),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(Net())
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    # each rank trained on its own shard (else the test would prove nothing about synchronisation) ...
+    assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
+    # ... yet after every batch, so after every event, the masks are identical
+    steps = sorted(ranks[0]["masks"])
+    assert steps == sorted(ranks[1]["masks"]) == list(range(1, 17))  # 128 samples, 2 ranks, batch 8: 8 steps/epoch
+    for step in steps:
+        rank0, rank1 = ranks[0]["masks"][step], ranks[1]["masks"][step]
+        assert list(rank0) == list(rank1)
+        for key in rank0:
+            assert torch.equal(rank0[key], rank1[key]), (step, key)
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), key
+
+    # both callbacks reached their targets to the unit
+    final = ranks[0]["masks"][16]
+    assert int((~final["net.0.weight_mask"]).sum() + (~final["net.2.weight_mask"]).sum()) == round(0.6 * (128 + 192))
+    assert int((~final["net.4.weight_mask"]).sum()) == round((1 - 0.7**6) * 48)
+    # the random masks changed at each of their events (steps 1, 3, ..., 11), drawn afresh
+    pruned = [int((~ranks[0]["masks"][step]["net.4.weight_mask"]).sum()) for step in (1, 3, 5, 7, 9, 11)]
+    assert pruned == [round((1 - 0.7**k) * 48) for k in range(1, 7)]
+
+    # the sparsities reduced across ranks are the true ones (not doubled), logged by rank 0 only
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("pruning/target")]
+    assert rows, "nothing logged"
+    for row in rows:
+        assert 0.0 <= float(row["pruning/sparsity/total"]) <= 1.0
+    totals = {
+        int(row["step"]): float(row["pruning/sparsity/total"])
+        for row in rows
+        if row.get("pruning/sparsity/net.0.weight")
+    }
+    assert totals[12] == pytest.approx(round(0.6 * 320) / 320, abs=1e-7)
