@@ -257,6 +257,7 @@ class PruningCallback(Callback):
         self.seed = seed
 
         self._selection: list[tuple[str, nn.Module, str]] = []
+        self._state_key: str | None = None
         self._biases: list[nn.Module] = []
         self._resolved: Schedule | None = None
         self._last_event = -1
@@ -282,14 +283,19 @@ class PruningCallback(Callback):
         tells them apart, also when both were given ``parameters=`` pairs, and it is the same when a run resumes
         with a freshly built model. Before setup (Lightning only checks the keys are distinct when the Trainer is
         built) the key is this instance's own, so that overlapping callbacks reach setup, which says what overlaps.
+        Lightning reads the key at every hook call (profiler labels), so it is computed once per selection.
         """
-        if not self._selection:
-            selection = f"unresolved-{id(self):x}"
-        else:
-            selection = repr(self.selection)
-            if len(selection) > 200:
-                digest = hashlib.sha1("\n".join(self.selection).encode()).hexdigest()[:16]
-                selection = f"{len(self._selection)} tensors, sha1 {digest}"
+        if self._state_key is None:
+            return self._generate_state_key(
+                method=self.method.__name__, scope=self.scope, unit=self.unit, selection=f"unresolved-{id(self):x}"
+            )
+        return self._state_key
+
+    def _selection_state_key(self) -> str:
+        selection = repr(self.selection)
+        if len(selection) > 200:
+            digest = hashlib.sha1("\n".join(self.selection).encode()).hexdigest()[:16]
+            selection = f"{len(self._selection)} tensors, sha1 {digest}"
         return self._generate_state_key(
             method=self.method.__name__, scope=self.scope, unit=self.unit, selection=selection
         )
@@ -399,6 +405,7 @@ class PruningCallback(Callback):
             if self.structured and tensor.dim() < 2:
                 raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: structured pruning needs >= 2 dims")
         self._selection = selection
+        self._state_key = self._selection_state_key()
         self._biases = []
         if self.prune_channel_bias:
             self._biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
