@@ -954,6 +954,13 @@ def test_configuration_mistakes_raise_at_setup(
     assert pruning_hook_names(model) == set()
 
 
+def test_tensor_pruned_by_torch_prune_is_refused_at_setup() -> None:
+    model = Net()
+    torch.nn.utils.prune.l1_unstructured(model.net[2], "weight", amount=0.5)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is pruned by torch.nn.utils.prune; make that pruning"):
+        fit(PruningCallback(0.5), model)
+
+
 def test_last_event_after_the_end_of_training_warns() -> None:
     with pytest.warns(UserWarning, match=r"last event is at step 40, after the end of training at step 16"):
         fit(PruningCallback(Linear(final=0.5, end=40, frequency=8)))

@@ -123,7 +123,11 @@ class PruningCallback(Callback):
     Time is counted in optimizer steps (``trainer.global_step``, so gradient accumulation is handled) or in completed
     epochs. An event at step ``t`` runs right after the ``t``-th optimizer step (``t = 0``: when training starts);
     an event at epoch ``e`` runs when epoch ``e`` starts, after ``e`` epochs (and at the end of fit for the last one).
-    Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``.
+    Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``. Every fit
+    starts the schedule afresh, also with a callback reused from an earlier fit; a fit resumed from a checkpoint
+    (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included. Pruned tensors
+    that a parent reads without calling their module's forward (``nn.MultiheadAttention``'s ``out_proj``) are
+    recomputed by the callback, so they never go stale.
 
     Args:
         schedule: a :class:`~lightprune.schedules.Schedule`, a float (one-shot to that sparsity when training
