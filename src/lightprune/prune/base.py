@@ -192,7 +192,8 @@ class BasePruningMethod(ABC):
         Args:
             module: the module owning the tensor.
             name: the parameter's name in ``module`` (``"weight"``).
-            importance_scores: ranking input with the parameter's shape; defaults to the parameter itself.
+            importance_scores: ranking input with the parameter's shape; defaults to the parameter's current value
+                (``orig * mask`` once it is pruned, as in torch).
         """
         method = cls(*args, **kwargs)
         return attach(module, name, method, importance_scores=importance_scores)
@@ -318,6 +319,11 @@ def _has_fast_path(method: BasePruningMethod) -> bool:
     cls = type(method)
     fast = _defining_class(cls, "_next_mask")
     return fast is not None and fast is _defining_class(cls, "compute_mask")
+
+
+def _ranks_current_values(method: BasePruningMethod) -> bool:
+    """True if ``method``'s mask on a pruned tensor depends on the values of the entries already pruned."""
+    return not _has_fast_path(method) or getattr(method, "_ranks_pruned_entries", False)
 
 
 def next_mask(method: BasePruningMethod, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -559,6 +565,19 @@ class Attachment:
     def current_mask(self) -> Tensor | None:
         return None if self.hook is None else self.module._buffers[self.name + "_mask"]
 
+    def default_scores(self, method: BasePruningMethod) -> Tensor:
+        """What ranks the tensor when no importance scores are given: its current value, as in torch.
+
+        Torch ranks by ``module.<name>``, which is ``orig * mask`` once the tensor is pruned: a structured method
+        compares the norms of what is left of each channel, and a user's method sees the masked values. Built-in
+        methods that choose among entries whose mask is 1, or that ignore the values, get the same result from
+        ``orig`` itself, so no full-size product is made for them.
+        """
+        if self.hook is None or not _ranks_current_values(method):
+            return self.orig
+        with torch.no_grad():
+            return self.hook.apply_mask(self.module)
+
     def mask_dtype(self) -> torch.dtype:
         current = self.current_mask
         if current is not None:
@@ -615,7 +634,7 @@ def attach(
 ) -> BasePruningMethod:
     """Prune ``module.<name>`` with ``method`` (on top of any existing pruning) and return the attached hook."""
     attachment = Attachment.plan(module, name, method)
-    scores = attachment.orig if importance_scores is None else importance_scores
+    scores = attachment.default_scores(method) if importance_scores is None else importance_scores
     _check_same_shape(scores, attachment.orig, "importance_scores", f"parameter {name!r}")
     attachment.mask = next_mask(method, scores, attachment.current_mask, attachment.mask_dtype())
     return commit_all([attachment])[0]

@@ -210,7 +210,9 @@ def global_unstructured(
         return
     scores = []
     for attachment in attachments:
-        score = importance_scores.get((attachment.module, attachment.name), attachment.orig)
+        score = importance_scores.get((attachment.module, attachment.name))
+        if score is None:
+            score = attachment.default_scores(method)
         _check_same_shape(score, attachment.orig, "importance_scores", f"parameter {attachment.name!r}")
         scores.append(score.detach())
 

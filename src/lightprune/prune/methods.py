@@ -190,8 +190,13 @@ class RandomUnstructured(BasePruningMethod):
 class L1Unstructured(BasePruningMethod):
     """Prune the entries with the smallest absolute value (of the importance scores, by default the tensor).
 
-    Exact: a float amount prunes ``round(amount * n)`` entries, ties are broken by flat index (lower first), and
-    ``NaN`` ranks above ``inf`` (it is pruned last), as in ``torch.topk``.
+    Exact: a float amount prunes ``round(amount * n)`` entries, and ties are broken by flat index (lower first).
+
+    ``NaN`` and ``inf``: magnitudes rank as in ``torch.topk``, ``NaN`` above ``+inf``, so NaN entries are pruned last
+    (and ``-0.0`` ties with ``+0.0``); the counts stay exact whatever the values. The pruned attribute
+    ``module.<name>`` depends on the mask dtype: with a floating mask (the default) a pruned entry is
+    ``orig * 0``, which is ``NaN`` where ``orig`` is ``inf`` or ``NaN``, as in torch; with a ``torch.bool`` mask
+    (:func:`mask_dtype`) it is selected with ``torch.where`` and is an exact ``0`` whatever ``orig`` holds.
 
     Args:
         amount: a float in [0, 1] (the fraction of the entries still unpruned) or an int (how many of them).
@@ -284,6 +289,10 @@ class LnStructured(_StructuredMethod):
                 [1., 1.],
                 [0., 0.]])
     """
+
+    #: A channel's norm includes its entries already pruned: on a pruned tensor they count as 0 (torch ranks
+    #: ``module.<name>``, the masked value), so the engine passes the masked tensor as the default scores.
+    _ranks_pruned_entries = True
 
     def __init__(self, amount: int | float, n: Any, dim: int = -1) -> None:
         _validate_pruning_amount_init(amount)
