@@ -1,0 +1,640 @@
+"""Unit tests of ``lightprune.prune.base``: the reparametrization, BasePruningMethod, PruningContainer, mask dtypes.
+
+The reparametrization is torch's (so checkpoints move both ways); the one deliberate difference is that
+``name_orig`` keeps ``name``'s position among the parameters (torch appends it), so ``module.parameters()`` keeps
+its order through pruning and ``remove``.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import prune as tp
+
+from lightprune import prune as lp
+from lightprune.prune import base
+
+
+def linear(in_features: int = 4, out_features: int = 3, seed: int = 0, **kwargs) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, **kwargs)
+
+
+def net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3), nn.BatchNorm1d(3))
+
+
+class EveryOther(lp.BasePruningMethod):
+    """A user's method: prunes every other entry still unpruned (flat order)."""
+
+    PRUNING_TYPE = "unstructured"
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        mask = default_mask.clone()
+        mask.view(-1)[::2] = 0
+        return mask
+
+
+class TorchEveryOther(tp.BasePruningMethod):
+    PRUNING_TYPE = "unstructured"
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        mask = default_mask.clone()
+        mask.view(-1)[::2] = 0
+        return mask
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mask dtype setting
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_mask_dtype_default_is_parameter_dtype() -> None:
+    assert lp.get_mask_dtype() is None
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        layer = linear().to(dtype)
+        lp.l1_unstructured(layer, "weight", amount=3)
+        assert layer.weight_mask.dtype == dtype
+        assert layer.weight.dtype == dtype
+
+
+def test_set_mask_dtype_returns_previous_and_applies() -> None:
+    previous = lp.set_mask_dtype(torch.bool)
+    try:
+        assert previous is None
+        assert lp.get_mask_dtype() is torch.bool
+        layer = lp.l1_unstructured(linear(), "weight", amount=3)
+        assert layer.weight_mask.dtype == torch.bool
+        assert int((~layer.weight_mask).sum()) == 3
+        assert torch.equal(layer.weight, torch.where(layer.weight_mask, layer.weight_orig, 0.0))
+    finally:
+        assert lp.set_mask_dtype(previous) is torch.bool
+    assert lp.get_mask_dtype() is None
+
+
+def test_mask_dtype_context_manager_restores_on_exit_and_on_error() -> None:
+    with lp.mask_dtype(torch.bool):
+        assert lp.get_mask_dtype() is torch.bool
+        with lp.mask_dtype(torch.float16):
+            assert lp.get_mask_dtype() is torch.float16
+        assert lp.get_mask_dtype() is torch.bool
+    assert lp.get_mask_dtype() is None
+    with pytest.raises(RuntimeError, match="boom"), lp.mask_dtype(torch.bool):
+        raise RuntimeError("boom")
+    assert lp.get_mask_dtype() is None
+
+
+def test_float_mask_dtype_setting() -> None:
+    with lp.mask_dtype(torch.float16):
+        layer = lp.l1_unstructured(linear(), "weight", amount=2)
+    assert layer.weight_mask.dtype == torch.float16
+    assert layer.weight.dtype == torch.float32
+    assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask.float())
+
+
+@pytest.mark.parametrize("bad", ["bool", bool, 1, torch.ones(1)])
+def test_set_mask_dtype_rejects_non_dtypes(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"mask dtype must be a torch.dtype or None"):
+        lp.set_mask_dtype(bad)  # type: ignore[arg-type]
+    assert lp.get_mask_dtype() is None
+
+
+def test_a_tensor_keeps_its_first_mask_dtype() -> None:
+    layer = linear(8, 8)
+    with lp.mask_dtype(torch.bool):
+        lp.l1_unstructured(layer, "weight", amount=10)
+    lp.l1_unstructured(layer, "weight", amount=10)  # default setting now, the mask stays bool
+    assert layer.weight_mask.dtype == torch.bool
+    assert int((~layer.weight_mask).sum()) == 20
+    other = linear(8, 8)
+    lp.random_unstructured(other, "weight", amount=10)
+    with lp.mask_dtype(torch.bool):
+        lp.ln_structured(other, "weight", amount=1, n=1, dim=0)
+        lp.global_unstructured([(other, "weight"), (layer, "weight")], lp.L1Unstructured, amount=4)
+    assert other.weight_mask.dtype == torch.float32
+    assert layer.weight_mask.dtype == torch.bool
+
+
+def test_bool_mask_rejects_fractional_custom_mask() -> None:
+    fractional = torch.full((3, 4), 0.5)
+    with lp.mask_dtype(torch.bool):
+        layer = linear()
+        with pytest.raises(ValueError, match=r"values other than 0 and 1, which a torch.bool mask cannot store"):
+            lp.custom_from_mask(layer, "weight", fractional)
+        assert not lp.is_pruned(layer)
+        assert "weight" in layer._parameters
+        lp.l1_unstructured(layer, "weight", amount=1)
+    with pytest.raises(ValueError, match=r"set_mask_dtype\(None\)"):
+        lp.custom_from_mask(layer, "weight", fractional)  # later call: the tensor's mask is bool
+    assert layer.weight_mask.dtype == torch.bool
+    assert int((~layer.weight_mask).sum()) == 1
+    # 0/1 masks of any dtype are fine
+    lp.custom_from_mask(layer, "weight", torch.eye(3, 4, dtype=torch.int64))
+    assert int(layer.weight_mask.sum()) <= 3
+
+
+def test_float_mask_keeps_fractions_like_torch() -> None:
+    a, b = linear(), linear()
+    mask = torch.full((3, 4), 0.5)
+    tp.custom_from_mask(a, "weight", mask)
+    lp.custom_from_mask(b, "weight", mask)
+    assert torch.equal(a.weight_mask, b.weight_mask)
+    assert torch.equal(a.weight, b.weight)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The reparametrization, and torch compatibility of its state
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_reparametrization_is_torchs() -> None:
+    layer = linear()
+    weight = layer.weight
+    hook = lp.L1Unstructured.apply(layer, "weight", amount=5)
+    assert isinstance(hook, lp.L1Unstructured)
+    assert layer._parameters["weight_orig"] is weight  # the same Parameter object
+    assert "weight" not in layer._parameters
+    assert isinstance(layer.weight_mask, Tensor) and "weight_mask" in layer._buffers
+    assert list(layer._forward_pre_hooks.values()) == [hook]
+    assert hook._tensor_name == "weight"
+    assert not isinstance(layer.weight, nn.Parameter)
+    assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask)
+    assert layer.weight.grad_fn is not None  # gradients reach weight_orig
+    layer(torch.randn(2, 4)).sum().backward()
+    assert weight.grad is not None
+    assert torch.equal(weight.grad == 0, (layer.weight_mask == 0).expand_as(weight.grad) & (weight.grad == 0))
+    assert bool((weight.grad[layer.weight_mask == 0] == 0).all())
+
+
+def test_state_dict_keys_buffers_and_hooks_match_torch() -> None:
+    a, b = net(), net()
+    for pruner in (tp, lp):
+        model = a if pruner is tp else b
+        pruner.l1_unstructured(model[0], "weight", amount=0.3)
+        pruner.ln_structured(model[3], "weight", amount=1, n=2, dim=0)
+        pruner.random_unstructured(model[3], "bias", amount=1)
+        pruner.l1_unstructured(model[0], "weight", amount=0.3)
+        pruner.identity(model[4], "weight")
+    assert set(a.state_dict()) == set(b.state_dict())
+    assert {n for n, _ in a.named_buffers()} == {n for n, _ in b.named_buffers()}
+    assert {n for n, _ in a.named_parameters()} == {n for n, _ in b.named_parameters()}
+    for ma, mb in zip(a.modules(), b.modules(), strict=True):
+        assert [type(h).__name__ for h in ma._forward_pre_hooks.values()] == [
+            type(h).__name__ for h in mb._forward_pre_hooks.values()
+        ]
+        for ha, hb in zip(ma._forward_pre_hooks.values(), mb._forward_pre_hooks.values(), strict=True):
+            assert ha._tensor_name == hb._tensor_name
+            if isinstance(ha, tp.PruningContainer):
+                assert [type(m).__name__ for m in ha] == [type(m).__name__ for m in hb]
+
+
+def test_parameter_order_is_kept_by_pruning_and_remove() -> None:
+    model = net()
+    before = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    lp.l1_unstructured(model[3], "bias", amount=1)
+    lp.l1_unstructured(model[0], "weight", amount=3)
+    lp.l1_unstructured(model[3], "weight", amount=3)
+    lp.l1_unstructured(model[3], "weight", amount=3)  # a container now
+    lp.global_unstructured([(model[0], "bias"), (model[4], "weight")], lp.L1Unstructured, amount=2)
+    after = list(model.parameters())
+    assert len(after) == len(before) and all(p is q for p, q in zip(before, after, strict=True))
+    pruned_names = [n for n, _ in model.named_parameters()]
+    assert [n.removesuffix("_orig") for n in pruned_names] == names
+    # torch appends name_orig: its order changes (the deliberate difference)
+    theirs = net()
+    tp.l1_unstructured(theirs[3], "bias", amount=1)
+    assert [n for n, _ in theirs.named_parameters()] != names
+    for module, name in [(model[3], "weight"), (model[0], "bias"), (model[3], "bias"), (model[0], "weight")]:
+        lp.remove(module, name)
+    lp.remove(model[4], "weight")
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(p is q for p, q in zip(before, model.parameters(), strict=True))
+
+
+def _prune_all(pruner, model: nn.Sequential) -> None:
+    pruner.l1_unstructured(model[0], "weight", amount=0.4)
+    pruner.ln_structured(model[3], "weight", amount=1, n=1, dim=0)
+    pruner.l1_unstructured(model[0], "weight", amount=5)
+    pruner.custom_from_mask(model[3], "bias", torch.tensor([1.0, 0.0, 1.0]))
+
+
+@pytest.mark.parametrize("direction", ["torch->lightprune", "lightprune->torch"])
+def test_checkpoints_move_between_torch_and_lightprune(direction: str) -> None:
+    source, target = net(seed=1), net(seed=2)
+    src_pruner, dst_pruner = (tp, lp) if direction == "torch->lightprune" else (lp, tp)
+    _prune_all(src_pruner, source)
+    _prune_all(dst_pruner, target)
+    state = source.state_dict()
+    assert set(state) == set(target.state_dict())
+    result = target.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    source.eval()
+    target.eval()
+    x = torch.randn(5, 2, 4, 4)
+    assert torch.equal(source(x), target(x))
+    assert torch.equal(source[0].weight, target[0].weight)
+
+
+def test_bool_mask_checkpoint_loads_into_a_float_mask_model() -> None:
+    with lp.mask_dtype(torch.bool):
+        source = lp.l1_unstructured(linear(), "weight", amount=5)
+    target = lp.l1_unstructured(linear(seed=3), "weight", amount=5)
+    target.load_state_dict(source.state_dict())
+    assert target.weight_mask.dtype == torch.float32
+    assert torch.equal(target.weight, source.weight)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# _PrunedTensor
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_pruned_attribute_behaves_as_a_tensor() -> None:
+    layer = lp.l1_unstructured(linear(), "weight", amount=5)
+    w = layer.weight
+    assert isinstance(w, Tensor)
+    assert type(w + 1) is Tensor  # torch functions see a regular tensor
+    assert repr(w).startswith("tensor(")
+    copied = copy.deepcopy(w)
+    assert type(copied) is Tensor and not copied.requires_grad and torch.equal(copied, w)
+    loaded = pickle.loads(pickle.dumps(w))
+    assert torch.equal(loaded, w)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# BasePruningMethod
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_base_pruning_method_is_abstract() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        lp.BasePruningMethod()  # type: ignore[abstract]
+
+
+def test_compute_mask_of_a_subclass() -> None:
+    mask = EveryOther().compute_mask(torch.randn(2, 3), torch.ones(2, 3))
+    assert mask.tolist() == [[0, 1, 0], [1, 0, 1]]
+
+
+def test_apply_returns_the_hook_and_prunes() -> None:
+    layer = linear()
+    hook = EveryOther.apply(layer, "weight")
+    assert isinstance(hook, EveryOther)
+    assert list(layer._forward_pre_hooks.values()) == [hook]
+    assert layer.weight_mask.view(-1).tolist() == [0, 1] * 6
+
+
+def test_user_method_composes_like_torch_on_repeated_application() -> None:
+    ours, theirs = linear(8, 4), linear(8, 4)
+    for _ in range(3):
+        hook = EveryOther.apply(ours, "weight")
+        TorchEveryOther.apply(theirs, "weight")
+        assert torch.equal(ours.weight_mask, theirs.weight_mask)
+        assert torch.equal(ours.weight, theirs.weight)
+    assert isinstance(hook, lp.PruningContainer) and len(hook) == 3
+    assert int(ours.weight_mask.sum()) == 4  # 32 -> 16 -> 8 -> 4
+    with lp.mask_dtype(torch.bool):
+        flagged = linear(8, 4)
+        EveryOther.apply(flagged, "weight")
+        EveryOther.apply(flagged, "weight")
+    assert flagged.weight_mask.dtype == torch.bool
+    assert torch.equal(flagged.weight_mask.float(), linear_mask_after(2))
+
+
+def linear_mask_after(times: int) -> Tensor:
+    layer = linear(8, 4)
+    for _ in range(times):
+        TorchEveryOther.apply(layer, "weight")
+    return layer.weight_mask
+
+
+def test_user_structured_method_needs_dim_on_repeated_application() -> None:
+    class FirstRow(lp.BasePruningMethod):
+        PRUNING_TYPE = "structured"
+
+        def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+            mask = default_mask.clone()
+            mask[0] = 0
+            return mask
+
+    layer = linear(3, 3)
+    FirstRow.apply(layer, "weight")
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(AttributeError, match=r'PRUNING_TYPE "structured" need an attribute `dim`'):
+        FirstRow.apply(layer, "weight")
+    assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
+
+    class FirstRowDim(FirstRow):
+        dim = 0
+
+    layer = linear(3, 3)
+    FirstRowDim.apply(layer, "weight")
+    FirstRowDim.apply(layer, "weight")  # acts on the channels left: rows 1 and 2, prunes row 1
+    assert layer.weight_mask.sum(dim=1).tolist() == [0, 0, 3]
+
+
+def test_user_method_of_unknown_type_fails_on_repeated_application() -> None:
+    class Weird(lp.BasePruningMethod):
+        PRUNING_TYPE = "weird"
+
+        def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+            return default_mask
+
+    layer = linear()
+    Weird.apply(layer, "weight")
+    with pytest.raises(ValueError, match=r"unrecognized PRUNING_TYPE 'weird': allowed are"):
+        Weird.apply(layer, "weight")
+    assert isinstance(next(iter(layer._forward_pre_hooks.values())), Weird)
+
+
+def test_user_global_method_sees_the_whole_tensor() -> None:
+    class LastEntry(lp.BasePruningMethod):
+        PRUNING_TYPE = "global"
+
+        def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+            mask = default_mask.clone()
+            mask.view(-1)[-1] = 0
+            return mask
+
+    layer = linear(3, 3)
+    LastEntry.apply(layer, "weight")
+    LastEntry.apply(layer, "weight")
+    assert layer.weight_mask.view(-1).tolist() == [1] * 8 + [0]
+
+
+def test_subclass_overriding_compute_mask_is_used_instead_of_the_fast_path() -> None:
+    calls = []
+
+    class FirstEntry(lp.L1Unstructured):
+        def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+            calls.append(t.shape)
+            mask = default_mask.clone()
+            mask.view(-1)[0] = 0
+            return mask
+
+    layer = linear(3, 3)
+    FirstEntry.apply(layer, "weight", amount=0.5)
+    assert layer.weight_mask.view(-1).tolist() == [0] + [1] * 8
+    FirstEntry.apply(layer, "weight", amount=0.5)  # torch's container: acts on the 8 entries left
+    assert layer.weight_mask.view(-1).tolist() == [0, 0] + [1] * 7
+    assert calls == [torch.Size([3, 3]), torch.Size([8])]
+    assert not base._has_fast_path(FirstEntry(amount=1))
+    assert base._has_fast_path(lp.L1Unstructured(amount=1))
+
+    class Renamed(lp.L1Unstructured):  # no override: the fast path stays
+        pass
+
+    assert base._has_fast_path(Renamed(amount=1))
+
+
+def test_apply_mask_float_and_bool() -> None:
+    layer = lp.custom_from_mask(linear(), "weight", torch.tensor([[1.0, 0.0, 0.5, 1.0]] * 3))
+    hook = next(iter(layer._forward_pre_hooks.values()))
+    out = hook.apply_mask(layer)
+    assert torch.equal(out, layer.weight_orig * layer.weight_mask)
+    assert out.requires_grad
+    with lp.mask_dtype(torch.bool):
+        flagged = lp.custom_from_mask(linear(), "weight", torch.tensor([[1, 0, 0, 1]] * 3))
+    with torch.no_grad():
+        flagged.weight_orig.fill_(float("inf"))
+    out = next(iter(flagged._forward_pre_hooks.values())).apply_mask(flagged)
+    assert out.dtype == torch.float32
+    assert out[:, 1:3].eq(0).all() and out[:, [0, 3]].isinf().all()
+
+
+def test_apply_mask_of_unattached_method_raises() -> None:
+    with pytest.raises(ValueError, match=r"L1Unstructured is not attached to a tensor: call apply\(module, name\)"):
+        lp.L1Unstructured(amount=1).apply_mask(linear())
+
+
+def test_call_recomputes_the_pruned_attribute() -> None:
+    layer = linear()
+    hook = lp.L1Unstructured.apply(layer, "weight", amount=4)
+    with torch.no_grad():
+        layer.weight_orig.mul_(3)
+    assert not torch.equal(layer.weight, layer.weight_orig * layer.weight_mask)
+    assert hook(layer, ()) is None
+    assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask)
+    with torch.no_grad():
+        layer.weight_orig.mul_(3)
+    layer(torch.randn(1, 4))  # the forward pre-hook does the same
+    assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask)
+
+
+def test_prune_without_module_matches_torch() -> None:
+    t = torch.tensor([[3.0, -1.0, 2.0], [0.5, -4.0, 0.25]])
+    scores = torch.arange(6.0).view(2, 3)
+    default = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    for ours, theirs in [
+        (lp.L1Unstructured(amount=2), tp.L1Unstructured(amount=2)),
+        (lp.LnStructured(amount=1, n=1, dim=0), tp.LnStructured(amount=1, n=1, dim=0)),
+        (lp.Identity(), tp.Identity()),
+        (lp.CustomFromMask(default), tp.CustomFromMask(default)),
+    ]:
+        assert torch.equal(ours.prune(t), theirs.prune(t))
+        assert torch.equal(ours.prune(t, default_mask=default), theirs.prune(t, default_mask=default))
+        assert torch.equal(ours.prune(t, importance_scores=scores), theirs.prune(t, importance_scores=scores))
+    with pytest.raises(ValueError, match=r"importance_scores must have the shape of tensor t: got \(3,\) vs \(2, 3\)"):
+        lp.L1Unstructured(amount=1).prune(t, importance_scores=torch.ones(3))
+    with pytest.raises(TypeError, match=r"importance_scores must be a Tensor, got list"):
+        lp.L1Unstructured(amount=1).prune(t, importance_scores=[1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_remove_method_keeps_the_parameter_object_and_position() -> None:
+    layer = linear()
+    weight = layer.weight
+    hook = lp.L1Unstructured.apply(layer, "weight", amount=5)
+    expected = layer.weight.detach().clone()
+    hook.remove(layer)
+    assert layer._parameters["weight"] is weight
+    assert list(layer._parameters) == ["weight", "bias"]
+    assert "weight_mask" not in layer._buffers and "weight_orig" not in layer._parameters
+    assert torch.equal(weight, expected)
+    assert weight.grad_fn is None and weight.is_leaf
+
+
+def test_repr_of_methods_and_containers() -> None:
+    assert repr(lp.L1Unstructured(amount=0.3)) == "L1Unstructured(amount=0.3)"
+    assert repr(lp.LnStructured(amount=2, n="fro", dim=1)) == "LnStructured(amount=2, n='fro', dim=1)"
+    assert repr(lp.CustomFromMask(torch.ones(2))) == "CustomFromMask()"
+    container = lp.PruningContainer(lp.Identity(), lp.RandomUnstructured(amount=1))
+    assert repr(container) == "PruningContainer(Identity(), RandomUnstructured(amount=1))"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# PruningContainer
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_container_constructors() -> None:
+    empty = lp.PruningContainer()
+    assert len(empty) == 0 and list(empty) == []
+    one = lp.PruningContainer(lp.L1Unstructured(amount=1))
+    assert len(one) == 1
+    m1, m2, m3 = lp.L1Unstructured(amount=1), lp.RandomUnstructured(amount=1), lp.Identity()
+    two = lp.PruningContainer(m1, m2)  # torch raises AttributeError here
+    with pytest.raises(AttributeError):
+        tp.PruningContainer(tp.L1Unstructured(amount=1), tp.RandomUnstructured(amount=1))
+    assert list(two) == [m1, m2]
+    from_iterable = lp.PruningContainer([m1, m2, m3])
+    assert list(from_iterable) == [m1, m2, m3]
+    assert from_iterable[0] is m1 and from_iterable[-1] is m3 and from_iterable[1:] == (m2, m3)
+    with pytest.raises(IndexError):
+        from_iterable[3]
+
+
+def test_container_add_pruning_method_errors() -> None:
+    container = lp.PruningContainer(lp.L1Unstructured(amount=1))
+    with pytest.raises(TypeError, match=r"str is not a BasePruningMethod subclass"):
+        container.add_pruning_method("L1Unstructured")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"L1Unstructured is not a BasePruningMethod subclass"):
+        container.add_pruning_method(tp.L1Unstructured(amount=1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"int is not a BasePruningMethod subclass"):
+        lp.PruningContainer(3)  # type: ignore[arg-type]
+    other = lp.L1Unstructured(amount=1)
+    other._tensor_name = "bias"
+    with pytest.raises(ValueError, match=r"tensor named None; cannot add a method for 'bias'"):
+        container.add_pruning_method(other)
+    assert len(container) == 1
+    layer = linear()
+    hook = lp.L1Unstructured.apply(layer, "weight", amount=1)
+    named = lp.PruningContainer(hook)
+    assert named._tensor_name == "weight"
+    with pytest.raises(ValueError, match=r"'weight'; cannot add a method for None"):
+        named.add_pruning_method(lp.Identity())
+
+
+def test_empty_container_cannot_compute_a_mask() -> None:
+    with pytest.raises(ValueError, match=r"PruningContainer is empty"):
+        lp.PruningContainer().compute_mask(torch.ones(3), torch.ones(3))
+
+
+def _torch_container(*methods: tp.BasePruningMethod) -> tp.PruningContainer:
+    container = tp.PruningContainer()
+    container._tensor_name = None
+    for method in methods:
+        method._tensor_name = None
+        container.add_pruning_method(method)
+    return container
+
+
+def test_container_compute_mask_unstructured_matches_torch() -> None:
+    t = torch.tensor([[0.5, -3.0, 2.0, 0.1], [4.0, -0.2, 0.3, 1.5]])
+    default = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    ours = lp.PruningContainer(lp.Identity(), lp.L1Unstructured(amount=0.5))
+    theirs = _torch_container(tp.Identity(), tp.L1Unstructured(amount=0.5))
+    mask = ours.compute_mask(t, default)
+    assert torch.equal(mask, theirs.compute_mask(t, default.clone()))  # torch writes into default_mask
+    assert mask.tolist() == [[0, 1, 0, 0], [1, 0, 0, 1]]  # 3 of the 6 left, by |t|
+    assert mask.dtype == default.dtype
+    flagged = ours.compute_mask(t, default.bool())
+    assert flagged.dtype == torch.bool and torch.equal(flagged, mask.bool())
+
+
+def test_container_compute_mask_structured_matches_torch() -> None:
+    t = torch.tensor([[1.0, 1.0], [3.0, 0.0], [0.1, 0.2], [5.0, 5.0]])
+    default = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # channel 3 already pruned
+    ours = lp.PruningContainer(lp.Identity(), lp.LnStructured(amount=2, n=2, dim=0))
+    theirs = _torch_container(tp.Identity(), tp.LnStructured(amount=2, n=2, dim=0))
+    mask = ours.compute_mask(t, default)
+    assert torch.equal(mask, theirs.compute_mask(t, default.clone()))
+    assert mask.sum(dim=1).tolist() == [0, 2, 0, 0]
+    # a partly pruned channel still counts as a channel
+    default = torch.tensor([[0.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    mask = ours.compute_mask(t, default)
+    assert torch.equal(mask, theirs.compute_mask(t, default.clone()))
+
+
+def test_container_compute_mask_global_matches_torch() -> None:
+    t = torch.randn(3, 3)
+    default = torch.tensor([[1.0, 0.0, 1.0]] * 3)
+    custom = torch.tensor([[1.0, 1.0, 0.0]] * 3)
+    ours = lp.PruningContainer(lp.Identity(), lp.CustomFromMask(custom))
+    theirs = _torch_container(tp.Identity(), tp.CustomFromMask(custom))
+    mask = ours.compute_mask(t, default)
+    assert torch.equal(mask, theirs.compute_mask(t, default.clone()))
+    assert mask.tolist() == [[1, 0, 0]] * 3
+
+
+def test_container_uses_only_its_newest_method() -> None:
+    t = torch.arange(1.0, 7.0)
+    container = lp.PruningContainer(lp.L1Unstructured(amount=5), lp.L1Unstructured(amount=1))
+    assert container.compute_mask(t, torch.ones(6)).tolist() == [0, 1, 1, 1, 1, 1]
+
+
+def test_container_of_two_methods_prunes_random_among_what_is_left() -> None:
+    torch.manual_seed(0)
+    container = lp.PruningContainer(lp.L1Unstructured(amount=1), lp.RandomUnstructured(amount=2))
+    default = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    for _ in range(20):
+        mask = container.compute_mask(torch.randn(6), default)
+        assert int(mask.sum()) == 2
+        assert bool((mask <= default).all())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hooks from torch, internal helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_tensor_pruned_by_torch_is_refused_with_advice() -> None:
+    layer = linear()
+    tp.l1_unstructured(layer, "weight", amount=2)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is pruned by torch.nn.utils.prune; .*prune.remove"):
+        lp.l1_unstructured(layer, "weight", amount=2)
+    assert isinstance(next(iter(layer._forward_pre_hooks.values())), tp.L1Unstructured)
+    lp.l1_unstructured(layer, "bias", amount=1)  # another tensor of the same module is fine
+    assert lp.is_pruned(layer)
+
+
+def test_two_hooks_on_one_tensor_is_an_error() -> None:
+    layer = linear()
+    lp.l1_unstructured(layer, "weight", amount=2)
+    stray = lp.Identity()
+    stray._tensor_name = "weight"
+    layer.register_forward_pre_hook(stray)
+    with pytest.raises(RuntimeError, match=r"2 pruning hooks act on 'weight' of Linear"):
+        lp.l1_unstructured(layer, "weight", amount=1)
+
+
+def test_name_must_be_a_string_and_a_parameter() -> None:
+    layer = linear()
+    layer.register_buffer("running", torch.ones(3))
+    with pytest.raises(TypeError, match=r"name must be a str naming a parameter, got 0 \(int\)"):
+        lp.l1_unstructured(layer, 0, amount=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"'running' of Linear is a tensor but not a Parameter"):
+        lp.l1_unstructured(layer, "running", amount=1)
+    with pytest.raises(TypeError, match=r"module must be a torch.nn.Module, got str"):
+        lp.l1_unstructured("layer", "weight", amount=1)  # type: ignore[arg-type]
+    assert not lp.is_pruned(layer)
+
+
+def test_move_key_keeps_the_dict_object() -> None:
+    table = {"a": 1, "b": 2, "c": 3}
+    same = table
+    base.move_key(table, "c", 0)
+    assert same is table and list(table.items()) == [("c", 3), ("a", 1), ("b", 2)]
+    base.move_key(table, "c", 2)
+    assert list(table) == ["a", "b", "c"]
+
+
+def test_refresh_machinery_is_installed_and_uninstalled() -> None:
+    layer = linear()
+    lp.l1_unstructured(layer, "weight", amount=2)
+    lp.l1_unstructured(layer, "bias", amount=1)
+    assert isinstance(layer.__dict__["_apply"], base._RefreshingApply)
+    assert list(layer._load_state_dict_post_hooks.values()).count(base._refresh_after_load) == 1
+    lp.remove(layer, "weight")
+    assert "_apply" in layer.__dict__  # bias is still pruned
+    lp.remove(layer, "bias")
+    assert "_apply" not in layer.__dict__
+    assert base._refresh_after_load not in layer._load_state_dict_post_hooks.values()
+    assert not lp.is_pruned(layer)
