@@ -161,7 +161,9 @@ def global_unstructured(
 
     The built-in methods never concatenate the parameters: the threshold is found with histogram passes over the
     tensors in chunks, so the extra memory is the new masks plus bounded temporaries, and every mask owns its
-    memory (torch's hooks each keep a view of one flat mask of all parameters, pytorch #34257).
+    memory (torch's hooks each keep a view of one flat mask of all parameters, pytorch #34257). The
+    ``CustomFromMask`` hooks it attaches keep no mask (their ``mask`` is ``None``): the mask is the buffer
+    ``<name>_mask``, so repeated global pruning never holds on to the masks of earlier steps.
 
     Args:
         parameters: ``(module, name)`` pairs.
@@ -225,6 +227,10 @@ def global_unstructured(
         attachment.method.mask = mask
         attachment.mask = mask
     commit_all(attachments)
+    for attachment in attachments:
+        # the mask lives on as the buffer <name>_mask; a copy held by the hook would outlive the buffer once a
+        # later call or a conversion (.half(), .to()) replaces it, one more full mask per pruning step
+        attachment.method.mask = None
 
 
 def _global_masks_fast(

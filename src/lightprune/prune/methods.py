@@ -339,6 +339,11 @@ class CustomFromMask(BasePruningMethod):
         self.mask = mask
 
     def _checked_mask(self, shape: torch.Size, device: torch.device) -> Tensor:
+        if self.mask is None:
+            raise ValueError(
+                "this CustomFromMask has no mask: global_unstructured's hooks do not keep theirs once applied "
+                "(it is the module's <name>_mask buffer); create CustomFromMask(mask) to apply a mask"
+            )
         if not isinstance(self.mask, Tensor):
             raise TypeError(f"mask must be a Tensor, got {type(self.mask).__name__}")
         _check_same_shape(self.mask, torch.empty(shape, device="meta"), "mask", "the pruned tensor")
