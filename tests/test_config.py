@@ -1,0 +1,206 @@
+"""Tests of the experiment app's typed config: the schema, ``validate_config`` and ``register_configs``, and that
+every file of the ``conf/`` tree composes under the schema and validates."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ValidationError
+
+from lightprune.config import (
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    PruningConfig,
+    TrainerConfig,
+    register_configs,
+    validate_config,
+)
+from lightprune.experiment.app import config_dir
+
+
+def config(**groups: dict) -> ExperimentConfig:
+    """The default experiment config with some fields of its groups replaced, e.g. ``config(data={"seed": 1})``."""
+    base = ExperimentConfig()
+    return replace(base, **{group: replace(getattr(base, group), **fields) for group, fields in groups.items()})
+
+
+def problems(cfg: ExperimentConfig) -> list[str]:
+    """The problem lines of ``validate_config``'s error (empty when the config is valid)."""
+    try:
+        validate_config(cfg)
+    except ValueError as err:
+        header, *lines = str(err).splitlines()
+        assert header == "invalid experiment config:"
+        return [line.strip() for line in lines]
+    return []
+
+
+def test_defaults_are_valid_as_dataclass_and_as_dictconfig() -> None:
+    assert problems(ExperimentConfig()) == []
+    validate_config(OmegaConf.structured(ExperimentConfig))
+
+
+@pytest.mark.parametrize(
+    ("groups", "expected"),
+    [
+        ({"data": {"name": "cifar"}}, "data.name='cifar': one of"),
+        ({"data": {"name": "idx"}}, "data.root=None: required for data=idx"),
+        ({"data": {"batch_size": 0}}, "data.batch_size=0: must be >= 1"),
+        ({"data": {"val_size": 0.0}}, "data.val_size=0.0: must be in (0, 1)"),
+        ({"data": {"test_size": 0.0}}, "data.test_size=0.0: must be in (0, 1)"),
+        ({"data": {"val_size": 0.5, "test_size": 0.5}}, "data.test_size=0.5: data.val_size + data.test_size"),
+        ({"data": {"limit": 0}}, "data.limit=0: must be None or >= 1"),
+        ({"model": {"name": "resnet"}}, "model.name='resnet': one of"),
+        ({"model": {"hidden": [300, 0]}}, "model.hidden=[300, 0]: sizes must be >= 1"),
+        ({"model": {"channels": []}}, "model.channels=[]: one or more sizes"),
+        ({"model": {"lr": 0.0}}, "model.lr=0.0: must be > 0"),
+        ({"model": {"optimizer": "adagrad"}}, "model.optimizer='adagrad': one of"),
+        ({"model": {"weight_decay": -1.0}}, "model.weight_decay=-1.0: must be >= 0"),
+        ({"pruning": {"preset": "magic"}}, "pruning.preset='magic': one of"),
+        ({"pruning": {"method": "l3"}}, "pruning.method='l3': one of"),
+        ({"pruning": {"scope": "diagonal"}}, "pruning.scope='diagonal': one of"),
+        ({"pruning": {"schedule": "exponential"}}, "pruning.schedule='exponential': one of"),
+        ({"pruning": {"final_sparsity": 1.5}}, "pruning.final_sparsity=1.5: must be in [0, 1]"),
+        ({"pruning": {"initial_sparsity": -0.1}}, "pruning.initial_sparsity=-0.1: must be in [0, 1]"),
+        ({"pruning": {"initial_sparsity": 0.95}}, "pruning.initial_sparsity=0.95: must be <= pruning.final_sparsity"),
+        ({"pruning": {"start": -0.5}}, "pruning.start=-0.5: a fraction of the run in [0, 1]"),
+        ({"pruning": {"start": 0.7}}, "pruning.start=0.7: must be <= end=0.6"),
+        ({"pruning": {"frequency": 0.0}}, "pruning.frequency=0.0: a fraction in (0, 1]"),
+        ({"pruning": {"unit": "batch"}}, "pruning.unit='batch': one of"),
+        ({"pruning": {"rounds": 0}}, "pruning.rounds=0: must be >= 1"),
+        ({"pruning": {"rewind": "late"}}, "pruning.rewind='late': None or 'init'"),
+        ({"pruning": {"n": 0.0}}, "pruning.n=0.0: the order of a norm"),
+        ({"pruning": {"mask_dtype": "int8"}}, "pruning.mask_dtype='int8': one of"),
+        ({"pruning": {"prune_channel_bias": True}}, "pruning.prune_channel_bias=True: needs a structured"),
+        ({"pruning": {"include": ["fc("]}}, "pruning.include: 'fc(' is not a regular expression"),
+        ({"pruning": {"exclude": ["*"]}}, "pruning.exclude: '*' is not a regular expression"),
+        ({"trainer": {"dense_epochs": 0}}, "trainer.dense_epochs=0: must be >= 1"),
+        ({"trainer": {"max_epochs": 0}}, "trainer.max_epochs=0: must be >= 1"),
+        ({"trainer": {"devices": 0}}, "trainer.devices=0: must be >= 1"),
+        ({"trainer": {"log_every_n_steps": 0}}, "trainer.log_every_n_steps=0: >= 1"),
+        ({"trainer": {"accumulate_grad_batches": 0}}, "trainer.accumulate_grad_batches=0: must be >= 1"),
+        ({"trainer": {"num_threads": 0}}, "trainer.num_threads=0: must be None (torch's default) or >= 1"),
+    ],
+)
+def test_each_bad_value_is_named(groups: dict, expected: str) -> None:
+    found = problems(config(**groups))
+    assert len(found) == 1, found
+    assert found[0].startswith(expected), found
+
+
+def test_structured_methods_need_layerwise_scope() -> None:
+    cfg = config(pruning={"method": "ln_structured", "scope": "global"})
+    assert problems(cfg) == ["pruning.scope='global': pruning.method=ln_structured is structured and needs "
+                             "pruning.scope=layerwise"]  # fmt: skip
+    assert problems(config(pruning={"method": "random_structured", "scope": "layerwise"})) == []
+
+
+def test_small_cnn_needs_images() -> None:
+    assert problems(config(model={"name": "small_cnn"}, data={"flatten": True}))[0].startswith("data.flatten=True")
+    assert problems(config(model={"name": "lenet300100"}, data={"flatten": True})) == []
+
+
+def test_prune_channel_bias_needs_output_channels() -> None:
+    structured = {"method": "ln_structured", "scope": "layerwise", "prune_channel_bias": True}
+    assert problems(config(pruning=structured)) == []
+    assert problems(config(pruning={**structured, "dim": 1}))[0].startswith("pruning.prune_channel_bias=True")
+
+
+def test_start_and_end_only_bind_ramps() -> None:
+    """``end`` and ``initial_sparsity`` belong to linear/cubic ramps: a late one-shot event is fine."""
+    late = {"start": 0.8, "initial_sparsity": 0.95, "final_sparsity": 0.9}
+    assert problems(config(pruning={**late, "schedule": "constant"})) == []
+    assert problems(config(pruning={**late, "schedule": "geometric"})) == []
+    assert len(problems(config(pruning={**late, "schedule": "linear"}))) == 2
+
+
+def test_an_import_path_is_accepted_as_method() -> None:
+    assert problems(config(pruning={"method": "my_package.pruning.MyMethod", "scope": "layerwise"})) == []
+
+
+def test_every_problem_is_listed_in_one_error() -> None:
+    cfg = config(data={"batch_size": 0}, pruning={"final_sparsity": 2.0}, trainer={"max_epochs": 0})
+    assert [line.split("=")[0] for line in problems(cfg)] == [
+        "data.batch_size",
+        "pruning.final_sparsity",
+        "trainer.max_epochs",
+    ]
+
+
+def test_the_schema_rejects_unknown_keys_and_wrong_types() -> None:
+    cfg = OmegaConf.structured(ExperimentConfig)
+    with pytest.raises(ConfigAttributeError, match="final_sparsty"):
+        cfg.pruning.final_sparsty = 0.9
+    with pytest.raises(ValidationError, match="abc"):
+        cfg.pruning.final_sparsity = "abc"
+    with pytest.raises(ValidationError):
+        cfg.data.batch_size = 1.5
+    cfg.trainer.num_threads = None  # optional
+    cfg.pruning.rewind = "init"
+
+
+def test_group_dataclasses_default_to_the_shipped_defaults() -> None:
+    assert (DataConfig().name, ModelConfig().name, PruningConfig().preset) == ("digits", "lenet300100", "gmp_cubic")
+    assert TrainerConfig().num_threads is None
+
+
+def test_register_configs_stores_the_schema_idempotently() -> None:
+    register_configs()
+    register_configs()
+    stored = ConfigStore.instance().repo["experiment_schema.yaml"]
+    assert OmegaConf.get_type(stored.node) is ExperimentConfig
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The conf/ tree
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def compose_app(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (Path(config_dir()) / group).glob("*.yaml"))
+
+
+def test_config_dir_holds_the_tree() -> None:
+    assert (config_dir() / "config.yaml").is_file()
+    assert options("pruning") == ["gmp_cubic", "iterative_rounds", "ln_structured", "none", "one_shot"]
+
+
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [(group, option) for group in ("data", "model", "pruning", "trainer", "experiment") for option in options(group)],
+)
+def test_every_config_file_composes_and_validates(group: str, option: str) -> None:
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("data", "idx"):
+        overrides.append("data.root=/some/dir")
+    if (group, option) == ("pruning", "ln_structured"):
+        overrides.append("model=small_cnn")
+    cfg = compose_app(*overrides)
+    validate_config(cfg)
+    assert OmegaConf.get_type(cfg.pruning) is PruningConfig
+    if group == "pruning":
+        assert cfg.pruning.preset == option
+
+
+def test_default_composition_and_run_name() -> None:
+    cfg = compose_app()
+    assert (cfg.data.name, cfg.model.name, cfg.pruning.preset, cfg.pruning.final_sparsity) == (
+        "digits",
+        "lenet300100",
+        "gmp_cubic",
+        0.9,
+    )
+    assert cfg.name == "gmp_cubic-global-s0.9"
+    assert compose_app("pruning=ln_structured").pruning.exclude_classifier is True
