@@ -4,7 +4,8 @@
 fine-tunes it with :class:`lightprune.PruningCallback`, and writes into Hydra's run directory:
 
 * ``logs/dense`` and ``logs/prune`` (``logs/round_<r>`` for iterative rounds): Lightning's CSV logs (and
-  TensorBoard's when it is installed);
+  TensorBoard's when it is installed); ``logs/all_phases.csv``: all of them laid end to end, steps counted from
+  the start of the run (what ``training_curves.png`` shows);
 * ``summary.json``: dense and final test accuracy, per-layer and total sparsity, compression ratio, theoretical
   speed-up, wall time and the config;
 * ``training_curves.png`` (sparsity and accuracy over steps) and ``layer_sparsity.png``;
@@ -16,15 +17,19 @@ accuracy-versus-sparsity plot.
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import logging
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from lightprune.config import register_configs, validate_config
 
@@ -68,8 +73,41 @@ def _schedule(cfg: DictConfig, rounds_target: float | None = None) -> Any:
     )
 
 
-def build_callback(cfg: DictConfig, *, rounds_target: float | None = None, rewind: Any = None) -> Any:
+def _classifier_weight(module: nn.Module) -> str:
+    """Qualified name of the weight of ``module``'s last ``nn.Linear`` (the classifier head)."""
+    linears = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
+    if not linears:
+        raise ValueError("pruning.exclude_classifier=true, but the model has no nn.Linear layer")
+    return f"{linears[-1]}.weight" if linears[-1] else "weight"
+
+
+def _exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | None:
+    """``cfg.pruning.exclude``, plus the classifier's weight when ``cfg.pruning.exclude_classifier`` is set."""
+    exclude = list(cfg.pruning.exclude) if cfg.pruning.exclude else []
+    if cfg.pruning.exclude_classifier:
+        if module is None:
+            raise ValueError("pruning.exclude_classifier=true needs the model: pass build_callback(cfg, module=...)")
+        exclude.append(re.escape(_classifier_weight(module)))
+    return exclude or None
+
+
+def build_callback(
+    cfg: DictConfig,
+    *,
+    module: nn.Module | None = None,
+    rounds_target: float | None = None,
+    rewind: Any = None,
+    make_permanent: bool = True,
+) -> Any:
     """A :class:`lightprune.PruningCallback` for ``cfg.pruning``, or ``None`` for the dense preset.
+
+    Args:
+        cfg: the experiment config.
+        module: the LightningModule to prune; needed for ``pruning.exclude_classifier`` (and for nothing else).
+        rounds_target: for one round of ``iterative_rounds``: prune once, when the round's fit starts, to this.
+        rewind: the callback's ``rewind=``, e.g. a :meth:`~lightprune.PruningCallback.snapshot_weights` dict of
+            the initial weights. ``None`` with ``pruning.rewind=init``: rewind to the weights at the start of fit.
+        make_permanent: remove the pruning reparametrization at the end of fit (plain weights with zeros).
 
     Example:
         >>> from lightprune.config import ExperimentConfig
@@ -86,6 +124,8 @@ def build_callback(cfg: DictConfig, *, rounds_target: float | None = None, rewin
     method_kwargs: dict[str, Any] = {"dim": p.dim} if structured else {}
     if p.method == "ln_structured":
         method_kwargs["n"] = p.n
+    if rewind is None and p.rewind is not None:
+        rewind = p.rewind
     return PruningCallback(
         _schedule(cfg, rounds_target),
         method=p.method,
@@ -93,14 +133,31 @@ def build_callback(cfg: DictConfig, *, rounds_target: float | None = None, rewin
         scope=p.scope,
         unit=p.unit,
         include=list(p.include) if p.include else None,
-        exclude=list(p.exclude) if p.exclude else None,
+        exclude=_exclude_patterns(cfg, module),
         prune_channel_bias=p.prune_channel_bias,
         rewind=rewind,
-        make_permanent=rounds_target is None,
+        make_permanent=make_permanent,
         mask_dtype=torch.bool if p.mask_dtype == "bool" else None,
         log_per_parameter=p.log_per_parameter,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
         seed=p.seed,
     )
+
+
+def _check_selection(callback: Any, module: nn.Module) -> None:
+    """Fail before any training when ``pruning.include``/``pruning.exclude`` select nothing in the model."""
+    from lightprune.selection import select_parameters
+
+    try:
+        select_parameters(
+            module,
+            include=callback.include,
+            exclude=callback.exclude,
+            module_types=callback.module_types,
+            parameter_names=callback.parameter_names,
+        )
+    except ValueError as err:
+        raise ValueError(f"pruning.include / pruning.exclude: {err}") from err
 
 
 def _datamodule(cfg: DictConfig) -> Any:
@@ -156,6 +213,87 @@ def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
     return float(results[0]["test/acc"])
 
 
+@contextlib.contextmanager
+def _torch_threads(num_threads: int | None) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(num_threads)`` (``None``: leave it), restoring the previous count after."""
+    if num_threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _round_targets(cfg: DictConfig) -> list[float]:
+    """Target sparsity after each round of ``iterative_rounds``: the same fraction of what remains is pruned in
+    every round, and the last round reaches ``final_sparsity`` exactly."""
+    p = cfg.pruning
+    per_round = 1.0 - (1.0 - p.final_sparsity) ** (1.0 / p.rounds)
+    targets = [1.0 - (1.0 - per_round) ** r for r in range(1, p.rounds + 1)]
+    targets[-1] = p.final_sparsity
+    return targets
+
+
+def _plan(cfg: DictConfig, module: nn.Module, rewind: Any) -> list[tuple[str, float | None, Any]]:
+    """The phases after the dense one, as ``(log name, round target or None, callback or None)``.
+
+    Every callback is built here, before any training, so that a bad method, method argument or selection fails
+    at once rather than after the dense phase.
+    """
+    try:
+        if cfg.pruning.preset == "iterative_rounds" and build_callback(cfg, module=module) is not None:
+            targets = _round_targets(cfg)
+            plan: list[tuple[str, float | None, Any]] = [
+                (
+                    f"round_{index}",
+                    target,
+                    build_callback(
+                        cfg, module=module, rounds_target=target, rewind=rewind, make_permanent=index == len(targets)
+                    ),
+                )
+                for index, target in enumerate(targets, start=1)
+            ]
+        else:
+            plan = [("prune", None, build_callback(cfg, module=module, rewind=rewind))]
+    except ValueError as err:  # the callback's own checks, e.g. of a method given by import path
+        raise ValueError(f"invalid pruning config (pruning.*): {err}") from err
+    if plan[0][2] is not None:
+        _check_selection(plan[0][2], module)
+    return plan
+
+
+def _lay_end_to_end(output_dir: Path, phases: Sequence[tuple[str, int]], out_csv: Path) -> Path | None:
+    """Concatenate the phases' ``logs/<phase>/metrics.csv`` into one CSV with steps counted from the run's start.
+
+    Each phase's steps are shifted by the optimizer steps of the phases before it; a ``phase`` column names the
+    phase. Returns ``out_csv``, or ``None`` when no phase wrote a metrics file.
+    """
+    columns: list[str] = ["phase"]
+    rows: list[dict[str, str]] = []
+    offset = 0
+    for phase, steps in phases:
+        path = output_dir / "logs" / phase / "metrics.csv"
+        if path.is_file():
+            with path.open(newline="") as handle:
+                reader = csv.DictReader(handle)
+                columns += [c for c in reader.fieldnames or [] if c not in columns]
+                for row in reader:
+                    if row.get("step"):
+                        row["step"] = str(int(float(row["step"])) + offset)
+                    rows.append({"phase": phase, **row})
+        offset += steps
+    if not rows:
+        return None
+    with out_csv.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    return out_csv
+
+
 def run_experiment(cfg: DictConfig, output_dir: str | Path) -> Any:
     """Run the whole experiment described by ``cfg`` and write its outputs into ``output_dir``.
 
@@ -163,21 +301,23 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path) -> Any:
         The :class:`~lightprune.experiment.report.RunSummary` written to ``summary.json``.
 
     Raises:
-        ValueError: the config is invalid (every problem is listed); nothing has been trained then.
+        ValueError: the config is invalid (every problem is listed), or the pruning method or selection does not
+            fit the model; nothing has been trained or written then.
     """
+    validate_config(cfg)
+    with _torch_threads(cfg.trainer.num_threads):
+        return _run(cfg, Path(output_dir))
+
+
+def _run(cfg: DictConfig, output_dir: Path) -> Any:
     import lightning.pytorch as pl
 
-    from lightprune import prune
     from lightprune.callback import PruningCallback
     from lightprune.experiment.models import Classifier, make_model
     from lightprune.experiment.report import format_summary_table, plot_layer_sparsity, plot_training_curves, summarize
 
-    validate_config(cfg)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-
     datamodule = _datamodule(cfg)
     model_kwargs: dict[str, Any] = (
         {"hidden": tuple(cfg.model.hidden)}
@@ -187,45 +327,30 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path) -> Any:
     network = make_model(cfg.model.name, datamodule.dims, datamodule.num_classes, **model_kwargs)
     module = Classifier(network, lr=cfg.model.lr, optimizer=cfg.model.optimizer, weight_decay=cfg.model.weight_decay)
     initial_weights = PruningCallback.snapshot_weights(module)
+    plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None)
+    output_dir.mkdir(parents=True, exist_ok=True)
 
     dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
     dense.fit(module, datamodule=datamodule)
+    phases = [("dense", dense.global_step)]
     dense_acc = _test_accuracy(dense, module, datamodule)
 
     metrics: dict[str, float] = {}
-    curves_csv = output_dir / "logs" / "prune" / "metrics.csv"
-    selection: list[tuple[Any, str]] | None = None
-    if cfg.pruning.preset == "iterative_rounds" and build_callback(cfg) is not None:
-        per_round = 1.0 - (1.0 - cfg.pruning.final_sparsity) ** (1.0 / cfg.pruning.rounds)
-        callback = None
-        for round_index in range(1, cfg.pruning.rounds + 1):
-            target = 1.0 - (1.0 - per_round) ** round_index
-            if round_index == cfg.pruning.rounds:
-                target = cfg.pruning.final_sparsity
-            rewind = initial_weights if cfg.pruning.rewind == "init" else None
-            callback = build_callback(cfg, rounds_target=target, rewind=rewind)
-            trainer = _trainer(cfg, output_dir, f"round_{round_index}", cfg.trainer.max_epochs, [callback])
-            trainer.fit(module, datamodule=datamodule)
-            metrics[f"round_{round_index}/test_acc"] = _test_accuracy(trainer, module, datamodule)
-            metrics[f"round_{round_index}/sparsity"] = target
-        assert callback is not None
-        selection = [(m, n) for _, m, n in callback._selection]
-        for m, n in selection:
-            prune.remove(m, n)
-        final_acc = metrics[f"round_{cfg.pruning.rounds}/test_acc"]
-        curves_csv = output_dir / "logs" / f"round_{cfg.pruning.rounds}" / "metrics.csv"
-    else:
-        callback = build_callback(cfg)
-        trainer = _trainer(cfg, output_dir, "prune", cfg.trainer.max_epochs, [callback])
+    final_acc = dense_acc
+    for phase, target, callback in plan:
+        trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback])
         trainer.fit(module, datamodule=datamodule)
+        phases.append((phase, trainer.global_step))
         final_acc = _test_accuracy(trainer, module, datamodule)
-        if callback is not None:
-            selection = [(m, n) for _, m, n in callback._selection]
+        if target is not None:
+            metrics[f"{phase}/test_acc"] = final_acc
+            metrics[f"{phase}/sparsity"] = target
+    last_callback = plan[-1][2]
 
     summary = summarize(
         module,
         input_shape=datamodule.dims,
-        parameters=selection,
+        parameters=None if last_callback is None else last_callback.selection,
         dense_test_acc=dense_acc,
         final_test_acc=final_acc,
         wall_time_s=time.perf_counter() - started,
@@ -236,12 +361,26 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path) -> Any:
     if cfg.save_model:
         torch.save(module.model.state_dict(), output_dir / "model.pt")
     if cfg.plots:
-        if curves_csv.is_file():
+        curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
+        if curves_csv is not None:
             plot_training_curves(curves_csv, output_dir / "training_curves.png")
         plot_layer_sparsity(summary, output_dir / "layer_sparsity.png")
     print(format_summary_table(summary))
     print(f"outputs: {output_dir}")
     return summary
+
+
+def _route_lightning_logs_to_hydra() -> None:
+    """Lightning gives its loggers console handlers of their own; under Hydra, whose root handlers already print
+    to the console and write the job's log file, every Lightning line would appear twice."""
+    import lightning.pytorch  # noqa: F401  (adds the handlers on first import)
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
 
 
 def _hydra_main(argv: Sequence[str]) -> int:
@@ -251,13 +390,16 @@ def _hydra_main(argv: Sequence[str]) -> int:
     register_configs()
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
-    def _run(cfg: DictConfig) -> None:
+    def _run_job(cfg: DictConfig) -> None:
+        validate_config(cfg)  # before importing Lightning: a config error is reported in a moment
+        if logging.getLogger().handlers:
+            _route_lightning_logs_to_hydra()
         run_experiment(cfg, HydraConfig.get().runtime.output_dir)
 
     saved = sys.argv
     sys.argv = [saved[0], *argv]
     try:
-        _run()
+        _run_job()
     finally:
         sys.argv = saved
     return 0

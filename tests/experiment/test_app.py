@@ -1,0 +1,379 @@
+"""End-to-end tests of the experiment app: every pruning preset at tiny size, config errors, the console script,
+``python -m``, a real Hydra multirun and the ``report`` subcommand.
+
+Runs compose the config with Hydra's compose API (as the console script does) and call ``run_experiment`` in this
+process. ``experiment=smoke`` (1 dense epoch, 2 pruning epochs, 1 CPU thread) with ``data.batch_size=256`` makes a
+run take a second or two; subprocess tests pay a few seconds of imports each and are marked slow.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
+
+import lightprune.experiment.app as app
+from lightprune.config import register_configs
+from lightprune.experiment.app import config_dir, main, run_experiment
+from lightprune.experiment.report import RunSummary
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
+]
+
+TINY = ["experiment=smoke", "data.batch_size=256"]
+"""1 dense epoch and 2 pruning epochs of 5 steps each, one CPU thread: a run takes a second or two."""
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_config(*overrides: str) -> DictConfig:
+    """The app's config for ``overrides``, composed like the console script composes it."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any ``Trainer.fit`` fail the test: config errors must surface before training."""
+
+    def fit(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Trainer.fit ran: the config error was not caught before training")
+
+    monkeypatch.setattr(pl.Trainer, "fit", fit)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checking a run directory
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def last_value(rows: list[dict[str, str]], column: str) -> float:
+    values = [float(row[column]) for row in rows if row.get(column)]
+    assert values, f"no value in column {column}"
+    return values[-1]
+
+
+def check_run_dir(run_dir: Path, phases: Sequence[str], pruned: bool) -> RunSummary:
+    """Every output of a run exists and parses; returns the summary. Per-phase checks are the caller's."""
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert 0.0 <= summary.dense_test_acc <= 1.0
+    assert 0.0 <= summary.final_test_acc <= 1.0
+    assert summary.total_weights > 0
+    assert summary.config["trainer"]["max_epochs"] == 2
+    assert summary.wall_time_s > 0
+
+    for phase in phases:
+        rows = read_csv(run_dir / "logs" / phase / "metrics.csv")
+        assert rows, phase
+        assert any(row.get("train/loss") for row in rows), phase
+        assert last_value(rows, "test/acc") >= 0.0
+        if pruned and phase != "dense":
+            assert "pruning/sparsity/total" in rows[0], phase
+    if pruned:
+        final_rows = read_csv(run_dir / "logs" / phases[-1] / "metrics.csv")
+        assert last_value(final_rows, "pruning/sparsity/total") == pytest.approx(summary.total_sparsity, abs=1e-6)
+
+    # all phases laid end to end, steps counted from the start of the run
+    combined = read_csv(run_dir / "logs" / "all_phases.csv")
+    assert [phase for phase in dict.fromkeys(row["phase"] for row in combined)] == list(phases)
+    first_steps = {}
+    for row in combined:
+        first_steps.setdefault(row["phase"], int(row["step"]))
+    assert sorted(first_steps.values()) == list(first_steps.values())
+    assert first_steps[phases[-1]] > 0
+
+    for png in ("training_curves.png", "layer_sparsity.png"):
+        assert (run_dir / png).read_bytes()[:8] == PNG_MAGIC, png
+
+    state_dict = torch.load(run_dir / "model.pt", weights_only=True)
+    assert all(isinstance(tensor, torch.Tensor) for tensor in state_dict.values())
+    assert not any(key.endswith(("_orig", "_mask")) for key in state_dict), sorted(state_dict)
+    for qualified, sparsity in summary.layer_sparsity.items():
+        weight = state_dict[qualified.removeprefix("model.")]
+        assert float((weight == 0).sum()) / weight.numel() == pytest.approx(sparsity)
+    return summary
+
+
+def assert_exact_sparsity(summary: RunSummary, target: float) -> None:
+    """The callback prunes exactly ``round(target * n)`` of the ``n`` selected weights."""
+    n = summary.total_weights
+    assert summary.nonzero_weights == n - round(target * n)
+    assert summary.total_sparsity == round(target * n) / n
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# End to end, in process
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_default_preset_gmp_cubic_end_to_end(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    summary = run_experiment(make_config(*TINY), tmp_path)
+    assert RunSummary.load(tmp_path / "summary.json") == summary
+    check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
+    assert_exact_sparsity(summary, 0.9)
+    assert summary.total_weights == 64 * 300 + 300 * 100 + 100 * 10
+    assert sorted(summary.layer_sparsity) == ["model.fc1.weight", "model.fc2.weight", "model.fc3.weight"]
+    # the cubic ramp reaches its target in several events, all logged
+    rows = read_csv(tmp_path / "logs" / "prune" / "metrics.csv")
+    targets = sorted({float(row["pruning/target"]) for row in rows if row.get("pruning/target")})
+    assert len(targets) > 3 and targets[-1] == pytest.approx(0.9)
+    assert torch.get_num_threads() == threads  # the smoke preset's trainer.num_threads=1 is undone after the run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sparsity", [0.5, 0.95])
+def test_one_shot_hits_the_target_exactly(tmp_path: Path, sparsity: float) -> None:
+    summary = run_experiment(make_config(*TINY, "pruning=one_shot", f"pruning.final_sparsity={sparsity}"), tmp_path)
+    check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
+    assert_exact_sparsity(summary, sparsity)
+
+
+@pytest.mark.slow
+def test_none_preset_trains_without_pruning(tmp_path: Path) -> None:
+    summary = run_experiment(make_config(*TINY, "pruning=none"), tmp_path)
+    check_run_dir(tmp_path, ["dense", "prune"], pruned=False)
+    assert summary.total_sparsity == 0.0
+    assert summary.nonzero_weights == summary.total_weights
+    assert "pruning/sparsity/total" not in read_csv(tmp_path / "logs" / "prune" / "metrics.csv")[0]
+
+
+@pytest.mark.slow
+def test_iterative_rounds_prune_geometrically_and_rewind(tmp_path: Path) -> None:
+    summary = run_experiment(make_config(*TINY, "pruning=iterative_rounds", "pruning.rounds=2"), tmp_path)
+    check_run_dir(tmp_path, ["dense", "round_1", "round_2"], pruned=True)
+    assert_exact_sparsity(summary, 0.9)
+    first = 1 - math.sqrt(0.1)  # the same fraction of what remains in each round
+    assert summary.metrics["round_1/sparsity"] == pytest.approx(first)
+    assert summary.metrics["round_2/sparsity"] == 0.9
+    assert summary.metrics["round_2/test_acc"] == summary.final_test_acc
+    round_1 = read_csv(tmp_path / "logs" / "round_1" / "metrics.csv")
+    n = summary.total_weights
+    assert last_value(round_1, "pruning/sparsity/total") == pytest.approx(round(first * n) / n, abs=1e-6)
+    assert not (tmp_path / "logs" / "round_3").exists()
+
+
+@pytest.mark.slow
+def test_ln_structured_prunes_channels_and_keeps_the_classifier(tmp_path: Path) -> None:
+    summary = run_experiment(make_config(*TINY, "pruning=ln_structured", "model=small_cnn"), tmp_path)
+    check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
+    assert summary.layer_sparsity == {"model.conv1.weight": 0.5, "model.conv2.weight": 0.5}
+    state_dict = torch.load(tmp_path / "model.pt", weights_only=True)
+    for layer, channels in (("conv1", 16), ("conv2", 32)):
+        weight, bias = state_dict[f"{layer}.weight"], state_dict[f"{layer}.bias"]
+        dead = weight.flatten(1).abs().sum(dim=1) == 0
+        assert int(dead.sum()) == channels // 2
+        assert torch.all(bias[dead] == 0)  # prune_channel_bias: the pruned channels' biases are zero too
+    assert int((state_dict["fc.weight"] == 0).sum()) == 0  # exclude_classifier
+
+
+@pytest.mark.slow
+def test_cnn_channels_experiment_preset(tmp_path: Path) -> None:
+    tiny = ["trainer.dense_epochs=1", "trainer.max_epochs=2", "trainer.num_threads=1", "data.batch_size=256"]
+    summary = run_experiment(make_config("experiment=cnn_channels", *tiny), tmp_path)
+    assert summary.layer_sparsity == {"model.conv1.weight": 0.5, "model.conv2.weight": 0.5}
+
+
+def test_rewind_init_passes_the_initial_weights_to_the_callback(
+    monkeypatch: pytest.MonkeyPatch, no_training: None, tmp_path: Path
+) -> None:
+    seen = []
+    build = app.build_callback
+
+    def spy(cfg: DictConfig, **kwargs: object) -> object:
+        seen.append(kwargs.get("rewind"))
+        return build(cfg, **kwargs)
+
+    monkeypatch.setattr(app, "build_callback", spy)
+    with pytest.raises(AssertionError, match=r"Trainer\.fit ran"):
+        run_experiment(make_config(*TINY, "pruning=one_shot", "pruning.rewind=init"), tmp_path)
+    assert isinstance(seen[-1], dict)
+    assert {"model.fc1.weight", "model.fc1.bias", "model.fc3.weight"} <= set(seen[-1])
+
+
+def test_build_callback_maps_the_config() -> None:
+    cfg = make_config("pruning=one_shot", "pruning.final_sparsity=0.7", "pruning.rewind=init")
+    callback = app.build_callback(cfg)
+    assert type(callback.schedule).__name__ == "Constant"
+    assert (callback.scope, callback.rewind, callback.make_permanent) == ("global", 0, True)
+    assert app.build_callback(make_config("pruning=none")) is None
+    structured = make_config("pruning=ln_structured", "model=small_cnn")
+    with pytest.raises(ValueError, match="exclude_classifier"):
+        app.build_callback(structured)  # the classifier's name comes from the model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Config errors: named, and raised before any training
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("pruning.final_sparsty=0.9", "pruning.final_sparsty"),
+        ("pruning.final_sparsity=abc", "pruning.final_sparsity"),
+        ("data.batch_size=many", "data.batch_size"),
+        ("trainer.num_threads=1.5", "trainer.num_threads"),
+        ("pruning=not_a_preset", "pruning/not_a_preset"),
+    ],
+)
+def test_misspelt_keys_and_wrong_types_fail_at_composition(override: str, key: str) -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        make_config(*TINY, override)
+    message = str(info.value) + str(info.value.__cause__)
+    assert key in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["pruning.final_sparsity=1.5"], "pruning.final_sparsity"),
+        (["pruning.final_sparsity=-0.1"], "pruning.final_sparsity"),
+        (["data.batch_size=0"], "data.batch_size"),
+        (["trainer.max_epochs=0"], "trainer.max_epochs"),
+        (["trainer.dense_epochs=0"], "trainer.dense_epochs"),
+        (["trainer.num_threads=0"], "trainer.num_threads"),
+        (["pruning.scope=diagonal"], "pruning.scope"),
+        (["pruning=ln_structured", "model=small_cnn", "pruning.scope=global"], "pruning.scope"),
+        (["pruning.schedule=exponential"], "pruning.schedule"),
+        (["pruning.frequency=0"], "pruning.frequency"),
+        (["pruning.rewind=late"], "pruning.rewind"),
+        (["pruning=iterative_rounds", "pruning.rounds=0"], "pruning.rounds"),
+        (["pruning.include=['model\\.fc(']"], "pruning.include"),
+        (["pruning.prune_channel_bias=true"], "pruning.prune_channel_bias"),
+        (["model=small_cnn", "data.flatten=true"], "data.flatten"),
+        (["model.channels=[]", "model=small_cnn"], "model.channels"),
+        (["data=idx"], "data.root"),
+        (["data.val_size=0.5", "data.test_size=0.5"], "data.test_size"),
+        (["model.optimizer=adagrad"], "model.optimizer"),
+    ],
+)
+def test_invalid_values_fail_before_training(no_training: None, tmp_path: Path, overrides: list[str], key: str) -> None:
+    cfg = make_config(*TINY, *overrides)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        run_experiment(cfg, run_dir)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["pruning.include=['nothing\\..*']"], "pruning.include"),
+        (["pruning.method=no_such_package.Method"], "could not be imported"),
+    ],
+)
+def test_selection_and_method_errors_fail_before_training(
+    no_training: None, tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        run_experiment(make_config(*TINY, *overrides), run_dir)
+    assert not run_dir.exists()
+
+
+def test_a_late_one_shot_is_valid_whatever_end_says(no_training: None, tmp_path: Path) -> None:
+    """``end`` belongs to the ramps: a one-shot event after the default ``end=0.6`` is fine."""
+    with pytest.raises(AssertionError, match=r"Trainer\.fit ran"):
+        run_experiment(make_config(*TINY, "pruning=one_shot", "pruning.start=0.8"), tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report over runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_report(sweep_dir: Path, runs: int, sparsities: Sequence[str]) -> None:
+    assert main(["report", str(sweep_dir)]) == 0
+    markdown = (sweep_dir / "report.md").read_text()
+    table = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + runs  # header and one row per run
+    for sparsity in sparsities:
+        assert any(f"| {sparsity} |" in row for row in table[1:]), (sparsity, table)
+    assert (sweep_dir / "accuracy_vs_sparsity.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_report_over_two_emulated_runs(tmp_path: Path) -> None:
+    for job, sparsity in enumerate(("0.5", "0.8")):
+        run_dir = tmp_path / str(job)
+        override = f"pruning.final_sparsity={sparsity}"
+        run_experiment(make_config(*TINY, "pruning=one_shot", override), run_dir)
+        (run_dir / ".hydra").mkdir()
+        (run_dir / ".hydra" / "overrides.yaml").write_text(f"- {override}\n")
+    check_report(tmp_path, runs=2, sparsities=["0.5", "0.8", "50.0%", "80.0%"])
+
+
+def test_report_of_a_directory_without_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 1
+    assert "no summary.json" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command line: console script, python -m, multirun
+# --------------------------------------------------------------------------------------------------------------------
+
+PYTHON_M = [sys.executable, "-m", "lightprune.experiment"]
+CLI = [pytest.param(PYTHON_M, id="python-m")]
+if shutil.which("lightprune-experiment"):
+    CLI.append(pytest.param([shutil.which("lightprune-experiment")], id="console-script"))
+
+
+def run_cli(command: list[str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", CLI)
+def test_command_line_run(tmp_path: Path, command: list[str]) -> None:
+    result = run_cli(command, *TINY, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "final test acc" in result.stdout
+    summary = check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
+    assert_exact_sparsity(summary, 0.9)
+    assert (tmp_path / ".hydra" / "overrides.yaml").is_file()
+    log_lines = (tmp_path / "app.log").read_text().splitlines()
+    assert not any(line.startswith("INFO: ") for line in result.stderr.splitlines()), "Lightning logs printed twice"
+    assert any("Trainer.fit" in line for line in log_lines)
+
+
+@pytest.mark.slow
+def test_command_line_config_error(tmp_path: Path) -> None:
+    result = run_cli(PYTHON_M, *TINY, "pruning.final_sparsity=1.5", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 1
+    assert "pruning.final_sparsity=1.5: must be in [0, 1]" in result.stderr
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_multirun_then_report(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(PYTHON_M, "-m", "pruning.final_sparsity=0.5,0.8", *TINY, f"hydra.sweep.dir={sweep_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = sorted(sweep_dir.glob("*/summary.json"))
+    assert len(summaries) == 2
+    for path in summaries:
+        assert (path.parent / ".hydra" / "overrides.yaml").is_file()
+        check_run_dir(path.parent, ["dense", "prune"], pruned=True)
+    check_report(sweep_dir, runs=2, sparsities=["0.5", "0.8", "50.0%", "80.0%"])
