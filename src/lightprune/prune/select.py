@@ -1,0 +1,631 @@
+"""Exact k-smallest selection over one or many tensors, in bounded memory.
+
+Pruning needs "the ``k`` entries with the smallest score" over one tensor or over
+all the tensors of a model at once (global pruning). Sorting or ``topk`` over the
+concatenated scores is slow and doubles the memory, so this module selects with a
+radix search instead:
+
+1. Every score is mapped to an integer *key* built from its bit pattern, such that
+   integer order is the wanted order (by value or by magnitude, smallest or
+   largest first). ``-0.0`` and ``+0.0`` get the same key and every NaN gets one
+   key above ``+inf``.
+2. A histogram (``torch.bincount``) of the top bits of the keys, accumulated chunk
+   by chunk over all tensors, tells which bin holds the k-th key. While that bin
+   is too crowded, another histogram pass over the next bits of the keys inside
+   it narrows it down. The keys of the final bin are then gathered and sorted:
+   that small set gives the threshold key exactly. (Inputs of at most
+   ``BIN_LIMIT`` entries skip the histograms: all their keys are sorted at once.)
+3. A last pass writes the masks chunk by chunk: entries whose key is below the
+   threshold are selected, and among those equal to it the first ones in flat
+   order (tensor 0 before tensor 1, and so on) until ``k`` is reached.
+
+The result is a :class:`Cut` (a threshold key and a tie count) so the search
+(:func:`find_cut`) and the writing (:func:`apply_cut`) can be used separately.
+Only per-chunk temporaries (a few MB) and the gathered keys (at most ``BIN_LIMIT``)
+are ever allocated: tensors are never concatenated, flattened by copy or sorted
+whole. The result does not depend on the machine: ties are always broken by flat
+index.
+
+Scores may have several dtypes; they are compared as if promoted to their common
+dtype (like ``torch.cat`` would), one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Cut", "apply_cut", "count_eligible", "find_cut", "select_smallest"]
+
+#: Elements per chunk on CPU (about L2-sized for 32-bit keys).
+CHUNK_CPU = 1 << 18
+#: Elements per chunk on accelerators.
+CHUNK_CUDA = 1 << 24
+#: Key bits resolved by one histogram pass (``2**RADIX_BITS`` bins).
+RADIX_BITS = 16
+#: A histogram bin holding more eligible entries than this is refined by another pass
+#: instead of having its keys gathered and sorted (this bounds that sort's memory).
+BIN_LIMIT = 1 << 20
+
+_FLOAT_LAYOUT = {
+    # dtype: (integer view, bits of the integer view, bit pattern of +inf)
+    torch.float16: (torch.int16, 16, 0x7C00),
+    torch.bfloat16: (torch.int16, 16, 0x7F80),
+    torch.float32: (torch.int32, 32, 0x7F800000),
+    torch.float64: (torch.int64, 64, 0x7FF0000000000000),
+}
+_NARROW_INTS = (torch.bool, torch.uint8, torch.int8, torch.int16)
+_WIDE_INTS = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a selection stops, in key space.
+
+    The selected entries are the eligible entries whose key is below ``key``, plus the
+    first ``ties`` eligible entries (in flat order, tensor after tensor) whose key equals
+    ``key``. :func:`find_cut` returns ``ties == 0`` whenever all the entries equal to the
+    last selected key are selected (``key`` is then one above that key), so ties only need
+    counting when they are split.
+
+    Keys are internal integers: a cut is only meaningful to :func:`apply_cut` called with
+    the same scores, dtypes and ``magnitude``/``largest`` flags as the :func:`find_cut` call
+    that produced it.
+
+    Attributes:
+        key: The threshold key.
+        ties: How many eligible entries with key equal to ``key`` are selected.
+
+    Example:
+        >>> import torch
+        >>> cut = find_cut([torch.tensor([3.0, 1.0, 2.0])], 2)
+        >>> cut.ties
+        0
+        >>> select_smallest([torch.tensor([3.0, 1.0, 2.0])], 2)
+        [tensor([False,  True,  True])]
+    """
+
+    key: int
+    ties: int
+
+
+class _Keys:
+    """Maps score chunks of one common dtype to integer keys, in the wanted order.
+
+    Keys are ``int32`` or ``int64`` tensors whose values lie in ``[lo, hi]``; a smaller
+    key means "selected earlier".
+    """
+
+    def __init__(self, dtype: torch.dtype, magnitude: bool, largest: bool) -> None:
+        self.dtype = dtype
+        self.magnitude = magnitude
+        self.largest = largest
+        if dtype in _FLOAT_LAYOUT:
+            view, bits, inf = _FLOAT_LAYOUT[dtype]
+            self.view = view
+            self.key_dtype = torch.int64 if bits == 64 else torch.int32
+            self.sign_mask = (1 << (bits - 1)) - 1
+            self.inf = inf
+            self.nan = inf + 1  # every NaN gets this key, one above +inf
+            lo, hi = (0 if magnitude else -inf), self.nan
+        elif dtype in _NARROW_INTS:
+            self.key_dtype = torch.int32
+            info = torch.iinfo(torch.uint8 if dtype == torch.bool else dtype)
+            vmin, vmax = (0, 1) if dtype == torch.bool else (info.min, info.max)
+            lo, hi = (0, max(vmax, -vmin)) if magnitude else (vmin, vmax)
+        elif dtype in _WIDE_INTS:
+            self.key_dtype = dtype
+            info = torch.iinfo(dtype)
+            # Magnitude key |x| - 1 with wrap-around: |min| wraps to max, the largest key.
+            lo, hi = (-1, info.max) if magnitude else (info.min, info.max)
+        else:
+            raise TypeError(f"unsupported score dtype {dtype}")
+        if largest:  # bitwise not reverses the order without overflow
+            lo, hi = ~hi, ~lo
+        self.lo, self.hi = lo, hi
+        info = torch.iinfo(self.key_dtype)
+        self.dmin, self.dmax = info.min, info.max
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """Keys of a 1-D contiguous chunk ``x``; always a new tensor (safe to modify in place)."""
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        dt = self.dtype
+        if dt in _WIDE_INTS and not self.magnitude:
+            return torch.bitwise_not(x) if self.largest else x.clone()
+        if dt in _FLOAT_LAYOUT:
+            b = x.view(self.view)
+            if b.dtype == torch.int16:
+                b = b.to(torch.int32)
+            key = b & self.sign_mask
+            key.clamp_(max=self.nan)
+            if not self.magnitude:  # negate the keys of negative values, branch-free
+                sign = b >> (b.element_size() * 8 - 1)  # -1 where the sign bit is set, else 0
+                sign *= key <= self.inf  # a NaN stays on top whatever its sign bit
+                key ^= sign
+                key -= sign
+        elif dt in _NARROW_INTS:
+            key = x.to(torch.int32)
+            if self.magnitude and dt not in (torch.bool, torch.uint8):
+                key.abs_()
+        else:  # wide integers by magnitude: |x| - 1, where |min| wraps to min and then to max
+            key = x.abs()
+            key -= 1
+        if self.largest:
+            key.bitwise_not_()
+        return key
+
+    @property
+    def bits(self) -> int:
+        return (self.hi - self.lo).bit_length()
+
+
+def _common_dtype(scores: Sequence[Tensor]) -> torch.dtype:
+    dtype = scores[0].dtype
+    for s in scores[1:]:
+        dtype = torch.promote_types(dtype, s.dtype)
+    return dtype
+
+
+def _chunk_size(device: torch.device) -> int:
+    return CHUNK_CPU if device.type == "cpu" else CHUNK_CUDA
+
+
+def _check(
+    scores: Sequence[Tensor], eligible: Sequence[Tensor | None] | None, name: str = "eligible"
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    scores = list(scores)
+    for s in scores:
+        if not isinstance(s, Tensor):
+            raise TypeError(f"scores must be tensors, got {type(s).__name__}")
+    if eligible is None:
+        elig: list[Tensor | None] = [None] * len(scores)
+    else:
+        elig = list(eligible)
+        if len(elig) != len(scores):
+            raise ValueError(f"got {len(elig)} {name} tensors for {len(scores)} score tensors")
+        for i, (s, e) in enumerate(zip(scores, elig, strict=True)):
+            if e is not None and e.shape != s.shape:
+                raise ValueError(f"{name}[{i}] has shape {tuple(e.shape)}, scores[{i}] has {tuple(s.shape)}")
+    devices = {t.device for t in scores} | {e.device for e in elig if e is not None}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return scores, elig
+
+
+def _pieces(tensors: Sequence[Tensor | None], chunk: int) -> Iterator[tuple[bool, object]]:
+    """Index pieces covering the tensors' common shape in flat (row-major) order.
+
+    Yields ``(flat, index)``: when every tensor is contiguous, ``index`` is a slice of
+    the flattened view; otherwise it is a basic index whose result covers a run of at
+    most ``chunk`` consecutive flat positions. Use :func:`_take` to apply it.
+    """
+    ref = next(t for t in tensors if t is not None)
+    numel = ref.numel()
+    if numel == 0:
+        return
+    if all(t is None or t.is_contiguous() for t in tensors):
+        for a in range(0, numel, chunk):
+            yield True, slice(a, min(a + chunk, numel))
+        return
+    shape = tuple(ref.shape)
+    if numel <= chunk:
+        yield False, (...,)
+        return
+    # Split along the first dim j whose trailing block (one index of j) fits in a chunk.
+    j = 0
+    inner = numel
+    while True:
+        inner //= shape[j]
+        if inner <= chunk:
+            break
+        j += 1
+    size = shape[j]
+    rows = chunk // inner
+    nblocks = -(-size // rows)
+    step = -(-size // nblocks)
+    for outer in itertools.product(*(range(d) for d in shape[:j])):
+        for a in range(0, size, step):
+            yield False, (*outer, slice(a, min(a + step, size)))
+
+
+def _take(t: Tensor, flat: bool, index: object) -> Tensor:
+    if flat:
+        return t.view(-1)[index]  # type: ignore[index]
+    return t[index].reshape(-1)  # type: ignore[index]
+
+
+def _as_bool(e: Tensor) -> Tensor:
+    return e if e.dtype == torch.bool else e == 1
+
+
+def _chunks(
+    scores: Sequence[Tensor], eligible: Sequence[Tensor | None], chunk: int
+) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """Yields ``(score chunk, eligible chunk as bool or None)`` over all tensors, in order."""
+    for s, e in zip(scores, eligible, strict=True):
+        for flat, index in _pieces((s, e), chunk):
+            yield _take(s, flat, index), (None if e is None else _as_bool(_take(e, flat, index)))
+
+
+def _histogram(
+    scores: Sequence[Tensor],
+    eligible: Sequence[Tensor | None],
+    keys: _Keys,
+    shift: int,
+    offset: int,
+    nbins: int,
+    within: tuple[int, int] | None,
+) -> Tensor:
+    """Counts eligible keys by bin ``(key >> shift) - offset``; returns ``nbins`` counts on CPU.
+
+    With ``within=(s, p)`` only keys with ``key >> s == p`` are counted.
+    """
+    device = scores[0].device
+    # Bin 0 collects the entries not counted; bin b + 1 counts bin b.
+    hist = torch.zeros(nbins + 1, dtype=torch.int64, device=device)
+    for x, e in _chunks(scores, eligible, _chunk_size(device)):
+        idx = keys(x)  # a new tensor: modified in place below
+        keep = e
+        if within is not None:
+            s, p = within
+            inside = (idx >> s) == p
+            keep = inside if keep is None else inside.logical_and_(keep)
+        if shift:
+            idx >>= shift
+        if offset != 1:  # bin b is counted at index b + 1
+            if offset - 1 >= keys.dmin:
+                idx -= offset - 1
+            else:  # offset - 1 does not fit the key dtype
+                idx -= offset
+                idx += 1
+        if keep is not None:
+            idx *= keep  # much faster than a data-dependent select on CPU
+        if idx.numel() * 4 >= nbins:
+            hist += torch.bincount(idx, minlength=nbins + 1)
+        else:  # a small chunk: cheaper than building and adding a full histogram
+            hist.index_add_(0, idx, torch.ones_like(idx, dtype=torch.int64))
+    return hist[1:].cpu()
+
+
+def _gather(
+    scores: Sequence[Tensor],
+    eligible: Sequence[Tensor | None],
+    keys: _Keys,
+    capacity: int,
+    within: tuple[int, int] | None,
+) -> Tensor:
+    """Sorted keys of the eligible entries (with ``key >> s == p`` if ``within=(s, p)``), on CPU.
+
+    There must be at most ``capacity`` of them.
+    """
+    device = scores[0].device
+    # One buffer allocated up front: many small per-chunk results would fragment the heap.
+    found = torch.empty(capacity, dtype=keys.key_dtype, device=device)
+    pos = 0
+    for x, e in _chunks(scores, eligible, _chunk_size(device)):
+        key = keys(x)
+        keep = e
+        if within is not None:
+            s, p = within
+            inside = (key >> s) == p
+            keep = inside if keep is None else inside.logical_and_(keep)
+        hits = key if keep is None else key[keep]
+        if pos + hits.numel() > capacity:  # pragma: no cover - the histogram pass counted these entries
+            raise RuntimeError("the scores changed during the selection")
+        found[pos : pos + hits.numel()] = hits
+        pos += hits.numel()
+    return torch.sort(found[:pos].cpu()).values
+
+
+def _cut_from_sorted(keys: Tensor, rank: int) -> tuple[int, int, int]:
+    """``(key, ties, equal)`` for the ``rank``-th (1-based) of sorted ``keys``."""
+    at = keys[rank - 1 : rank]
+    below = int(torch.searchsorted(keys, at))
+    equal = int(torch.searchsorted(keys, at, right=True)) - below
+    return int(at[0]), rank - below, equal
+
+
+def find_cut(
+    scores: Sequence[Tensor],
+    k: int,
+    *,
+    eligible: Sequence[Tensor | None] | None = None,
+    magnitude: bool = False,
+    largest: bool = False,
+) -> Cut:
+    """Finds the cut selecting the ``k`` smallest eligible entries over all ``scores``.
+
+    Ties are broken by flat index: among equal scores, lower flat indices are selected
+    first, and all entries of ``scores[0]`` come before those of ``scores[1]``, etc.
+    NaN ranks above ``+inf`` (so it is selected last, or first when ``largest``), and
+    ``-0.0`` equals ``+0.0``.
+
+    Args:
+        scores: Tensors of any shapes and layouts on one device; floating (16/32/64-bit)
+            or integer dtypes. Mixed dtypes compare as if promoted to their common dtype.
+        k: How many entries to select, ``0 <= k <=`` number of eligible entries.
+        eligible: Per tensor, ``None`` (all entries eligible) or a tensor of the same shape:
+            bool, or numeric where entries equal to 1 are eligible. Other entries are
+            never selected and do not count toward ``k``.
+        magnitude: Rank by absolute value instead of signed value.
+        largest: Select the ``k`` largest entries instead of the smallest.
+
+    Returns:
+        The :class:`Cut` to pass to :func:`apply_cut` with the same arguments.
+
+    Raises:
+        ValueError: If ``k`` is negative or exceeds the number of eligible entries, or if
+            shapes or devices do not match.
+
+    Example:
+        >>> import torch
+        >>> scores = [torch.tensor([0.5, -2.0]), torch.tensor([[1.0, -0.5], [3.0, 0.0]])]
+        >>> cut = find_cut(scores, 3, magnitude=True)
+        >>> masks = [torch.empty(s.shape, dtype=torch.bool) for s in scores]
+        >>> apply_cut(scores, cut, out=masks, magnitude=True)
+        >>> masks  # False where selected
+        [tensor([False,  True]), tensor([[ True, False],
+                [ True, False]])]
+    """
+    scores, elig = _check(scores, eligible)
+    if isinstance(k, bool):
+        raise TypeError("k must be an integer, got bool")
+    k = operator.index(k)
+    if k < 0:
+        raise ValueError(f"k={k} must be non-negative")
+    if not scores:
+        if k > 0:
+            raise ValueError(f"k={k} exceeds the number of eligible entries (0)")
+        return Cut(0, 0)
+    keys = _Keys(_common_dtype(scores), magnitude, largest)
+
+    numel = sum(s.numel() for s in scores)
+    if numel <= BIN_LIMIT:  # small enough to sort all eligible keys at once
+        cand = _gather(scores, elig, keys, numel, None)
+        _check_k(k, cand.numel())
+        if k == 0:
+            return Cut(keys.lo, 0)
+        key, ties, equal = _cut_from_sorted(cand, k)
+        return _canonical(key, ties, equal, keys)
+
+    shift = max(0, keys.bits - RADIX_BITS)
+    offset = keys.lo >> shift
+    nbins = (keys.hi >> shift) - offset + 1
+    hist = _histogram(scores, elig, keys, shift, offset, nbins, None)
+    _check_k(k, int(hist.sum()))
+    if k == 0:
+        return Cut(keys.lo, 0)
+
+    rank = k  # 1-based rank of the last selected key among the keys still in play
+    while True:
+        cum = hist.cumsum(0)
+        j = int(torch.searchsorted(cum, torch.tensor([rank], dtype=cum.dtype))[0])
+        if j > 0:
+            rank -= int(cum[j - 1])
+        count = int(hist[j])
+        prefix = offset + j  # keys in this bin satisfy key >> shift == prefix
+        if shift == 0:
+            key, ties, equal = prefix, rank, count
+            break
+        if count <= BIN_LIMIT:
+            cand = _gather(scores, elig, keys, count, (shift, prefix))
+            key, ties, equal = _cut_from_sorted(cand, rank)
+            break
+        new_shift = max(0, shift - RADIX_BITS)
+        offset = prefix << (shift - new_shift)
+        nbins = 1 << (shift - new_shift)
+        hist = _histogram(scores, elig, keys, new_shift, offset, nbins, (shift, prefix))
+        shift = new_shift
+    return _canonical(key, ties, equal, keys)
+
+
+def _check_k(k: int, total: int) -> None:
+    if k > total:
+        raise ValueError(f"k={k} exceeds the number of eligible entries ({total})")
+
+
+def _canonical(key: int, ties: int, equal: int, keys: _Keys) -> Cut:
+    if ties == equal and key < keys.dmax:
+        return Cut(key + 1, 0)  # every equal key is selected: a plain threshold suffices
+    return Cut(key, ties)
+
+
+def apply_cut(
+    scores: Sequence[Tensor],
+    cut: Cut,
+    *,
+    out: Sequence[Tensor],
+    eligible: Sequence[Tensor | None] | None = None,
+    base: Sequence[Tensor | None] | None = None,
+    magnitude: bool = False,
+    largest: bool = False,
+) -> None:
+    """Writes masks for a cut: ``base`` with the selected entries set to 0.
+
+    Works chunk by chunk, without any full-size temporary. ``out`` may alias ``base``
+    and ``eligible`` (e.g. to update a mask in place for a second pruning round).
+
+    Args:
+        scores: The scores given to :func:`find_cut`.
+        cut: The cut returned by :func:`find_cut`.
+        out: Preallocated contiguous tensors, one per score tensor and of the same shape,
+            of any dtype (bool included); values are converted to it.
+        eligible: The eligibility masks given to :func:`find_cut`.
+        base: Per tensor, the values to write where nothing is selected; ``None`` means ones.
+        magnitude: As given to :func:`find_cut`.
+        largest: As given to :func:`find_cut`.
+
+    Raises:
+        ValueError: If shapes, lengths or devices do not match, or an output is not contiguous.
+
+    Example:
+        >>> import torch
+        >>> w = torch.tensor([[0.3, -0.1], [2.0, 0.2]])
+        >>> cut = find_cut([w], 2, magnitude=True)
+        >>> mask = torch.empty(2, 2)
+        >>> apply_cut([w], cut, out=[mask], magnitude=True)
+        >>> mask
+        tensor([[1., 0.],
+                [1., 0.]])
+    """
+    scores, elig = _check(scores, eligible)
+    _, bases = _check(scores, base, "base")
+    outs = list(out)
+    if len(outs) != len(scores):
+        raise ValueError(f"got {len(outs)} out tensors for {len(scores)} score tensors")
+    for i, (s, o) in enumerate(zip(scores, outs, strict=True)):
+        if o.shape != s.shape:
+            raise ValueError(f"out[{i}] has shape {tuple(o.shape)}, scores[{i}] has {tuple(s.shape)}")
+        if not o.is_contiguous():
+            raise ValueError(f"out[{i}] must be contiguous")
+        if o.device != s.device:
+            raise ValueError(f"out[{i}] is on {o.device}, scores[{i}] on {s.device}")
+    if not scores:
+        return
+    keys = _Keys(_common_dtype(scores), magnitude, largest)
+    device = scores[0].device
+    _apply(scores, cut, outs, elig, bases, keys, _chunk_size(device), sync_free=device.type != "cpu")
+
+
+def _apply(
+    scores: list[Tensor],
+    cut: Cut,
+    outs: list[Tensor],
+    elig: list[Tensor | None],
+    bases: list[Tensor | None],
+    keys: _Keys,
+    chunk: int,
+    sync_free: bool,
+) -> None:
+    threshold, ties = cut.key, cut.ties
+    if ties < 0:
+        raise ValueError(f"cut.ties={ties} must be non-negative")
+    if threshold > keys.dmax:  # all keys are below: select every eligible entry
+        threshold, ties = keys.dmax, 0
+        select_all = True
+    else:
+        select_all = False
+        if threshold < keys.dmin:
+            threshold, ties = keys.dmin, 0  # nothing below; no equal key is selected
+    device = scores[0].device
+    left = ties  # equal keys still to select (host counter)
+    used = torch.zeros((), dtype=torch.int64, device=device)  # equal keys seen so far (device counter)
+    for s, e, b, o in zip(scores, elig, bases, outs, strict=True):
+        for flat, index in _pieces((s, e, b), chunk):
+            key = keys(_take(s, flat, index))
+            sel = torch.ones(key.shape, dtype=torch.bool, device=device) if select_all else key < threshold
+            ek = None if e is None else _as_bool(_take(e, flat, index))
+            if ek is not None:
+                sel &= ek
+            if ties > 0 and (sync_free or left > 0):
+                equal = key == threshold
+                if ek is not None:
+                    equal &= ek
+                if sync_free:
+                    rank = equal.cumsum(0)
+                    rank += used
+                    if rank.numel():
+                        used = rank[-1]
+                    equal &= rank <= ties
+                    sel |= equal
+                else:
+                    n = int(equal.sum())
+                    if n > left:
+                        equal &= equal.cumsum(0) <= left
+                        n = left
+                    sel |= equal
+                    left -= n
+            dst = o.view(-1)[index] if flat else o[index].view(-1)  # type: ignore[index]
+            if b is None:
+                if dst.dtype == torch.bool:
+                    torch.logical_not(sel, out=dst)
+                else:
+                    dst.copy_(sel.logical_not_())
+            else:
+                _write_kept(dst, _take(b, flat, index), sel.logical_not_())
+
+
+def _write_kept(dst: Tensor, src: Tensor, keep: Tensor) -> None:
+    """``dst = src`` where ``keep``, else ``0``, with no data-dependent branch (slow on random masks).
+
+    Floats are multiplied as integer bit patterns: a cleared pattern is exactly ``+0.0``, and
+    kept values (NaN, infinities, ``-0.0``) are untouched.
+    """
+    bits = _FLOAT_LAYOUT[dst.dtype][0] if dst.dtype in _FLOAT_LAYOUT else None
+    if bits is not None and src.dtype == dst.dtype:
+        torch.mul(src.view(bits), keep, out=dst.view(bits))
+        return
+    dst.copy_(src)
+    if bits is not None:
+        dst.view(bits).mul_(keep)
+    elif dst.is_complex():
+        dst.masked_fill_(keep.logical_not_(), 0)
+    else:
+        dst.mul_(keep)
+
+
+def select_smallest(
+    scores: Sequence[Tensor],
+    k: int,
+    *,
+    eligible: Sequence[Tensor | None] | None = None,
+    magnitude: bool = False,
+    largest: bool = False,
+) -> list[Tensor]:
+    """Selects the ``k`` smallest (or largest) eligible entries and returns bool masks.
+
+    A convenience over :func:`find_cut` and :func:`apply_cut` for tests and small inputs;
+    the arguments and tie-breaking are those of :func:`find_cut`.
+
+    Returns:
+        One bool tensor per score tensor, of the same shape, ``True`` where selected.
+
+    Example:
+        >>> import torch
+        >>> select_smallest([torch.tensor([2, -7, 5]), torch.tensor([-1, 2])], 3, magnitude=True)
+        [tensor([ True, False, False]), tensor([True, True])]
+        >>> select_smallest([torch.tensor([1.0, float("nan"), 1.0])], 2, largest=True)
+        [tensor([ True,  True, False])]
+    """
+    scores = list(scores)
+    cut = find_cut(scores, k, eligible=eligible, magnitude=magnitude, largest=largest)
+    outs = [torch.empty(s.shape, dtype=torch.bool, device=s.device) for s in scores]
+    apply_cut(scores, cut, out=outs, eligible=eligible, magnitude=magnitude, largest=largest)
+    for o in outs:
+        o.logical_not_()
+    return outs
+
+
+def count_eligible(eligible: Sequence[Tensor | None], scores: Sequence[Tensor]) -> int:
+    """Counts the eligible entries, chunk by chunk.
+
+    Args:
+        eligible: Per tensor, ``None`` (every entry eligible) or a mask of the same shape
+            as the matching score tensor (bool, or numeric where 1 means eligible).
+        scores: The score tensors (only their shapes are used).
+
+    Returns:
+        The number of eligible entries over all tensors.
+
+    Example:
+        >>> import torch
+        >>> count_eligible([None, torch.tensor([1.0, 0.0, 1.0])], [torch.zeros(2, 3), torch.zeros(3)])
+        8
+    """
+    scores, elig = _check(scores, eligible)
+    total = 0
+    for s, e in zip(scores, elig, strict=True):
+        if e is None:
+            total += s.numel()
+            continue
+        count = torch.zeros((), dtype=torch.int64, device=e.device)
+        for flat, index in _pieces((e,), _chunk_size(e.device)):
+            count += _as_bool(_take(e, flat, index)).sum()
+        total += int(count)
+    return total
