@@ -94,6 +94,9 @@ class _StructuredMethod(BasePruningMethod):
         """Bool vector over the channels along ``dim``: True for the ``k`` channels to prune."""
         raise NotImplementedError
 
+    def _check_ranking(self, scores: Tensor, dim: int, available: int) -> None:
+        """Raise what ranking ``available`` channels of ``scores`` would raise, even when none is pruned."""
+
     def _masked(self, scores: Tensor, base: Tensor | None, *, restrict: bool, dtype: torch.dtype) -> Tensor | None:
         _validate_structured_pruning(scores)
         dim = normalize_dim(scores, self.dim)
@@ -101,6 +104,7 @@ class _StructuredMethod(BasePruningMethod):
         available = scores.shape[dim] if active is None else int(active.sum())
         k = _compute_nparams_toprune(self.amount, available)
         _validate_pruning_amount(k, available)
+        self._check_ranking(scores, dim, available)
         if k == 0:
             return None
         pruned = self._rank(scores, dim, active, available, k)
@@ -299,6 +303,14 @@ class LnStructured(_StructuredMethod):
         self.amount = amount
         self.n = n
         self.dim = dim
+
+    def _check_ranking(self, scores: Tensor, dim: int, available: int) -> None:
+        # torch computes the norms even for amount 0, so an ``n`` torch.norm refuses for this shape or dtype
+        # ('fro' over three dims, a negative order over an empty dim, an integer tensor) fails on every call;
+        # a meta tensor raises the same errors without touching the data
+        shape = list(scores.shape)
+        shape[dim] = available
+        _compute_norm(torch.empty(shape, dtype=scores.dtype, device="meta"), self.n, dim)
 
     def _rank(self, scores: Tensor, dim: int, active: Tensor | None, available: int, k: int) -> Tensor:
         norms = _compute_norm(scores, self.n, dim)
