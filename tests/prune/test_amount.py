@@ -188,21 +188,46 @@ def test_validate_pruning_dim_too_large_is_index_error(dim: int) -> None:
         lp._validate_pruning_dim(t, dim)
 
 
-def test_validate_pruning_dim_too_negative_is_index_error_at_once() -> None:
-    # torch lets dim=-4 of a 3-D tensor pass validation and fails later, also with an IndexError
+@pytest.mark.parametrize("dim", [-4, -100, 1.0, True])
+def test_validate_pruning_dim_passes_what_torch_passes(dim: Any) -> None:
+    # torch's helper only rejects dim >= t.dim(); the helper keeps torch's results for third-party callers
     t = torch.ones(2, 3, 4)
-    assert outcome(tp._validate_pruning_dim, t, -4) == ("ok", None)
+    assert outcome(tp._validate_pruning_dim, t, dim) == outcome(lp._validate_pruning_dim, t, dim) == ("ok", None)
+
+
+@pytest.mark.parametrize("dim", ["1", None])
+def test_validate_pruning_dim_incomparable_is_type_error_like_torch(dim: Any) -> None:
+    t = torch.ones(2, 3)
+    assert outcome(tp._validate_pruning_dim, t, dim)[0] == "TypeError"
+    with pytest.raises(TypeError):
+        lp._validate_pruning_dim(t, dim)
+
+
+def test_zero_dim_tensor_like_torch() -> None:
+    t = torch.ones(())
+    assert outcome(lp._validate_pruning_dim, t, -1) == outcome(tp._validate_pruning_dim, t, -1) == ("ok", None)
+    assert outcome(tp._validate_pruning_dim, t, 0)[0] == "IndexError"
+    with pytest.raises(IndexError, match=r"dim=0 is out of range for a tensor of shape \(\)"):
+        lp._validate_pruning_dim(t, 0)
+
+
+def test_methods_reject_a_too_negative_dim_at_once() -> None:
+    # torch lets dim=-4 of a 3-D tensor pass its validation and fails later with an IndexError; the methods
+    # raise it before anything else, with a message naming the allowed dims
+    t = torch.ones(2, 3, 4)
     assert outcome(tp._compute_norm, t, 2, -4)[0] == "IndexError"
-    with pytest.raises(IndexError, match=r"dim=-4 is out of range .* allowed dims are -3 \.\.\. 2"):
-        lp._validate_pruning_dim(t, -4)
+    for method in (lp.LnStructured(amount=1, n=2, dim=-4), lp.RandomStructured(amount=1, dim=-4)):
+        with pytest.raises(IndexError, match=r"dim=-4 is out of range .* allowed dims are -3 \.\.\. 2"):
+            method.compute_mask(t, torch.ones_like(t))
 
 
-@pytest.mark.parametrize("dim", [1.0, "1", None, True])
-def test_validate_pruning_dim_rejects_non_integers(dim: Any) -> None:
-    # torch's validation compares without checking the type; a float dim then fails in ln_structured with a
-    # TypeError (list index), which lightprune raises at once
+@pytest.mark.parametrize("dim", [1.0, True, "1"])
+def test_methods_reject_non_integer_dims(dim: Any) -> None:
+    # torch fails on a float dim later (list index) with a TypeError and silently takes True for 1
     with pytest.raises(TypeError, match=r"dim must be an int, got"):
-        lp._validate_pruning_dim(torch.ones(2, 3), dim)
+        lp.LnStructured(amount=1, n=2, dim=dim).compute_mask(torch.ones(2, 3), torch.ones(2, 3))
+    with pytest.raises(TypeError, match=r"dim must be an int, got"):
+        lp.RandomStructured(amount=1, dim=dim).compute_mask(torch.ones(2, 3), torch.ones(2, 3))
 
 
 def test_normalize_dim() -> None:
@@ -213,7 +238,7 @@ def test_normalize_dim() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# _compute_norm
+# _compute_norm, and the norm checks of LnStructured
 # --------------------------------------------------------------------------------------------------------------
 
 NORMS = [1, 2, 3.5, float("inf"), float("-inf"), "fro", "nuc", 0]
@@ -253,6 +278,24 @@ def test_compute_norm_errors_have_torchs_types() -> None:
     assert outcome(tp._compute_norm, torch.ones(3, 4), 2, -3)[0] == "IndexError"
     with pytest.raises(IndexError, match=r"dim=-3"):
         lp._compute_norm(torch.ones(3, 4), 2, -3)
+
+
+@pytest.mark.parametrize(
+    ("shape", "n", "dim"),
+    [((2, 3, 4, 5), "fro", 1), ((0, 0), -1, 0), ((3, 4), "nuc", 0)],
+)
+def test_ln_structured_checks_the_norm_even_for_amount_zero(shape: tuple[int, ...], n: Any, dim: int) -> None:
+    # regression: torch computes the norms before looking at the amount, so an order torch.norm refuses for this
+    # shape fails even with amount=0; lightprune skipped the norms when nothing was pruned and accepted it
+    t = torch.ones(shape)
+    assert outcome(tp.LnStructured(0, n=n, dim=dim).compute_mask, t, torch.ones(shape))[0] == "RuntimeError"
+    with pytest.raises(RuntimeError, match=r"linalg\.(matrix|vector)_norm"):
+        lp.LnStructured(0, n=n, dim=dim).compute_mask(t, torch.ones(shape))
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(t)
+    with pytest.raises(RuntimeError, match=r"linalg\.(matrix|vector)_norm"):
+        lp.ln_structured(module, "weight", amount=0.0, n=n, dim=dim)
+    assert not lp.is_pruned(module)
 
 
 def test_helpers_are_exported_with_torchs_names() -> None:

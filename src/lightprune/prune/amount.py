@@ -107,10 +107,14 @@ def _validate_structured_pruning(t: Tensor) -> None:
 
 
 def _validate_pruning_dim(t: Tensor, dim: int) -> None:
-    """Check that ``dim`` indexes a dimension of ``t`` (negative values count from the end).
+    """Check that ``dim`` is not past the last dimension of ``t``, exactly as torch's helper does.
+
+    Like torch's, this only rejects ``dim >= t.dim()``: third-party code calling it gets torch's results. The
+    pruning methods themselves go further (:func:`normalize_dim`): a negative ``dim`` below ``-t.dim()`` raises an
+    ``IndexError`` and a non-integer ``dim`` a ``TypeError`` before anything is pruned.
 
     Raises:
-        IndexError: ``dim`` is outside ``[-t.dim(), t.dim() - 1]`` (a :class:`DimOutOfRangeError`).
+        IndexError: ``dim >= t.dim()`` (a :class:`DimOutOfRangeError`).
 
     Example:
         >>> _validate_pruning_dim(torch.ones(2, 3), 2)
@@ -118,7 +122,11 @@ def _validate_pruning_dim(t: Tensor, dim: int) -> None:
         ...
         lightprune.prune.amount.DimOutOfRangeError: dim=2 is out of range for a tensor of shape (2, 3): ...
     """
-    normalize_dim(t, dim)
+    if dim >= t.dim():
+        ndim = t.dim()
+        raise DimOutOfRangeError(
+            f"dim={dim} is out of range for a tensor of shape {tuple(t.shape)}: allowed dims are {-ndim} ... {ndim - 1}"
+        )
 
 
 class DimOutOfRangeError(IndexError, ValueError):
