@@ -617,6 +617,25 @@ def test_name_must_be_a_string_and_a_parameter() -> None:
     assert not lp.is_pruned(layer)
 
 
+def test_importance_scores_shape_is_checked_first_like_torch() -> None:
+    # torch asserts the scores' shape before it finds that the name is a buffer; the same order of errors
+    # (ValueError where torch raises AssertionError, then TypeError where torch raises TypeError)
+    layer = linear()
+    layer.register_buffer("running", torch.ones(3))
+    with pytest.raises(AssertionError):
+        tp.l1_unstructured(copy.deepcopy(layer), "running", amount=1, importance_scores=torch.ones(1, 0))
+    with pytest.raises(ValueError, match=r"importance_scores must have the shape of parameter 'running'"):
+        lp.l1_unstructured(layer, "running", amount=1, importance_scores=torch.ones(1, 0))
+    with pytest.raises(TypeError):
+        tp.l1_unstructured(copy.deepcopy(layer), "running", amount=1, importance_scores=torch.ones(3))
+    with pytest.raises(TypeError, match=r"'running' of Linear is a tensor but not a Parameter"):
+        lp.l1_unstructured(layer, "running", amount=1, importance_scores=torch.ones(3))
+    lp.l1_unstructured(layer, "weight", amount=1)
+    with pytest.raises(ValueError, match=r"importance_scores must have the shape of parameter 'weight'"):
+        lp.ln_structured(layer, "weight", amount=1, n=1, dim=0, importance_scores=torch.ones(4, 3))
+    assert not lp.is_pruned(linear()) and lp.is_pruned(layer)
+
+
 def test_move_key_keeps_the_dict_object() -> None:
     table = {"a": 1, "b": 2, "c": 3}
     same = table

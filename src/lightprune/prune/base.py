@@ -633,6 +633,11 @@ def attach(
     module: nn.Module, name: str, method: BasePruningMethod, *, importance_scores: Tensor | None = None
 ) -> BasePruningMethod:
     """Prune ``module.<name>`` with ``method`` (on top of any existing pruning) and return the attached hook."""
+    if importance_scores is not None and isinstance(name, str):
+        # torch checks the scores' shape first: keep its order of errors (e.g. for a buffer's name)
+        target = getattr(module, name, None)
+        if isinstance(target, Tensor):
+            _check_same_shape(importance_scores, target, "importance_scores", f"parameter {name!r}")
     attachment = Attachment.plan(module, name, method)
     scores = attachment.default_scores(method) if importance_scores is None else importance_scores
     _check_same_shape(scores, attachment.orig, "importance_scores", f"parameter {name!r}")
