@@ -600,3 +600,27 @@ def test_no_full_tensor_nonzero_on_any_built_in_path(no_full_tensor_nonzero: Non
         layer(torch.randn(2, 50, dtype=torch.float16))
         lp.remove(layer, "weight")
     assert int((other.weight_mask == 0).sum()) > 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Non-contiguous tensors (channels_last weights, transposed scores): torch's topk(t.view(-1)) raises
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_channels_last_and_non_contiguous_tensors() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        tp.l1_unstructured(copy.deepcopy(conv), "weight", amount=0.3)
+    reference = nn.Conv2d(3, 8, 3)
+    reference.load_state_dict(conv.state_dict())
+    scores = torch.randn(3, 3, 3, 8).permute(3, 2, 0, 1)  # non-contiguous, shape (8, 3, 3, 3)
+    for module, importance in ((conv, scores), (reference, scores.contiguous())):
+        lp.l1_unstructured(module, "weight", amount=0.3, importance_scores=importance)
+        module.to(memory_format=torch.channels_last)  # the mask buffer becomes non-contiguous too
+        lp.l1_unstructured(module, "weight", amount=0.3)
+        lp.ln_structured(module, "weight", amount=2, n=2, dim=0)
+        lp.global_unstructured([(module, "weight")], lp.L1Unstructured, amount=0.2)
+    assert torch.equal(conv.weight_mask, reference.weight_mask)
+    assert torch.equal(conv.weight, reference.weight)
