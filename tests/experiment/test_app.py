@@ -325,6 +325,16 @@ def test_report_over_two_emulated_runs(tmp_path: Path) -> None:
     check_report(tmp_path, runs=2, sparsities=["0.5", "0.8", "50.0%", "80.0%"])
 
 
+def test_help_names_the_app_and_the_report_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("lightprune-experiment: train a dense model")
+    assert "pruning: gmp_cubic, iterative_rounds, ln_structured, none, one_shot" in text
+    assert "lightprune-experiment report multirun/" in text
+
+
 def test_report_of_a_directory_without_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path)]) == 1
     assert "no summary.json" in capsys.readouterr().err
