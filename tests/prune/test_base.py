@@ -512,6 +512,22 @@ def test_container_add_pruning_method_errors() -> None:
         named.add_pruning_method(lp.Identity())
 
 
+def test_container_add_none_is_ignored_and_empty_container_takes_the_name() -> None:
+    # torch: add_pruning_method(None) is a no-op; an empty torch container has no _tensor_name and fails
+    theirs = tp.PruningContainer()
+    with pytest.raises(AttributeError):
+        theirs.add_pruning_method(tp.Identity())
+    container = lp.PruningContainer()
+    container.add_pruning_method(None)
+    assert len(container) == 0
+    method = lp.L1Unstructured(amount=1)
+    method._tensor_name = "weight"
+    container.add_pruning_method(method)
+    assert container._tensor_name == "weight" and list(container) == [method]
+    with pytest.raises(ValueError, match=r"'weight'; cannot add a method for None"):
+        container.add_pruning_method(lp.Identity())
+
+
 def test_empty_container_cannot_compute_a_mask() -> None:
     with pytest.raises(ValueError, match=r"PruningContainer is empty"):
         lp.PruningContainer().compute_mask(torch.ones(3), torch.ones(3))

@@ -272,15 +272,22 @@ class PruningContainer(BasePruningMethod):
         for method in args:
             self.add_pruning_method(method)
 
-    def add_pruning_method(self, method: BasePruningMethod) -> None:
+    def add_pruning_method(self, method: BasePruningMethod | None) -> None:
         """Append ``method``; it must act on the same tensor name as the container.
+
+        ``None`` is ignored, as in torch. An empty container without a tensor name takes ``method``'s (torch's
+        empty container has no name at all and fails here).
 
         Raises:
             TypeError: ``method`` is not a pruning method.
             ValueError: ``method`` acts on another tensor.
         """
+        if method is None:
+            return
         if not isinstance(method, BasePruningMethod):
             raise TypeError(f"{type(method).__name__} is not a BasePruningMethod subclass")
+        if not self._pruning_methods and self._tensor_name is None:
+            self._tensor_name = method._tensor_name
         if self._tensor_name != method._tensor_name:
             raise ValueError(
                 f"PruningContainer holds methods for the tensor named {self._tensor_name!r}; "
