@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 import lightprune.experiment.app as app
 from lightprune.config import register_configs
 from lightprune.experiment.app import config_dir, main, run_experiment
+from lightprune.experiment.data import write_idx
 from lightprune.experiment.report import RunSummary
 
 pytestmark = [
@@ -193,6 +194,27 @@ def test_cnn_channels_experiment_preset(tmp_path: Path) -> None:
     tiny = ["trainer.dense_epochs=1", "trainer.max_epochs=2", "trainer.num_threads=1", "data.batch_size=256"]
     summary = run_experiment(make_config("experiment=cnn_channels", *tiny), tmp_path)
     assert summary.layer_sparsity == {"model.conv1.weight": 0.5, "model.conv2.weight": 0.5}
+
+
+@pytest.mark.slow
+def test_epoch_unit_hits_the_target_exactly(tmp_path: Path) -> None:
+    summary = run_experiment(make_config(*TINY, "pruning.unit=epoch", "pruning.final_sparsity=0.8"), tmp_path)
+    check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
+    assert_exact_sparsity(summary, 0.8)
+
+
+def test_idx_directory_with_limit(tmp_path: Path) -> None:
+    """``data=idx`` reads any MNIST-layout directory: here 12x12 random images of 3 classes."""
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 200), ("t10k", 60)):
+        images = torch.randint(0, 256, (count, 12, 12), dtype=torch.uint8, generator=generator)
+        write_idx(tmp_path / "data" / f"{split}-images-idx3-ubyte.gz", images)
+        write_idx(tmp_path / "data" / f"{split}-labels-idx1-ubyte.gz", (torch.arange(count) % 3).to(torch.uint8))
+    cfg = make_config(*TINY, "data=idx", f"data.root={tmp_path / 'data'}", "data.limit=100", "data.batch_size=32")
+    summary = run_experiment(cfg, tmp_path / "run")
+    assert summary.total_weights == 144 * 300 + 300 * 100 + 100 * 3
+    assert_exact_sparsity(summary, 0.9)
+    assert summary.config["data"]["limit"] == 100
 
 
 def test_rewind_init_passes_the_initial_weights_to_the_callback(
