@@ -316,6 +316,33 @@ def linear_mask_after(times: int) -> Tensor:
     return layer.weight_mask
 
 
+@pytest.mark.parametrize("scores_dtype", [torch.float64, torch.int64, torch.float16])
+def test_user_method_default_mask_has_the_parameters_dtype_like_torch(scores_dtype: torch.dtype) -> None:
+    # regression: the first call's default_mask took the importance scores' dtype (torch: the parameter's), so a
+    # method scaling it got an integer mask for integer scores
+    seen = {}
+
+    def halving(base_class: type) -> type:
+        class Halve(base_class):
+            PRUNING_TYPE = "unstructured"
+
+            def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+                seen.setdefault(base_class, []).append(default_mask.dtype)
+                return default_mask * 0.5
+
+        return Halve
+
+    scores = torch.ones(3, 4, dtype=scores_dtype)
+    ours, theirs = linear(), linear()
+    for _ in range(2):
+        halving(lp.BasePruningMethod).apply(ours, "weight", importance_scores=scores)
+        halving(tp.BasePruningMethod).apply(theirs, "weight", importance_scores=scores)
+        assert torch.equal(ours.weight_mask, theirs.weight_mask.to(ours.weight_mask.dtype))
+    assert seen[lp.BasePruningMethod] == seen[tp.BasePruningMethod]
+    assert seen[lp.BasePruningMethod][0] == torch.float32
+    assert ours.weight_mask.dtype == torch.float32  # torch's turns int64 on the second call (#57631)
+
+
 def test_user_structured_method_needs_dim_on_repeated_application() -> None:
     class FirstRow(lp.BasePruningMethod):
         PRUNING_TYPE = "structured"

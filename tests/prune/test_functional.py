@@ -200,6 +200,39 @@ def test_global_user_method_sees_one_vector_like_torch() -> None:
     assert zeros(model[2].weight_mask) == 3
 
 
+@pytest.mark.parametrize("mode", [None, torch.bool], ids=["float-mask", "bool-mask"])
+def test_global_user_method_sees_what_torchs_sees(mode: torch.dtype | None) -> None:
+    # regression: the user's method got default_mask in the importance scores' dtype; torch concatenates the
+    # stored masks, in the parameters' dtype (and a bool mask is shown as the mask torch would have stored)
+    def first_entries(base_class: type, seen: list) -> type:
+        class FirstEntries(base_class):
+            PRUNING_TYPE = "unstructured"
+
+            def __init__(self, amount: int) -> None:
+                self.amount = amount
+
+            def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+                seen.append((t.dtype, default_mask.dtype, default_mask.numel()))
+                mask = default_mask.clone()
+                mask[: self.amount] = 0
+                return mask
+
+        return FirstEntries
+
+    masks = {}
+    for pruner in (lp, tp):
+        seen: list = []
+        method = first_entries(pruner.BasePruningMethod, seen)
+        a, b = nn.Linear(3, 2), nn.Linear(2, 2)
+        scores = {(a, "weight"): torch.ones(2, 3, dtype=torch.float64), (b, "weight"): torch.ones(2, 2)}
+        with lp.mask_dtype(mode if pruner is lp else None):
+            pruner.global_unstructured([(a, "weight"), (b, "weight")], method, importance_scores=scores, amount=2)
+            pruner.global_unstructured([(a, "weight"), (b, "weight")], method, importance_scores=scores, amount=5)
+        masks[pruner] = (seen, a.weight_mask.float(), b.weight_mask.float())
+    assert masks[lp][0] == masks[tp][0] == [(torch.float64, torch.float32, 10), (torch.float64, torch.float32, 8)]
+    assert torch.equal(masks[lp][1], masks[tp][1]) and torch.equal(masks[lp][2], masks[tp][2])
+
+
 def test_global_errors() -> None:
     model = mlp()
     pairs = pairs_of(model)

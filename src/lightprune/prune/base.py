@@ -333,29 +333,47 @@ def _ranks_current_values(method: BasePruningMethod) -> bool:
     return not _has_fast_path(method) or getattr(method, "_ranks_pruned_entries", False)
 
 
-def next_mask(method: BasePruningMethod, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+def next_mask(
+    method: BasePruningMethod,
+    scores: Tensor,
+    current: Tensor | None,
+    dtype: torch.dtype,
+    first_default_dtype: torch.dtype | None = None,
+) -> Tensor:
     """Mask after applying ``method`` on top of ``current`` (``None``: nothing pruned yet), in ``dtype``.
 
     Built-in methods compute it directly, in O(n) and without boolean indexing. Any other method is called the way
-    torch's container calls it: ``compute_mask`` on the slice of ``scores`` that ``current`` still keeps.
+    torch calls it: on a fresh tensor ``compute_mask(scores, ones)`` with the ones in ``first_default_dtype`` (torch
+    uses the parameter's dtype, whatever the scores' and the mask dtype setting), then as torch's container does,
+    ``compute_mask`` on the slice of ``scores`` that ``current`` still keeps (a bool ``current`` is shown to the
+    method in ``first_default_dtype``).
     """
     with torch.no_grad():
         scores = scores.detach()
         if _has_fast_path(method):
             mask = method._next_mask(scores, current, dtype)  # type: ignore[attr-defined]
         elif current is None:
-            mask = method.compute_mask(scores, default_mask=torch.ones_like(scores))
+            ones = torch.ones(scores.shape, dtype=first_default_dtype or scores.dtype, device=scores.device)
+            mask = method.compute_mask(scores, default_mask=ones)
         else:
-            mask = _combine_like_torch(method, scores, current)
+            mask = _combine_like_torch(method, scores, current, first_default_dtype)
         return _to_mask_dtype(mask, dtype)
 
 
-def _combine_like_torch(method: BasePruningMethod, t: Tensor, mask: Tensor) -> Tensor:
-    """Torch's container semantics for a method without a fast path: slice, compute, scatter back."""
-    new_mask = mask.to(dtype=t.dtype, copy=True) if t.is_floating_point() else mask.to(torch.float32, copy=True)
+def _combine_like_torch(
+    method: BasePruningMethod, t: Tensor, mask: Tensor, view_dtype: torch.dtype | None = None
+) -> Tensor:
+    """Torch's container semantics for a method without a fast path: slice, compute, scatter back.
+
+    As in torch, the part to act on is found from ``mask`` itself, the method sees the slice of ``mask`` as its
+    ``default_mask`` and the result is assembled in ``t``'s dtype. A ``torch.bool`` mask is shown to the method in
+    ``view_dtype`` (the parameter's dtype, the mask torch would have stored) when given.
+    """
+    if mask.dtype == torch.bool and view_dtype is not None and view_dtype != torch.bool:
+        mask = mask.to(view_dtype)
     kind = getattr(method, "PRUNING_TYPE", None)
     if kind == "unstructured":
-        region: Any = new_mask == 1
+        region: Any = mask == 1
     elif kind == "structured":
         if not hasattr(method, "dim"):
             raise AttributeError('pruning methods of PRUNING_TYPE "structured" need an attribute `dim`')
@@ -364,13 +382,14 @@ def _combine_like_torch(method: BasePruningMethod, t: Tensor, mask: Tensor) -> T
         dim = normalize_dim(t, method.dim)
         other = [d for d in range(t.dim()) if d != dim]
         region = [slice(None)] * t.dim()
-        region[dim] = new_mask.sum(dim=other) != 0
+        region[dim] = mask.sum(dim=other) != 0
         region = tuple(region)
     elif kind == "global":
         region = tuple(slice(None) for _ in range(t.dim()))
     else:
         raise ValueError(f"unrecognized PRUNING_TYPE {kind!r}: allowed are 'unstructured', 'structured', 'global'")
-    partial = method.compute_mask(t[region], default_mask=new_mask[region])
+    new_mask = mask.to(dtype=t.dtype, copy=True)
+    partial = method.compute_mask(t[region], default_mask=mask[region])
     new_mask[region] = partial.to(dtype=new_mask.dtype)
     return new_mask
 
@@ -648,5 +667,7 @@ def attach(
     attachment = Attachment.plan(module, name, method)
     scores = attachment.default_scores(method) if importance_scores is None else importance_scores
     _check_same_shape(scores, attachment.orig, "importance_scores", f"parameter {name!r}")
-    attachment.mask = next_mask(method, scores, attachment.current_mask, attachment.mask_dtype())
+    attachment.mask = next_mask(
+        method, scores, attachment.current_mask, attachment.mask_dtype(), first_default_dtype=attachment.orig.dtype
+    )
     return commit_all([attachment])[0]

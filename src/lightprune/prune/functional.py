@@ -261,11 +261,15 @@ def _global_masks_like_torch(
     """For a user's method: the method sees all scores as one vector, as in torch; each mask is then copied out."""
     flat_scores = torch.cat([s.reshape(-1) for s in scores])
     current = [a.current_mask for a in attachments]
+    # torch concatenates the stored masks (ones for a fresh tensor), which are in the parameters' dtypes
+    mask_dtype = attachments[0].orig.dtype
+    for attachment in attachments[1:]:
+        mask_dtype = torch.promote_types(mask_dtype, attachment.orig.dtype)
     flat_mask = torch.cat(
         [
-            torch.ones(a.orig.numel(), dtype=flat_scores.dtype, device=flat_scores.device)
+            torch.ones(a.orig.numel(), dtype=mask_dtype, device=flat_scores.device)
             if m is None
-            else m.reshape(-1).to(flat_scores.dtype)
+            else m.reshape(-1).to(mask_dtype)
             for a, m in zip(attachments, current, strict=True)
         ]
     )
