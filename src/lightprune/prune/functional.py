@@ -140,7 +140,7 @@ def custom_from_mask(module: nn.Module, name: str, mask: Tensor) -> nn.Module:
 
     Example:
         >>> layer = custom_from_mask(torch.nn.Linear(3, 1), "bias", mask=torch.tensor([0.0]))
-        >>> layer.bias_mask, float(layer.bias.abs())
+        >>> layer.bias_mask, float(layer.bias.detach().abs())
         (tensor([0.]), 0.0)
     """
     CustomFromMask.apply(module, name, mask=mask)
