@@ -2,8 +2,8 @@
 
 Third-party code calls torch's underscore helpers directly, so lightprune's must give the same results and raise the
 same exception types; only the messages differ (they name the bad value and what is allowed). Where lightprune is
-deliberately stricter than torch (a NaN amount, a dim below ``-t.dim()``, a non-int dim), the difference is tested
-explicitly and torch's own later failure is shown to be of the same type.
+deliberately stricter than torch (a NaN amount, a dim below ``-t.dim()``, a non-int dim), the helpers still give
+torch's results and the stricter check is made by the methods, whose error is of the type torch raises later.
 """
 
 from __future__ import annotations
@@ -78,20 +78,30 @@ def test_amount_init_out_of_range_is_value_error(amount: Any, match: str) -> Non
         lp._validate_pruning_amount_init(amount)
 
 
-def test_nan_amount_is_rejected_at_once() -> None:
-    # torch accepts NaN here and fails later with a ValueError from round(nan * n); lightprune fails at once with
-    # the same type and a message naming the value
+def test_nan_amount_passes_the_helper_like_torch_and_the_methods_reject_it() -> None:
+    # torch's helper lets NaN through and its methods fail later with a ValueError from round(nan * n); the helper
+    # keeps torch's result, the methods reject NaN at once with the same type and a message naming the value
     assert outcome(tp._validate_pruning_amount_init, float("nan")) == ("ok", None)
+    assert lp._validate_pruning_amount_init(float("nan")) is None
     with pytest.raises(ValueError):
         tp.L1Unstructured(amount=float("nan")).compute_mask(torch.ones(3), torch.ones(3))
+    assert outcome(tp._compute_nparams_toprune, float("nan"), 3)[0] == "ValueError"
+    assert outcome(lp._compute_nparams_toprune, float("nan"), 3)[0] == "ValueError"
     with pytest.raises(ValueError, match=r"amount=nan is out of range"):
-        lp._validate_pruning_amount_init(float("nan"))
+        am.validate_amount(float("nan"))
+    for method in (lp.L1Unstructured, lp.RandomUnstructured, lp.RandomStructured):
+        with pytest.raises(ValueError, match=r"amount=nan is out of range"):
+            method(amount=float("nan"))
     with pytest.raises(ValueError, match=r"amount=nan"):
-        lp.L1Unstructured(amount=float("nan"))
+        lp.LnStructured(amount=float("nan"), n=2)
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"amount=nan"):
+        lp.global_unstructured([(layer, "weight")], lp.L1Unstructured, amount=float("nan"))
+    assert not lp.is_pruned(layer)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(st.integers(-(10**6), 10**6), st.floats(allow_nan=False), st.booleans(), st.fractions()))
+@given(st.one_of(st.integers(-(10**6), 10**6), st.floats(), st.booleans(), st.fractions()))
 def test_amount_init_matches_torch_on_any_real(amount: Any) -> None:
     assert outcome(lp._validate_pruning_amount_init, amount)[0] == outcome(tp._validate_pruning_amount_init, amount)[0]
 

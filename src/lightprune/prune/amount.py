@@ -21,6 +21,7 @@ __all__ = [
     "_validate_pruning_dim",
     "_validate_structured_pruning",
     "normalize_dim",
+    "validate_amount",
 ]
 
 
@@ -49,9 +50,32 @@ def _validate_pruning_amount_init(amount: Any) -> None:
             f"Invalid type for amount: {amount!r} ({type(amount).__name__}). "
             "Must be int (a count) or float (a fraction)."
         )
-    # a float must be a fraction; `not <=` also rejects NaN
-    out_of_range = amount < 0 if isinstance(amount, numbers.Integral) else not 0.0 <= float(amount) <= 1.0
+    # a float must be a fraction; NaN passes here, as in torch (validate_amount rejects it)
+    out_of_range = amount < 0 if isinstance(amount, numbers.Integral) else float(amount) > 1.0 or float(amount) < 0.0
     if out_of_range:
+        raise ValueError(
+            f"amount={amount} is out of range: a float amount is a fraction in [0, 1], an int amount a count >= 0"
+        )
+
+
+def validate_amount(amount: Any) -> None:
+    """What the pruning methods check when constructed: :func:`_validate_pruning_amount_init`, and no NaN.
+
+    torch's helper lets a NaN amount through and the method fails later, when ``round(nan * n)`` raises; the
+    methods reject it at once with the same type and a message naming the value.
+
+    Raises:
+        TypeError: ``amount`` is not a real number.
+        ValueError: ``amount`` is out of range or NaN.
+
+    Example:
+        >>> validate_amount(float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: amount=nan is out of range: a float amount is a fraction in [0, 1], an int amount a count >= 0
+    """
+    _validate_pruning_amount_init(amount)
+    if not isinstance(amount, numbers.Integral) and float(amount) != float(amount):
         raise ValueError(
             f"amount={amount} is out of range: a float amount is a fraction in [0, 1], an int amount a count >= 0"
         )

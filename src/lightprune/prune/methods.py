@@ -19,9 +19,9 @@ from lightprune.prune.amount import (
     _compute_norm,
     _compute_nparams_toprune,
     _validate_pruning_amount,
-    _validate_pruning_amount_init,
     _validate_structured_pruning,
     normalize_dim,
+    validate_amount,
 )
 from lightprune.prune.base import BasePruningMethod, _check_same_shape, _to_mask_dtype
 from lightprune.prune.select import apply_cut, count_eligible, find_cut, select_smallest
@@ -170,7 +170,7 @@ class RandomUnstructured(BasePruningMethod):
     PRUNING_TYPE = "unstructured"
 
     def __init__(self, amount: int | float) -> None:
-        _validate_pruning_amount_init(amount)
+        validate_amount(amount)
         self.amount = amount
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
@@ -214,7 +214,7 @@ class L1Unstructured(BasePruningMethod):
     PRUNING_TYPE = "unstructured"
 
     def __init__(self, amount: int | float) -> None:
-        _validate_pruning_amount_init(amount)
+        validate_amount(amount)
         self.amount = amount
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
@@ -254,7 +254,7 @@ class RandomStructured(_StructuredMethod):
     """
 
     def __init__(self, amount: int | float, dim: int = -1) -> None:
-        _validate_pruning_amount_init(amount)
+        validate_amount(amount)
         self.amount = amount
         self.dim = dim
 
@@ -299,7 +299,7 @@ class LnStructured(_StructuredMethod):
     _ranks_pruned_entries = True
 
     def __init__(self, amount: int | float, n: Any, dim: int = -1) -> None:
-        _validate_pruning_amount_init(amount)
+        validate_amount(amount)
         self.amount = amount
         self.n = n
         self.dim = dim
