@@ -104,6 +104,16 @@ def test_set_mask_dtype_rejects_non_dtypes(bad: object) -> None:
     assert lp.get_mask_dtype() is None
 
 
+@pytest.mark.parametrize("bad", [torch.int64, torch.uint8, torch.int8, torch.complex64])
+def test_set_mask_dtype_rejects_integer_and_complex_dtypes(bad: torch.dtype) -> None:
+    # regression: an integer mask dtype was accepted and truncated fractional masks to 0 without a word
+    with pytest.raises(ValueError, match=rf"mask dtype must be torch.bool, a floating dtype or None .* got {bad}"):
+        lp.set_mask_dtype(bad)
+    with pytest.raises(ValueError, match=r"mask dtype must be torch.bool"), lp.mask_dtype(bad):
+        pass
+    assert lp.get_mask_dtype() is None
+
+
 def test_a_tensor_keeps_its_first_mask_dtype() -> None:
     layer = linear(8, 8)
     with lp.mask_dtype(torch.bool):

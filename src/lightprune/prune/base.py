@@ -56,6 +56,9 @@ def set_mask_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
 
     Raises:
         TypeError: ``dtype`` is neither ``None`` nor a ``torch.dtype``.
+        ValueError: ``dtype`` is neither ``torch.bool`` nor a floating dtype (an integer mask would silently
+            truncate fractional masks; a parameter of an integer dtype still gets a mask of its own dtype by
+            default, as in torch).
 
     Example:
         >>> previous = set_mask_dtype(torch.bool)
@@ -67,6 +70,10 @@ def set_mask_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
     global _MASK_DTYPE
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"mask dtype must be a torch.dtype or None (the parameter's dtype), got {dtype!r}")
+    if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
+        raise ValueError(
+            f"mask dtype must be torch.bool, a floating dtype or None (the parameter's dtype), got {dtype}"
+        )
     previous, _MASK_DTYPE = _MASK_DTYPE, dtype
     return previous
 
