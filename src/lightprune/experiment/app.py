@@ -360,8 +360,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> Any:
     summary.to_json(output_dir / "summary.json")
     if cfg.save_model:
         torch.save(module.model.state_dict(), output_dir / "model.pt")
+    curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
     if cfg.plots:
-        curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
         if curves_csv is not None:
             plot_training_curves(curves_csv, output_dir / "training_curves.png")
         plot_layer_sparsity(summary, output_dir / "layer_sparsity.png")
