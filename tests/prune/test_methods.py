@@ -576,6 +576,8 @@ def test_cuda_masks_live_on_the_parameters_device(dtype: torch.dtype, bool_mask:
         lp.ln_structured(layer, "weight", amount=2, n=2, dim=0)
         lp.random_structured(layer, "weight", amount=0.25, dim=1)
         lp.custom_from_mask(layer, "bias", torch.ones(8))  # a CPU mask for a CUDA parameter
+        before = zeros(layer.weight_mask)
+        assert before >= 64 + 10
         lp.global_unstructured([(layer, "weight"), (other, "weight")], lp.L1Unstructured, amount=0.5)
         lp.global_unstructured([(layer, "bias"), (other, "bias")], lp.RandomUnstructured, amount=3)
     for module in (layer, other):
@@ -584,7 +586,9 @@ def test_cuda_masks_live_on_the_parameters_device(dtype: torch.dtype, bool_mask:
             assert mask.device.type == "cuda"
             assert mask.dtype == (torch.bool if bool_mask else dtype)
             assert getattr(module, name).device.type == "cuda"
-    assert zeros(other.weight_mask) + zeros(layer.weight_mask) == round(0.5 * 32) + 64 + round(0.5 * 64)
+    left = 128 - before + 32
+    assert zeros(other.weight_mask) + zeros(layer.weight_mask) == before + round(0.5 * left)
+    assert zeros(layer.bias_mask) + zeros(other.bias_mask) == 3
     out = layer(torch.randn(3, 16, device="cuda", dtype=dtype))
     assert out.device.type == "cuda"
     layer.cpu()
