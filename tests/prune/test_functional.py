@@ -77,6 +77,7 @@ def test_functional_forms_return_the_module_and_match_torch() -> None:
 
 
 def test_random_functions_count_exactly_and_return_the_module() -> None:
+    torch.manual_seed(0)
     layer = nn.Conv2d(3, 8, 3)
     assert lp.random_unstructured(layer, "weight", amount=0.3) is layer
     assert zeros(layer.weight_mask) == round(0.3 * 216)
