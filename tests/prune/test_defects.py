@@ -624,3 +624,42 @@ def test_channels_last_and_non_contiguous_tensors() -> None:
         lp.global_unstructured([(module, "weight")], lp.L1Unstructured, amount=0.2)
     assert torch.equal(conv.weight_mask, reference.weight_mask)
     assert torch.equal(conv.weight, reference.weight)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Random pruning of 16-bit tensors is uniform (torch draws rand_like in bfloat16: ~1700 distinct values, so the
+# entries at the threshold tie by the thousand and topk's tie-break picks the first ones)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_random_unstructured_is_uniform_on_16_bit_tensors(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    theirs = nn.Linear(1000, 1000).to(torch.bfloat16)
+    tp.random_unstructured(theirs, "weight", amount=0.001)
+    assert int((theirs.weight_mask.flatten() == 0).nonzero().max()) < 300_000  # torch: only the first ~quarter
+
+    def pruned_positions(module: nn.Module) -> Tensor:
+        return (module.weight_mask.flatten() == 0).nonzero().flatten().double() / module.weight_mask.numel()
+
+    ours = nn.Linear(1000, 1000).to(dtype)
+    lp.random_unstructured(ours, "weight", amount=0.001)
+    positions = pruned_positions(ours)
+    assert positions.numel() == 1000
+    # uniform over [0, 1): mean 0.5 with standard error 0.009, a quarter of them in each quarter
+    assert abs(float(positions.mean()) - 0.5) < 0.05
+    quarters = torch.bincount((positions * 4).long(), minlength=4)
+    assert bool((quarters > 180).all()), quarters
+    a, b = nn.Linear(1000, 500).to(dtype), nn.Linear(1000, 500).to(dtype)
+    lp.global_unstructured([(a, "weight"), (b, "weight")], lp.RandomUnstructured, amount=0.001)
+    assert 380 < int((b.weight_mask == 0).sum()) < 620  # not all in the first tensor
+    assert abs(float(pruned_positions(a).mean()) - 0.5) < 0.1
+
+
+def test_random_unstructured_on_an_integer_parameter() -> None:
+    layer = nn.Linear(3, 4)
+    layer.weight = nn.Parameter(torch.arange(12).view(4, 3), requires_grad=False)
+    with pytest.raises(RuntimeError):
+        tp.random_unstructured(copy.deepcopy(layer), "weight", amount=5)  # rand_like of an int64 tensor
+    lp.random_unstructured(layer, "weight", amount=5)
+    assert layer.weight_mask.dtype == torch.int64 and int((layer.weight_mask == 0).sum()) == 5

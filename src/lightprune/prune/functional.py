@@ -29,6 +29,7 @@ from lightprune.prune.methods import (
     LnStructured,
     RandomStructured,
     RandomUnstructured,
+    uniform_draws,
 )
 from lightprune.prune.select import apply_cut, count_eligible, find_cut
 
@@ -240,7 +241,7 @@ def _global_masks_fast(
     current = [a.current_mask for a in attachments]
     random = isinstance(method, RandomUnstructured)
     if random:
-        scores = [torch.rand_like(a.orig) for a in attachments]
+        scores = [uniform_draws(a.orig) for a in attachments]
     elif len({s.dtype for s in scores}) > 1:
         common = scores[0].dtype
         for s in scores[1:]:

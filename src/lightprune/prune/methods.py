@@ -61,6 +61,15 @@ def _unstructured_mask(
     return out
 
 
+def uniform_draws(like: Tensor) -> Tensor:
+    """Uniform numbers in [0, 1) of ``like``'s shape and device, in float32 (float64 for a float64 ``like``).
+
+    Never in a 16-bit dtype, whose few distinct values make ties, nor in an integer one.
+    """
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return torch.rand(like.shape, dtype=dtype, device=like.device)
+
+
 def _active_channels(mask: Tensor | None, dim: int) -> Tensor | None:
     """Channels along ``dim`` that ``mask`` does not zero entirely (torch: ``mask.sum(other dims) != 0``)."""
     if mask is None:
@@ -153,8 +162,13 @@ class Identity(BasePruningMethod):
 class RandomUnstructured(BasePruningMethod):
     """Prune entries chosen uniformly at random.
 
-    Draws ``torch.rand_like`` from the global generator and prunes the entries with the largest draws, as torch
-    does: on a fresh tensor the same seed gives torch's mask (when the draws have no ties).
+    Draws uniform numbers from the global generator and prunes the entries with the largest draws, as torch
+    does: on a fresh float32 or float64 tensor the same seed gives torch's mask (when the draws have no ties).
+
+    The draws are float32 (float64 for a float64 tensor) whatever the tensor's dtype. Torch draws in the
+    tensor's dtype: a bfloat16 ``rand`` has about 1700 distinct values, so the entries at the threshold tie by the
+    thousand and the tie-break decides, e.g. ``amount=0.001`` of a 1000 x 1000 bfloat16 weight prunes only entries
+    of its first quarter. Integer tensors work too (torch's ``rand_like`` refuses them).
 
     Args:
         amount: a float in [0, 1] (the fraction of the entries still unpruned) or an int (how many of them).
@@ -174,13 +188,13 @@ class RandomUnstructured(BasePruningMethod):
         self.amount = amount
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        draws = torch.rand_like(t)
+        draws = uniform_draws(t)
         return _unstructured_mask(
             self.amount, draws, default_mask, restrict=False, dtype=default_mask.dtype, magnitude=False, largest=True
         )
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
-        draws = torch.rand_like(scores)
+        draws = uniform_draws(scores)
         return _unstructured_mask(
             self.amount, draws, current, restrict=True, dtype=dtype, magnitude=False, largest=True
         )
