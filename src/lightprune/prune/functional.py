@@ -242,11 +242,7 @@ def _global_masks_fast(
     random = isinstance(method, RandomUnstructured)
     if random:
         scores = [uniform_draws(a.orig) for a in attachments]
-    elif len({s.dtype for s in scores}) > 1:
-        common = scores[0].dtype
-        for s in scores[1:]:
-            common = torch.promote_types(common, s.dtype)
-        scores = [s.to(common) for s in scores]
+    # scores of several dtypes are compared as if promoted, one chunk at a time (select.py): no promoted copies
     available = count_eligible(current, scores)
     k = _compute_nparams_toprune(method.amount, available)
     _validate_pruning_amount(k, available)
