@@ -603,3 +603,16 @@ def test_cuda_l1_matches_cpu() -> None:
     lp.l1_unstructured(cpu_layer, "weight", amount=0.37)
     lp.l1_unstructured(gpu_layer, "weight", amount=0.37)
     assert torch.equal(cpu_layer.weight_mask, gpu_layer.weight_mask.cpu())
+
+
+@cuda
+def test_cuda_parameter_with_cpu_importance_scores() -> None:
+    # the first call worked (the mask was moved), a later one failed: its current mask is on the GPU
+    layer = nn.Linear(8, 6).cuda()
+    other = nn.Linear(8, 6).cuda()
+    for _ in range(2):
+        lp.l1_unstructured(layer, "weight", amount=5, importance_scores=torch.randn(6, 8))
+        lp.ln_structured(layer, "weight", amount=1, n=2, dim=0, importance_scores=torch.randn(6, 8))
+        scores = {(layer, "weight"): torch.randn(6, 8), (other, "weight"): torch.randn(6, 8)}
+        lp.global_unstructured([(layer, "weight"), (other, "weight")], lp.L1Unstructured, scores, amount=4)
+    assert layer.weight_mask.device.type == "cuda" and other.weight_mask.device.type == "cuda"

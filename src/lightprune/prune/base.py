@@ -674,6 +674,7 @@ def attach(
     attachment = Attachment.plan(module, name, method)
     scores = attachment.default_scores(method) if importance_scores is None else importance_scores
     _check_same_shape(scores, attachment.orig, "importance_scores", f"parameter {name!r}")
+    scores = scores.to(attachment.orig.device)  # scores elsewhere (CPU scores for a CUDA weight) work on every call
     attachment.mask = next_mask(
         method, scores, attachment.current_mask, attachment.mask_dtype(), first_default_dtype=attachment.orig.dtype
     )

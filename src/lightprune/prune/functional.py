@@ -217,7 +217,7 @@ def global_unstructured(
         if score is None:
             score = attachment.default_scores(method)
         _check_same_shape(score, attachment.orig, "importance_scores", f"parameter {attachment.name!r}")
-        scores.append(score.detach())
+        scores.append(score.detach().to(attachment.orig.device))
 
     with torch.no_grad():
         if _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured)):
