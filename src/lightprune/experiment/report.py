@@ -264,7 +264,7 @@ def summarize(
     for name, module, param_name in selection:
         tensor = getattr(module, param_name)
         count = int(torch.count_nonzero(tensor))
-        layer_sparsity[name] = 1.0 - count / tensor.numel() if tensor.numel() else 0.0
+        layer_sparsity[name] = (tensor.numel() - count) / tensor.numel() if tensor.numel() else 0.0  # zeros / size
         total += tensor.numel()
         nonzero += count
     dense = sparse = speedup = None
@@ -397,6 +397,11 @@ def _note(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
+def _lone_point(steps: Sequence[float]) -> dict[str, Any]:
+    """A marker for a series of a single point, which a line alone would not show."""
+    return {"marker": "o", "markersize": 4} if len(steps) == 1 else {}
+
+
 def plot_training_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     """Draws sparsity (top) and accuracy (bottom) over training steps from a ``metrics.csv``.
 
@@ -429,13 +434,14 @@ def plot_training_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     for key in layer_keys:
         steps, values = zip(*series[key], strict=True)
         label = key.removeprefix("pruning/sparsity/") if len(layer_keys) <= 10 else None
-        ax_sparsity.plot(steps, values, linewidth=0.8, alpha=0.6, label=label)
+        ax_sparsity.plot(steps, values, linewidth=0.8, alpha=0.6, label=label, **_lone_point(steps))
     if "pruning/sparsity/total" in series:
         steps, values = zip(*series["pruning/sparsity/total"], strict=True)
-        ax_sparsity.plot(steps, values, color="black", linewidth=2, label="total")
+        ax_sparsity.plot(steps, values, color="black", linewidth=2, label="total", **_lone_point(steps))
     if "pruning/target" in series:
         steps, values = zip(*series["pruning/target"], strict=True)
-        ax_sparsity.plot(steps, values, color="tab:red", linestyle="--", linewidth=1.2, label="target", zorder=3)
+        target_style = {"color": "tab:red", "linestyle": "--", "linewidth": 1.2, "zorder": 3, **_lone_point(steps)}
+        ax_sparsity.plot(steps, values, label="target", **target_style)
     if ax_sparsity.lines:
         ax_sparsity.set_ylim(-0.02, 1.02)
         ax_sparsity.legend(fontsize="small", loc="best")
