@@ -378,6 +378,21 @@ def test_prepare_keeps_mask_dtype_and_prefix() -> None:
     assert torch.equal(wrapper.layer.weight, pruned.weight)
 
 
+def test_prepare_for_an_integer_parameters_checkpoint() -> None:
+    # regression: prepare used the saved mask's dtype as the mask dtype setting, which refuses integer dtypes
+    def build() -> nn.Module:
+        module = nn.Module()
+        module.table = nn.Parameter(torch.tensor([[3, -1, 4], [1, -5, 9]]), requires_grad=False)
+        return module
+
+    source = lp.l1_unstructured(build(), "table", amount=2)
+    assert source.table_mask.dtype == torch.int64
+    target = build()
+    assert lp.prepare_for_state_dict(target, source.state_dict()) == ["table"]
+    target.load_state_dict(source.state_dict())
+    assert target.table_mask.dtype == torch.int64 and torch.equal(target.table, source.table)
+
+
 def test_prepare_leaves_a_buffer_named_like_a_mask_alone() -> None:
     class Attention(nn.Module):
         def __init__(self) -> None:

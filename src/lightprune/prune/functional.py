@@ -351,6 +351,8 @@ def prepare_for_state_dict(module: nn.Module, state_dict: Mapping[str, Any], pre
             if key + "_orig" in state_dict and key + "_mask" in state_dict:
                 saved_mask = state_dict[key + "_mask"]
                 dtype = saved_mask.dtype if isinstance(saved_mask, Tensor) else None
+                if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
+                    dtype = None  # an integer mask (an integer parameter's): the parameter's dtype, as saved
                 with mask_dtype(dtype):
                     identity(submodule, name)
                 changed.append(key)
