@@ -663,3 +663,30 @@ def test_random_unstructured_on_an_integer_parameter() -> None:
         tp.random_unstructured(copy.deepcopy(layer), "weight", amount=5)  # rand_like of an int64 tensor
     lp.random_unstructured(layer, "weight", amount=5)
     assert layer.weight_mask.dtype == torch.int64 and int((layer.weight_mask == 0).sum()) == 5
+
+
+@pytest.mark.parametrize("before", [0, 1], ids=["first-call", "second-call"])
+def test_rollback_restores_an_rnns_flat_weights(monkeypatch: pytest.MonkeyPatch, before: int) -> None:
+    # regression: the LSTM's forward reads the list _flat_weights, which its __setattr__ keeps in step with the
+    # attribute; the rollback restored the attribute but left the list holding the new pruned tensor
+    torch.manual_seed(0)
+    lstm, linear = nn.LSTM(4, 3), nn.Linear(3, 3)
+    if before:
+        lp.l1_unstructured(lstm, "weight_hh_l0", amount=4)
+    x = torch.randn(2, 1, 4)
+    expected = lstm(x)[0].detach()
+    flat = lstm._flat_weights  # after the forward: an LSTM's forward may rebuild the list
+    contents = list(flat)
+    real_commit = base.Attachment.commit
+
+    def commit(self: base.Attachment) -> base.BasePruningMethod:
+        if self.module is linear:
+            raise RuntimeError("second attachment failed")
+        return real_commit(self)
+
+    monkeypatch.setattr(base.Attachment, "commit", commit)
+    with pytest.raises(RuntimeError, match="second attachment failed"):
+        lp.global_unstructured([(lstm, "weight_hh_l0"), (linear, "weight")], lp.L1Unstructured, amount=6)
+    monkeypatch.undo()
+    assert lstm._flat_weights is flat and all(a is b for a, b in zip(flat, contents, strict=True))
+    assert torch.equal(lstm(x)[0], expected)

@@ -539,9 +539,12 @@ class ModuleSnapshot:
     load_hooks: dict[int, Any] = field(default_factory=dict)
     attributes: dict[str, Any] = field(default_factory=dict)
     containers: list[tuple[PruningContainer, tuple[BasePruningMethod, ...]]] = field(default_factory=list)
+    # RNNs keep their weights in the list ``_flat_weights`` too, updated by their ``__setattr__``
+    flat_weights: tuple[list[Any], list[Any]] | None = None
 
     @classmethod
     def take(cls, module: nn.Module, name: str) -> ModuleSnapshot:
+        flat = module.__dict__.get("_flat_weights")
         return cls(
             module=module,
             parameters=dict(module._parameters),
@@ -551,6 +554,7 @@ class ModuleSnapshot:
             load_hooks=dict(module._load_state_dict_post_hooks),
             attributes={k: module.__dict__[k] for k in (name, "_apply") if k in module.__dict__},
             containers=[(h, h._pruning_methods) for _, h in pruning_hooks(module) if isinstance(h, PruningContainer)],
+            flat_weights=(flat, list(flat)) if isinstance(flat, list) else None,
         )
 
     def restore(self, name: str) -> None:
@@ -570,6 +574,10 @@ class ModuleSnapshot:
         module.__dict__.update(self.attributes)
         for container, methods in self.containers:
             container._pruning_methods = methods
+        if self.flat_weights is not None:
+            flat, contents = self.flat_weights
+            flat[:] = contents
+            module.__dict__["_flat_weights"] = flat
 
 
 @dataclass
