@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightprune import prune
 from lightprune.metrics import SparsityCollection
-from lightprune.prune.base import find_hook, refresh_pruned
+from lightprune.prune.base import ModuleSnapshot, find_hook, refresh_pruned
 from lightprune.schedules import Constant, FromCallable, Schedule
 from lightprune.selection import DEFAULT_MODULE_TYPES, resolve_pairs, select_parameters
 
@@ -506,9 +506,26 @@ class PruningCallback(Callback):
             torch.manual_seed((self.seed * 1_000_003 + event) % (2**63))
             yield
 
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """Undo every mask change of the block if it raises (also ``KeyboardInterrupt``): an event is applied whole.
+
+        A layerwise event prunes its tensors one call at a time; the engine rolls back only the failing call, so a
+        failure at the second tensor would leave the first one at the new target (a half-applied event, in the model
+        and in any checkpoint written on the exception).
+        """
+        pairs = [(module, name) for _, module, name in self._selection] + [(module, "bias") for module in self._biases]
+        snapshots = [(ModuleSnapshot.take(module, name), name) for module, name in pairs]
+        try:
+            yield
+        except BaseException:
+            for snapshot, name in reversed(snapshots):
+                snapshot.restore(name)
+            raise
+
     def _prune_to(self, target: float, event: int) -> None:
-        """Prune the selection up to ``target`` total sparsity (exact counts), as one event."""
-        with prune.mask_dtype(self.mask_dtype), self._seeded(event):
+        """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing."""
+        with prune.mask_dtype(self.mask_dtype), self._seeded(event), self._all_or_nothing():
             if self.scope == "global":
                 counts = [self._units(module, name) for _, module, name in self._selection]
                 total = sum(units for units, _ in counts)
