@@ -12,6 +12,7 @@ from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_
 from lightprune.prune.base import (
     Attachment,
     BasePruningMethod,
+    ModuleSnapshot,
     _check_same_shape,
     _has_fast_path,
     _to_mask_dtype,
@@ -301,9 +302,19 @@ def remove(module: nn.Module, name: str) -> nn.Module:
             f"parameter {name!r} of {type(module).__name__} is not pruned, so its pruning cannot be removed; "
             f"pruned here: {[h._tensor_name for _, h in pruning_hooks(module)]}"
         )
-    hook.remove(module)
-    del module._forward_pre_hooks[key]
-    uninstall_refresh_if_unpruned(module)
+    # all or nothing, as for pruning calls: an exception or a KeyboardInterrupt part-way through would leave a
+    # plain Parameter next to a hook that still looks for <name>_orig (every forward then fails)
+    snapshot = ModuleSnapshot.take(module, name)
+    orig = module._parameters[name + "_orig"]
+    data = orig.data
+    try:
+        hook.remove(module)
+        del module._forward_pre_hooks[key]
+        uninstall_refresh_if_unpruned(module)
+    except BaseException:
+        orig.data = data
+        snapshot.restore(name)
+        raise
     return module
 
 
