@@ -52,7 +52,9 @@ class ModuleState:
             hooks=list(module._forward_pre_hooks.items()),
             containers=[tuple(h) for h in module._forward_pre_hooks.values() if isinstance(h, lp.PruningContainer)],
             load_hooks=list(module._load_state_dict_post_hooks.items()),
-            attributes={k: v for k, v in module.__dict__.items() if k in ("weight", "bias", "_apply")},
+            attributes={
+                k: v for k, v in module.__dict__.items() if k in ("weight", "bias", "_apply") or k.startswith("weight_")
+            },
             values={k: v.detach().clone() for k, v in module.state_dict().items()},
         )
 
@@ -690,3 +692,33 @@ def test_rollback_restores_an_rnns_flat_weights(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.undo()
     assert lstm._flat_weights is flat and all(a is b for a, b in zip(flat, contents, strict=True))
     assert torch.equal(lstm(x)[0], expected)
+
+
+@pytest.mark.parametrize("point", ["move_key", "uninstall_refresh_if_unpruned"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_interrupted_remove_leaves_the_module_pruned(
+    monkeypatch: pytest.MonkeyPatch, point: str, error: type[BaseException]
+) -> None:
+    from lightprune.prune import functional
+
+    lstm = nn.LSTM(4, 3)
+    lp.l1_unstructured(lstm, "weight_hh_l0", amount=5)
+    lp.l1_unstructured(lstm, "weight_hh_l0", amount=5)
+    orig = lstm.weight_hh_l0_orig
+    data = orig.data
+    state = ModuleState.of(lstm)
+    flat = list(lstm._flat_weights)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error("injected")
+
+    monkeypatch.setattr(base if point == "move_key" else functional, point, fail)
+    with pytest.raises(error):
+        lp.remove(lstm, "weight_hh_l0")
+    monkeypatch.undo()
+    state.assert_same(lstm)
+    assert orig.data is data or torch.equal(orig.data, data)
+    assert all(a is b for a, b in zip(lstm._flat_weights, flat, strict=True))
+    lstm(torch.randn(2, 1, 4))
+    lp.remove(lstm, "weight_hh_l0")
+    assert lstm._parameters["weight_hh_l0"] is orig and not lp.is_pruned(lstm)
