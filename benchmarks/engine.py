@@ -201,7 +201,10 @@ def run_training_case(spec: dict[str, Any]) -> dict[str, Any]:
     elif impl.startswith("lightprune"):
         with lightprune.mask_dtype(torch.bool if impl == "lightprune-bool" else None):
             lightprune.global_unstructured(pairs, pruning_method=lightprune.L1Unstructured, amount=0.9)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if spec.get("optimizer", "sgd") == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(batch, width, device=device)
     target = torch.randn(batch, width, device=device)
 
@@ -276,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (smoke test)")
     parser.add_argument("--sizes", default="34M,134M,268M,1B", help="comma-separated: 34M,134M,268M,1B")
     parser.add_argument("--torch-sizes", default="34M,134M,268M", help="sizes at which torch runs too")
+    parser.add_argument(
+        "--all-ops-sizes", default="34M,134M", help="sizes with every operation; the others run read + global L1"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
@@ -284,17 +291,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.case:
         spec = json.loads(args.case)
-        result = run_training_case(spec) if spec["op"] == "train" else run_case(spec)
+        result = run_training_case(spec) if spec["op"].startswith("train") else run_case(spec)
         print(json.dumps(result))
         return 0
 
     if args.quick:
         sizes, hidden, repeats = QUICK_LAYERS, QUICK_HIDDEN, 1
-        torch_sizes = set(sizes)
+        torch_sizes = all_ops = set(sizes)
     else:
         sizes = {s: LAYERS_FOR_SIZE[s] for s in args.sizes.split(",")}
         hidden, repeats = HIDDEN, args.repeats
         torch_sizes = set(args.torch_sizes.split(","))
+        all_ops = set(args.all_ops_sizes.split(","))
+    threads = {} if args.threads is None else {"threads": args.threads}
 
     rows: list[dict[str, Any]] = []
     ops = ["global_l1", "l1_layerwise", "ln_structured", "random_structured", "random_unstructured"]
@@ -319,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "tie_free": with_torch,
             "fingerprint": with_torch,
+            **threads,
         }
         record(size, "read", "sum |w|", {**base, "op": "read", "impl": "lightprune"})
-        for op in ops if with_torch or size != "1B" else ["global_l1"]:
+        for op in ops if size in all_ops else ["global_l1"]:
             impls = ["lightprune", "lightprune-bool"] + (["torch"] if with_torch else [])
             if size == "1B":
                 impls = ["lightprune-bool"]
@@ -330,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         if size in ("134M", "2M"):
             for op in ("repeat2", "repeat3"):
                 record(size, op, "lightprune-bool", {**base, "op": op, "impl": "lightprune-bool"})
-    train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048}
-    for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
-        record("MLP", "train_step", impl, {**train_base, "impl": impl})
+    for optimizer in ("sgd", "adam"):
+        train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048, **threads}
+        for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
+            spec = {**train_base, "impl": impl, "optimizer": optimizer, "steps": 10 if args.quick else 30}
+            record("MLP", f"train_step_{optimizer}", impl, spec)
 
     table = render(rows)
     print(table)
@@ -369,7 +381,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        if row["op"] == "train_step":
+        if row["op"].startswith("train_step"):
             continue
         torch_row = _find(rows, row["size"], row["op"], "torch")
         read_row = _find(rows, row["size"], "read", "sum |w|")
@@ -386,13 +398,15 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"| {row['size']} | {row['op']} | {row['impl']} | {time_text} | {_fmt_bpw(row)} | {speedup} | {ratio} "
             f"| {match} |"
         )
-    train = {r["impl"]: r for r in rows if r["op"] == "train_step" and "seconds" in r}
-    if "dense" in train:
-        lines += ["", "| training step (4 × Linear(2048, 2048), batch 64, SGD) | time | vs dense |", "|---|---|---|"]
+    for optimizer in ("sgd", "adam"):
+        train = {r["impl"]: r for r in rows if r["op"] == f"train_step_{optimizer}" and "seconds" in r}
+        if "dense" not in train:
+            continue
+        header = f"| training step, 4 × Linear(2048, 2048), batch 64, {optimizer} | time | vs dense |"
+        lines += ["", header, "|---|---|---|"]
         for impl, row in train.items():
-            lines.append(
-                f"| {impl} | {row['seconds'] * 1e3:.1f} ms | {row['seconds'] / train['dense']['seconds']:.2f}× |"
-            )
+            ratio = row["seconds"] / train["dense"]["seconds"]
+            lines.append(f"| {impl} | {row['seconds'] * 1e3:.1f} ms | {ratio:.2f}× |")
     return "\n".join(lines)
 
 
