@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,14 @@ METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_st
 SCOPES = ("global", "layerwise")
 UNITS = ("step", "epoch")
 MASK_DTYPES = ("bool", "param")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+PRECISIONS = (
+    "32-true", "32", "64-true", "64", "16-mixed", "16-true", "16", "bf16-mixed", "bf16-true", "bf16",
+    "transformer-engine", "transformer-engine-float16",
+)  # fmt: skip
+"""Lightning's precision strings (its ``_PRECISION_INPUT_STR`` and aliases)."""
+MAX_SEED = 2**32 - 1
+"""Seeds reach numpy through ``seed_everything``, which accepts 0 ... 2**32 - 1."""
 
 
 @dataclass
@@ -266,6 +275,7 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         f"data.val_size + data.test_size must be < 1 (data.val_size={data.val_size})",
     )
     _check(problems, data.limit is None or data.limit >= 1, "data.limit", data.limit, "must be None or >= 1")
+    _check(problems, 0 <= data.seed <= MAX_SEED, "data.seed", data.seed, f"must be in [0, {MAX_SEED}]")
     _check(problems, model.name in MODELS, "model.name", model.name, f"one of {MODELS}")
     _check(problems, all(h >= 1 for h in model.hidden), "model.hidden", list(model.hidden), "sizes must be >= 1")
     _check(
@@ -282,9 +292,15 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         data.flatten,
         "model=small_cnn needs images: set data.flatten=false",
     )
-    _check(problems, model.lr > 0, "model.lr", model.lr, "must be > 0")
+    _check(problems, model.lr > 0 and math.isfinite(model.lr), "model.lr", model.lr, "must be > 0 and finite")
     _check(problems, model.optimizer in OPTIMIZERS, "model.optimizer", model.optimizer, f"one of {OPTIMIZERS}")
-    _check(problems, model.weight_decay >= 0, "model.weight_decay", model.weight_decay, "must be >= 0")
+    _check(
+        problems,
+        model.weight_decay >= 0 and math.isfinite(model.weight_decay),
+        "model.weight_decay",
+        model.weight_decay,
+        "must be >= 0 and finite",
+    )
     _check(problems, pruning.preset in PRESETS, "pruning.preset", pruning.preset, f"one of {PRESETS}")
     _check(
         problems,
@@ -322,6 +338,14 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     _check(problems, pruning.rounds >= 1, "pruning.rounds", pruning.rounds, "must be >= 1")
     _check(problems, pruning.rewind in (None, "init"), "pruning.rewind", pruning.rewind, "None or 'init'")
     _check(problems, pruning.n > 0, "pruning.n", pruning.n, "the order of a norm, must be > 0")
+    if structured:  # every pruned weight must have the dim: Linear weights have 2 dims, Conv2d weights 4
+        convs_only = model.name == "small_cnn" and pruning.exclude_classifier
+        ndim = 4 if convs_only else 2
+        why = "the Conv2d weights have 4 dims" if convs_only else "the Linear weights have 2 dims"
+        if model.name == "small_cnn" and not convs_only:
+            why += " (pruning.exclude_classifier=true prunes only the convs)"
+        allowed = f"must be in [{-ndim}, {ndim - 1}]: {why}"
+        _check(problems, -ndim <= pruning.dim < ndim, "pruning.dim", pruning.dim, allowed)
     _check(
         problems,
         not pruning.prune_channel_bias or (structured and pruning.dim == 0),
@@ -337,6 +361,14 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     _check(problems, trainer.dense_epochs >= 1, "trainer.dense_epochs", trainer.dense_epochs, "must be >= 1")
     _check(problems, trainer.max_epochs >= 1, "trainer.max_epochs", trainer.max_epochs, "must be >= 1")
     _check(problems, trainer.devices >= 1, "trainer.devices", trainer.devices, "must be >= 1")
+    _check(
+        problems,
+        trainer.accelerator in ACCELERATORS,
+        "trainer.accelerator",
+        trainer.accelerator,
+        f"one of {ACCELERATORS}",
+    )
+    _check(problems, trainer.precision in PRECISIONS, "trainer.precision", trainer.precision, f"one of {PRECISIONS}")
     _check(problems, trainer.log_every_n_steps >= 1, "trainer.log_every_n_steps", trainer.log_every_n_steps, ">= 1")
     _check(
         problems,
@@ -352,5 +384,6 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         trainer.num_threads,
         "must be None (torch's default) or >= 1",
     )
+    _check(problems, 0 <= cfg.seed <= MAX_SEED, "seed", cfg.seed, f"must be in [0, {MAX_SEED}]")
     if problems:
         raise ValueError("invalid experiment config:\n  " + "\n  ".join(problems))
