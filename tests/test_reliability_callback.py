@@ -277,6 +277,30 @@ def restore_sigint() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# A structured dim that the selected tensors lack fails at setup, not at the first event in mid-training
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [2, -3])
+def test_structured_dim_out_of_range_fails_at_setup(tmp_path: Path, dim: int) -> None:
+    callback = PruningCallback(schedule(), method="ln_structured", method_kwargs={"dim": dim})
+    model = Net()
+    before = state(model)
+    trainer = L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[callback],
+    )
+    with pytest.raises(ValueError, match=rf"dim={dim} is out of range for net\.0\.weight of shape \(16, 8\)"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+    assert_same_state(state(model), before)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # (a) an exception inside compute_mask in the middle of an event
 # ----------------------------------------------------------------------------------------------------------------------
 

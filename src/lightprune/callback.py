@@ -408,6 +408,13 @@ class PruningCallback(Callback):
             tensor = self._orig(module, name)
             if self.structured and tensor.dim() < 2:
                 raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: structured pruning needs >= 2 dims")
+            dim = self.method_kwargs.get("dim")
+            if self.structured and _is_int(dim) and not -tensor.dim() <= dim < tensor.dim():
+                # else the first event fails, mid-training
+                raise ValueError(
+                    f"method_kwargs dim={dim} is out of range for {qualified} of shape {tuple(tensor.shape)}: "
+                    f"allowed dims are {-tensor.dim()} ... {tensor.dim() - 1}"
+                )
         self._selection = selection
         self._state_key = self._selection_state_key()
         self._biases = []
