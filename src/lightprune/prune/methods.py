@@ -113,8 +113,8 @@ class _StructuredMethod(BasePruningMethod):
         available = scores.shape[dim] if active is None else int(active.sum())
         k = _compute_nparams_toprune(self.amount, available)
         _validate_pruning_amount(k, available)
-        self._check_ranking(scores, dim, available)
-        if k == 0:
+        if k == 0:  # nothing to rank; with k > 0 the ranking itself raises what the check would
+            self._check_ranking(scores, dim, available)
             return None
         pruned = self._rank(scores, dim, active, available, k)
         return _channel_mask(pruned.to(scores.device), dim, scores.shape, base, dtype)
@@ -320,11 +320,12 @@ class LnStructured(_StructuredMethod):
 
     def _check_ranking(self, scores: Tensor, dim: int, available: int) -> None:
         # torch computes the norms even for amount 0, so an ``n`` torch.norm refuses for this shape or dtype
-        # ('fro' over three dims, a negative order over an empty dim, an integer tensor) fails on every call;
-        # a meta tensor raises the same errors without touching the data
-        shape = list(scores.shape)
-        shape[dim] = available
-        _compute_norm(torch.empty(shape, dtype=scores.dtype, device="meta"), self.n, dim)
+        # ('fro' over three dims, a negative order over an empty dim, an integer tensor) fails on every call.
+        # A tensor of the same dims and dtype, each dim cut to at most 1, raises the same errors at no cost
+        # (a meta tensor would too, but its first use imports torch's Python meta kernels: seconds).
+        shape = [min(size, 1) for size in scores.shape]
+        shape[dim] = min(available, 1)
+        _compute_norm(torch.zeros(shape, dtype=scores.dtype), self.n, dim)
 
     def _rank(self, scores: Tensor, dim: int, active: Tensor | None, available: int, k: int) -> Tensor:
         norms = _compute_norm(scores, self.n, dim)
