@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "--all-ops-sizes", default="34M,134M", help="sizes with every operation; the others run read + global L1"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    parser.add_argument("--ops", default=None, help="only these operations (comma-separated), e.g. ln_structured")
+    parser.add_argument("--no-train", action="store_true", help="skip the training-step rows")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
@@ -307,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     ops = ["global_l1", "l1_layerwise", "ln_structured", "random_structured", "random_unstructured"]
+    wanted = None if args.ops is None else set(args.ops.split(","))
 
     def record(size: str, op: str, impl: str, spec: dict[str, Any]) -> dict[str, Any]:
         result = _measure(spec, repeats, args.timeout)
@@ -332,15 +335,17 @@ def main(argv: list[str] | None = None) -> int:
         }
         record(size, "read", "sum |w|", {**base, "op": "read", "impl": "lightprune"})
         for op in ops if size in all_ops else ["global_l1"]:
+            if wanted is not None and op not in wanted:
+                continue
             impls = ["lightprune", "lightprune-bool"] + (["torch"] if with_torch else [])
             if size == "1B":
                 impls = ["lightprune-bool"]
             for impl in impls:
                 record(size, op, impl, {**base, "op": op, "impl": impl})
-        if size in ("134M", "2M"):
+        if size in ("134M", "2M") and (wanted is None or "repeat" in wanted):
             for op in ("repeat2", "repeat3"):
                 record(size, op, "lightprune-bool", {**base, "op": op, "impl": "lightprune-bool"})
-    for optimizer in ("sgd", "adam"):
+    for optimizer in () if args.no_train else ("sgd", "adam"):
         train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048, **threads}
         for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
             spec = {**train_base, "impl": impl, "optimizer": optimizer, "steps": 10 if args.quick else 30}
