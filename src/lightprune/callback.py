@@ -21,11 +21,13 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 from typing_extensions import override
 
 from lightprune import prune
 from lightprune.metrics import SparsityCollection
 from lightprune.prune.base import ModuleSnapshot, find_hook, refresh_pruned
+from lightprune.prune.functional import adaptation_plan, apply_adaptation, pair_problems
 from lightprune.schedules import Constant, FromCallable, Schedule
 from lightprune.selection import DEFAULT_MODULE_TYPES, resolve_pairs, select_parameters
 
@@ -84,11 +86,90 @@ def _resolve_schedule(schedule: Schedule | float | Callable[[int], float]) -> Sc
     )
 
 
-def _adapt_before_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: match the model's pruning reparametrization to the keys being loaded."""
-    changed = prune.prepare_for_state_dict(module, state_dict, prefix)
-    if changed:
-        rank_zero_info(f"lightprune: adapted the pruning reparametrization of {len(changed)} tensors to the state_dict")
+def _adapt_before_load(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool, *args: Any
+) -> None:
+    """``load_state_dict`` pre-hook: match the model's pruning reparametrization to the keys being loaded.
+
+    A state_dict that cannot load (a tampered or foreign checkpoint: wrong shapes, tensors missing or replaced,
+    unknown keys under ``strict``) is refused here, before anything changes; torch alone would copy every tensor it
+    can and raise at the end, leaving the model half-loaded (and the reparametrization adapted to a checkpoint that
+    never loaded).
+    """
+    plan = adaptation_plan(module, state_dict, prefix)
+    unchecked = [entry for entry in plan if not _predictable(entry[1])]  # _load_problems checks the others' pairs
+    problems = pair_problems(unchecked, state_dict) + _load_problems(module, state_dict, prefix, strict, plan)
+    if problems:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__} (lightprune checked it first; the model is "
+            "unchanged):\n\t" + "\n\t".join(problems)
+        )
+    apply_adaptation(plan, state_dict)
+    if plan:
+        rank_zero_info(f"lightprune: adapted the pruning reparametrization of {len(plan)} tensors to the state_dict")
+
+
+def _predictable(module: nn.Module) -> bool:
+    """Whether torch loads ``module``'s own tensors with ``nn.Module``'s rules (no override, no key-rewriting hook)."""
+    loader = type(module)._load_from_state_dict
+    own_hooks = [
+        h for h in module._load_state_dict_pre_hooks.values() if getattr(h, "hook", None) is not _adapt_before_load
+    ]
+    return not own_hooks and (loader is nn.Module._load_from_state_dict or loader is _NormBase._load_from_state_dict)
+
+
+def _load_problems(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    strict: bool,
+    plan: list[tuple[str, nn.Module, str, str]],
+) -> list[str]:
+    """What ``load_state_dict`` would reject once ``plan`` is applied, by torch's rules, for the modules that follow
+    them (:func:`_predictable`): a value that is not a tensor, a shape mismatch and, under ``strict``, missing and
+    unexpected keys. Modules with their own loading logic are left to torch."""
+    problems: list[str] = []
+    planned = {(id(m), n): action for _, m, n, action in plan}
+    for module_name, submodule in module.named_modules(remove_duplicate=False):
+        if not _predictable(submodule):
+            continue
+        base = f"{prefix}{module_name}." if module_name else prefix
+        local = {n: p for n, p in submodule._parameters.items() if p is not None}
+        local.update(
+            (n, b)
+            for n, b in submodule._buffers.items()
+            if b is not None and n not in submodule._non_persistent_buffers_set
+        )
+        shapes = {n: tuple(t.shape) for n, t in local.items()}
+        for name in list(shapes):
+            if planned.get((id(submodule), name)) == "identity":
+                shapes[name + "_orig"] = shapes[name + "_mask"] = shapes.pop(name)
+        for (owner, name), action in planned.items():
+            if owner == id(submodule) and action == "remove":
+                shapes[name] = shapes.pop(name + "_orig")
+                shapes.pop(name + "_mask", None)
+        for name, shape in shapes.items():
+            key = base + name
+            if key not in state_dict:
+                if strict and not isinstance(submodule, _NormBase):  # batch norms fill in an old num_batches_tracked
+                    problems.append(f"missing key {key!r}")
+                continue
+            value = state_dict[key]
+            if not isinstance(value, Tensor):
+                problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+            elif tuple(value.shape) != shape and not (shape == () and tuple(value.shape) == (1,)):
+                problems.append(f"size mismatch for {key!r}: {tuple(value.shape)} in the state_dict, {shape} here")
+        if not strict:
+            continue
+        extra_state = base + "_extra_state"
+        if type(submodule).set_extra_state is not nn.Module.set_extra_state and extra_state not in state_dict:
+            problems.append(f"missing key {extra_state!r}")
+        for key in state_dict:
+            if key.startswith(base) and key != extra_state:
+                first = key[len(base) :].split(".", 1)[0]
+                if first not in submodule._modules and first not in shapes:
+                    problems.append(f"unexpected key {key!r}")
+    return problems
 
 
 def install_checkpoint_adapter(module: nn.Module) -> None:

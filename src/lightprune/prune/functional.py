@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -351,7 +351,22 @@ def prepare_for_state_dict(module: nn.Module, state_dict: Mapping[str, Any], pre
         >>> torch.equal(fresh.weight, pruned.weight)
         True
     """
-    changed = []
+    plan = adaptation_plan(module, state_dict, prefix)
+    problems = pair_problems(plan, state_dict)
+    if problems:
+        raise ValueError("the state_dict does not fit the model (nothing was changed):\n  " + "\n  ".join(problems))
+    apply_adaptation(plan, state_dict)
+    return [key for key, _, _, _ in plan]
+
+
+def adaptation_plan(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str = ""
+) -> list[tuple[str, nn.Module, str, str]]:
+    """What :func:`prepare_for_state_dict` would change, as ``(key, submodule, name, action)``; changes nothing.
+
+    ``action`` is ``"identity"`` (put ``name`` under the reparametrization) or ``"remove"`` (make it permanent).
+    """
+    plan = []
     for module_name, submodule in module.named_modules():
         base = f"{prefix}{module_name}." if module_name else prefix
         pruned_here = {hook._tensor_name: hook for _, hook in pruning_hooks(submodule)}
@@ -359,20 +374,58 @@ def prepare_for_state_dict(module: nn.Module, state_dict: Mapping[str, Any], pre
             key = base + name
             if name in pruned_here or (name.endswith("_orig") and name[: -len("_orig")] in pruned_here):
                 continue
-            if key + "_orig" in state_dict and key + "_mask" in state_dict:
+            if submodule._parameters[name] is not None and key + "_orig" in state_dict and key + "_mask" in state_dict:
+                plan.append((key, submodule, name, "identity"))
+        for name in pruned_here:
+            key = base + name
+            if key in state_dict and key + "_orig" not in state_dict:
+                plan.append((key, submodule, name, "remove"))
+    return plan
+
+
+def pair_problems(plan: list[tuple[str, nn.Module, str, str]], state_dict: Mapping[str, Any]) -> list[str]:
+    """Why the ``<p>_orig``/``<p>_mask`` pairs the plan puts under the reparametrization cannot load, if they cannot."""
+    problems = []
+    for key, submodule, name, action in plan:
+        if action != "identity":
+            continue
+        shape = tuple(submodule._parameters[name].shape)
+        for suffix in ("_orig", "_mask"):
+            value = state_dict[key + suffix]
+            if not isinstance(value, Tensor):
+                problems.append(f"{key}{suffix} is a {type(value).__name__}, not a tensor")
+            elif tuple(value.shape) != shape:
+                problems.append(f"{key}{suffix} has shape {tuple(value.shape)}, the parameter {key} has {shape}")
+    return problems
+
+
+def apply_adaptation(plan: list[tuple[str, nn.Module, str, str]], state_dict: Mapping[str, Any]) -> Callable[[], None]:
+    """Carry out ``plan`` all or nothing; returns a function that undoes it (masks and values included)."""
+    undo: list[tuple[ModuleSnapshot, str, Tensor, Tensor]] = []
+
+    def undo_all() -> None:
+        for snapshot, name, parameter, data in reversed(undo):
+            parameter.data = data
+            snapshot.restore(name)
+
+    try:
+        for key, submodule, name, action in plan:
+            snapshot = ModuleSnapshot.take(submodule, name)
+            parameter = submodule._parameters[name if action == "identity" else name + "_orig"]
+            undo.append((snapshot, name, parameter, parameter.data))
+            if action == "identity":
                 saved_mask = state_dict[key + "_mask"]
                 dtype = saved_mask.dtype if isinstance(saved_mask, Tensor) else None
                 if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
                     dtype = None  # an integer mask (an integer parameter's): the parameter's dtype, as saved
                 with mask_dtype(dtype):
                     identity(submodule, name)
-                changed.append(key)
-        for name in pruned_here:
-            key = base + name
-            if key in state_dict and key + "_orig" not in state_dict:
+            else:
                 remove(submodule, name)
-                changed.append(key)
-    return changed
+    except BaseException:
+        undo_all()
+        raise
+    return undo_all
 
 
 def is_pruned(module: nn.Module) -> bool:
