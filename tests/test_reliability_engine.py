@@ -632,7 +632,7 @@ class EngineMachine(RuleBasedStateMachine):
         loaded = target.state_dict()
         assert sorted(loaded) == sorted(state)
         for k, v in state.items():
-            assert same_values(loaded[k].to(v.dtype) if loaded[k].dtype != v.dtype else loaded[k], v), k
+            assert same_values(loaded[k], v.to(loaded[k].dtype)), k  # in the model's dtypes (it may be converted)
         for name in self.specs:  # parameter order is the construction order, with name_orig in name's place
             pruned = {t for (m, t), e in expect.items() if m == name and e.pruned}
             assert list(target[name]._parameters) == [n + "_orig" if n in pruned else n for n in self.order[name]]
