@@ -82,12 +82,16 @@ class _Memory:
             self.extra = _status("VmHWM") - self.before
 
 
-def _tie_free_(weight: Any, generator: Any) -> None:
-    """Fill ``weight`` with distinct magnitudes in random order (consecutive float32 bit patterns, random signs)."""
+def _tie_free_(weight: Any, generator: Any, offset: int) -> None:
+    """Fill ``weight`` with distinct magnitudes in random order (consecutive float32 bit patterns, random signs).
+
+    ``offset`` shifts the bit patterns, so layers filled with offsets ``0, n, 2n, ...`` share no magnitude: the
+    model is tie-free across layers too, as global pruning needs for a mask comparison with torch.
+    """
     import torch
 
     n = weight.numel()
-    base = torch.tensor(1e-3, dtype=torch.float32).view(torch.int32).item()
+    base = torch.tensor(1e-3, dtype=torch.float32).view(torch.int32).item() + offset
     bits = torch.randperm(n, generator=generator, dtype=torch.int32).add_(base)
     values = bits.view(torch.float32)
     signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8)
@@ -103,9 +107,9 @@ def _model(layers: int, hidden: int, device: str, tie_free: bool, seed: int) -> 
         model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)))
     model = model.to_empty(device="cpu")
     with torch.no_grad():
-        for layer in model:
+        for index, layer in enumerate(model):
             if tie_free:
-                _tie_free_(layer.weight, generator)
+                _tie_free_(layer.weight, generator, offset=index * layer.weight.numel())
             else:
                 layer.weight.normal_(generator=generator)
     return model.to(device)
