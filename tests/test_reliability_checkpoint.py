@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import random
@@ -433,3 +434,70 @@ def test_single_bit_flips_either_fail_cleanly_or_load_whole(pruned: tuple[Net, P
         outcomes[label] = outcomes.get(label, 0) + 1
     print(f"\n{FLIPS} single bit flips in a {len(data)}-byte checkpoint: {outcomes}")
     assert sum(outcomes.values()) == FLIPS
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The adapter's checks never refuse what torch itself loads
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("steps", torch.tensor(0), persistent=False)
+
+
+class WithExtraState(nn.Linear):
+    def get_extra_state(self) -> Any:
+        return {"note": "kept"}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.note = state["note"]
+
+
+def batch_norm_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2, 3))
+
+
+def old_batch_norm_checkpoint() -> tuple[nn.Module, dict[str, Any], bool]:
+    """A BatchNorm state_dict of version 1 (before num_batches_tracked), with a pruned conv."""
+    source = batch_norm_net()
+    prune.l1_unstructured(source[0], "weight", amount=3)
+    state_dict = source.state_dict()
+    del state_dict["1.num_batches_tracked"]
+    state_dict._metadata["1"]["version"] = 1  # type: ignore[attr-defined]
+    return batch_norm_net(), state_dict, True
+
+
+LEGIT: dict[str, Callable[[], tuple[nn.Module, dict[str, Any], bool]]] = {
+    "batch norm checkpoint without num_batches_tracked": old_batch_norm_checkpoint,
+    "a 0-d parameter saved as 1-d": lambda: (Scalar(), {"scale": torch.tensor([2.0])}, True),
+    "extra state": lambda: (WithExtraState(2, 2), WithExtraState(2, 2).state_dict(), True),
+    "strict=False with missing and unexpected keys": lambda: (
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+        {"0.weight": torch.ones(2, 2), "9.bias": torch.ones(1)},
+        False,
+    ),
+    "a pruned checkpoint, strict=False, a missing bias": lambda: (
+        nn.Sequential(nn.Linear(2, 2)),
+        {"0.weight_orig": torch.ones(2, 2), "0.weight_mask": torch.tensor([[1.0, 0.0], [1.0, 1.0]])},
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LEGIT))
+def test_the_adapter_refuses_nothing_torch_loads(case: str) -> None:
+    model, state_dict, strict = LEGIT[case]()
+    plain, adapted = copy.deepcopy(model), model
+    install_checkpoint_adapter(adapted)
+    if not any(key.endswith("_orig") for key in state_dict):
+        plain.load_state_dict(state_dict, strict=strict)  # torch alone loads it
+    result = adapted.load_state_dict(state_dict, strict=strict)
+    if strict:
+        assert str(result) == "<All keys matched successfully>"
+    for key, value in state_dict.items():
+        loaded = adapted.state_dict().get(key)
+        if isinstance(loaded, Tensor):
+            assert torch.equal(loaded, value.reshape(loaded.shape).to(loaded.dtype)), key

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -86,9 +87,7 @@ def _resolve_schedule(schedule: Schedule | float | Callable[[int], float]) -> Sc
     )
 
 
-def _adapt_before_load(
-    module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool, *args: Any
-) -> None:
+def _adapt_before_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
     """``load_state_dict`` pre-hook: match the model's pruning reparametrization to the keys being loaded.
 
     A state_dict that cannot load (a tampered or foreign checkpoint: wrong shapes, tensors missing or replaced,
@@ -96,6 +95,7 @@ def _adapt_before_load(
     can and raise at the end, leaving the model half-loaded (and the reparametrization adapted to a checkpoint that
     never loaded).
     """
+    strict = _loading_strictly()
     plan = adaptation_plan(module, state_dict, prefix)
     unchecked = [entry for entry in plan if not _predictable(entry[1])]  # _load_problems checks the others' pairs
     problems = pair_problems(unchecked, state_dict) + _load_problems(module, state_dict, prefix, strict, plan)
@@ -107,6 +107,21 @@ def _adapt_before_load(
     apply_adaptation(plan, state_dict)
     if plan:
         rank_zero_info(f"lightprune: adapted the pruning reparametrization of {len(plan)} tensors to the state_dict")
+
+
+def _loading_strictly() -> bool:
+    """The ``strict`` of the ``load_state_dict`` call under way (torch hands its hooks ``strict=True`` always).
+
+    Found in the caller's frame of ``nn.Module.load_state_dict``; where there is none (another loader), the load
+    counts as not strict: only what torch rejects either way (shapes, values that are not tensors) is checked.
+    """
+    code = nn.Module.load_state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return False
 
 
 def _predictable(module: nn.Module) -> bool:
@@ -151,13 +166,16 @@ def _load_problems(
         for name, shape in shapes.items():
             key = base + name
             if key not in state_dict:
-                if strict and not isinstance(submodule, _NormBase):  # batch norms fill in an old num_batches_tracked
+                # batch norms fill in a num_batches_tracked missing from old checkpoints
+                if strict and not (isinstance(submodule, _NormBase) and name == "num_batches_tracked"):
                     problems.append(f"missing key {key!r}")
                 continue
             value = state_dict[key]
-            if not isinstance(value, Tensor):
+            if not torch.overrides.is_tensor_like(value):
                 problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
-            elif tuple(value.shape) != shape and not (shape == () and tuple(value.shape) == (1,)):
+            elif name in local and torch.nn.parameter.is_lazy(local[name]):
+                continue
+            elif tuple(value.shape) != shape and not (shape == () and value.dim() == 1):  # torch takes value[0]
                 problems.append(f"size mismatch for {key!r}: {tuple(value.shape)} in the state_dict, {shape} here")
         if not strict:
             continue
