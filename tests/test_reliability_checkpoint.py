@@ -40,6 +40,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
     pytest.mark.filterwarnings("ignore:.*checkpoint directory.*"),
     pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*"),
+    pytest.mark.filterwarnings("ignore:.*dirpath has changed.*"),
 ]
 
 PRUNED = ["net.0.weight", "net.2.weight", "net.4.weight"]
