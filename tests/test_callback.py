@@ -2,7 +2,8 @@
 
 Every fit trains ``Net`` (Linear 8-16-12-4: 128 + 192 + 48 = 368 prunable weights) on 64 fixed samples in 8 batches
 of 8 without shuffling, so two fits of the same configuration are bit-identical. A fit takes a fraction of a second
-with one intra-op thread (the ``_one_thread`` fixture; with several threads on a busy 2-core machine it is 10x slower).
+with one intra-op thread (conftest.py's ``one_thread_for_module`` fixture; with several threads on a busy 2-core
+machine it is 10x slower).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import copy
 import csv
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from lightprune.prune.base import pruning_hooks
 from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
     pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
@@ -39,14 +41,6 @@ pytestmark = [
 WEIGHTS = {"net.0.weight": (16, 8), "net.2.weight": (12, 16), "net.4.weight": (4, 12)}
 N = sum(rows * cols for rows, cols in WEIGHTS.values())  # 368
 STEPS_PER_EPOCH = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
     pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
@@ -58,14 +59,6 @@ SCHEDULE = dict(final=0.7, start=2, end=28, frequency=2)  # events at steps 2, 4
 
 def schedule() -> Cubic:
     return Cubic(**SCHEDULE)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

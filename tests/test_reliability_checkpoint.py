@@ -18,7 +18,7 @@ import copy
 import io
 import pickle
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from lightprune.callback import PruningCallback, install_checkpoint_adapter
 from lightprune.schedules import Cubic
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
     pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
@@ -45,14 +46,6 @@ pytestmark = [
 
 PRUNED = ["net.0.weight", "net.2.weight", "net.4.weight"]
 STEPS_PER_EPOCH = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Net(L.LightningModule):

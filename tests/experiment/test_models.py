@@ -139,15 +139,6 @@ def test_classifier_hparams_and_errors():
     assert Classifier(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()), num_classes=3).hparams.num_classes == 3
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models train much faster on one thread, above all on a busy 2-core machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_classifier_trains_and_logs_the_documented_keys(tmp_path):
     torch.manual_seed(0)
