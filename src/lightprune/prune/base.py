@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightprune.prune.masking import masked
+
 __all__ = [
     "BasePruningMethod",
     "PruningContainer",
@@ -177,14 +179,15 @@ class BasePruningMethod(ABC):
     def apply_mask(self, module: nn.Module) -> Tensor:
         """Return ``orig * mask`` for the attached tensor, in the parameter's dtype, keeping autograd history.
 
-        A boolean mask selects with ``torch.where``, so pruned entries are exact zeros even where ``orig`` holds
-        ``inf`` or ``NaN``; a floating mask multiplies, as torch does (fractional masks scale entries).
+        A boolean mask selects as ``torch.where`` does (fast on the CPU, see :mod:`lightprune.prune.masking`), so
+        pruned entries are exact zeros even where ``orig`` holds ``inf`` or ``NaN``; a floating mask multiplies, as
+        torch does (fractional masks scale entries).
         """
         name = self._attached_name()
         orig = getattr(module, name + "_orig")
         mask = getattr(module, name + "_mask")
         if mask.dtype == torch.bool:
-            return torch.where(mask, orig, torch.zeros((), dtype=orig.dtype, device=orig.device))
+            return masked(orig, mask)
         if mask.dtype != orig.dtype:
             mask = mask.to(dtype=orig.dtype)
         return orig * mask

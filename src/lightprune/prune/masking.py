@@ -1,0 +1,95 @@
+"""Applying a boolean mask: ``where(mask, values, 0)``, fast on the CPU and exact for every value.
+
+The reparametrization recomputes ``name = orig`` masked before every forward and masks the gradient in every
+backward, so this runs twice per training step for every pruned tensor. With a ``torch.bool`` mask, ``torch.where``
+is the obvious way, but on the CPU its kernel is not vectorized: for a 300x784 weight it takes about 9x as long as
+multiplying by a float mask (measured with torch 2.13, one thread), which made a training step with bool masks
+markedly slower than one with float masks. Multiplying by the mask converted to float is fast but turns ``inf`` and
+``NaN`` into ``NaN`` instead of ``0``, and keeps a float copy of the mask alive until the backward pass.
+
+:func:`masked` keeps ``torch.where``'s exact result and the bool mask's memory: on the CPU it selects with integer
+bit operations (the mask as ``0`` / all-ones in an integer type of the value's width, ANDed with the value's bits),
+three vectorized passes that cost about what one float multiplication does; the gradient is masked the same way.
+Elsewhere (CUDA, where ``torch.where`` is one fused kernel), for small tensors (where a Python autograd function
+costs more than it saves), under ``torch.func`` transforms, or for dtypes without a same-width integer type, it is
+``torch.where``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["masked"]
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Integer dtype of the same width as a floating dtype of that many bytes."""
+
+MIN_NUMEL_FOR_BITS = 1 << 14
+"""Below this many entries ``torch.where`` is faster than the autograd function's Python overhead."""
+
+
+def _select_bits(values: Tensor, keep: Tensor) -> Tensor:
+    """``where(keep, values, +0)`` by bit operations, without autograd (``values``: floating, a ``_BITS`` width)."""
+    bits = _BITS[values.element_size()]
+    out = keep.view(torch.uint8).to(bits)  # 0 or 1
+    out.neg_()  # 0 or all ones
+    out.bitwise_and_(values.view(bits))
+    return out.view(values.dtype)
+
+
+class _KeepWhere(torch.autograd.Function):
+    """``where(keep, values, 0)`` with the gradient ``where(keep, grad, 0)``, both by :func:`_select_bits`."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, keep: Tensor) -> Tensor:
+        ctx.save_for_backward(keep)
+        return _select_bits(values, keep)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        (keep,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: stay differentiable, for double backward
+            return masked(grad, keep), None
+        return _select_bits(grad, keep), None
+
+
+def _bits_apply(values: Tensor, keep: Tensor) -> bool:
+    return (
+        values.device.type == "cpu"
+        and values.is_floating_point()
+        and values.element_size() in _BITS
+        and keep.dtype == torch.bool
+        and keep.shape == values.shape
+        and values.numel() >= MIN_NUMEL_FOR_BITS
+        and type(values) in (Tensor, torch.nn.Parameter)  # subclasses' __torch_function__ must see the op
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def masked(values: Tensor, keep: Tensor) -> Tensor:
+    """Return ``torch.where(keep, values, 0)``: ``values`` where ``keep`` is true, an exact ``+0`` elsewhere.
+
+    Same result, dtype and gradient as ``torch.where`` (a pruned entry is ``0`` even where ``values`` is ``inf`` or
+    ``NaN``, and no gradient reaches it), faster on the CPU; see the module docstring.
+
+    Args:
+        values: the tensor to mask, e.g. a parameter's ``orig``.
+        keep: a ``torch.bool`` tensor of the same shape, true for the entries kept.
+
+    Example:
+        >>> values = torch.tensor([1.5, float("inf"), -2.0, float("nan")], requires_grad=True)
+        >>> out = masked(values, torch.tensor([True, False, True, False]))
+        >>> out
+        tensor([ 1.5000,  0.0000, -2.0000,  0.0000], grad_fn=<WhereBackward0>)
+        >>> out.sum().backward()
+        >>> values.grad
+        tensor([1., 0., 1., 0.])
+    """
+    if _bits_apply(values, keep):
+        if values.requires_grad and torch.is_grad_enabled():
+            return _KeepWhere.apply(values, keep)
+        return _select_bits(values, keep)
+    return torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))

@@ -1,0 +1,156 @@
+"""``lightprune.prune.masking.masked`` against ``torch.where(keep, values, 0)``: values, bits, gradients.
+
+The bit-operation path runs only on the CPU for tensors of at least ``MIN_NUMEL_FOR_BITS`` entries; most tests
+lower that threshold to 0 so that small Hypothesis examples take it, and compare with ``torch.where`` bit for bit
+(``-0.0``, ``inf``, ``NaN`` payloads included).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightprune import prune
+from lightprune.prune import masking
+from lightprune.prune.masking import masked
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SPECIALS = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3.5)
+
+
+@pytest.fixture
+def bits_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take the bit-operation path for tensors of any size."""
+    monkeypatch.setattr(masking, "MIN_NUMEL_FOR_BITS", 0)
+
+
+def _where(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, values, torch.zeros((), dtype=values.dtype))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(width), b.view(width))
+
+
+@st.composite
+def values_and_keep(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
+    n = int(torch.tensor(shape).prod())
+    seed = draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=generator, dtype=torch.float64)
+    specials = draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from(SPECIALS)), max_size=n))
+    for index, special in specials:
+        values[index] = special
+    keep = torch.rand(n, generator=generator) < draw(st.floats(0.0, 1.0))
+    values, keep = values.to(dtype).reshape(shape), keep.reshape(shape)
+    if draw(st.booleans()) and values.dim() >= 2:  # non-contiguous operands
+        values, keep = values.transpose(0, 1), keep.transpose(0, 1)
+    return values, keep
+
+
+@settings(max_examples=300, deadline=None)
+@given(values_and_keep())
+def test_bits_path_equals_torch_where_bit_for_bit(case: tuple[torch.Tensor, torch.Tensor]) -> None:
+    values, keep = case
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking, "MIN_NUMEL_FOR_BITS", 0)
+        assert masking._bits_apply(values, keep)
+        out = masked(values, keep)
+    assert _same_bits(out, _where(values, keep))
+    assert not torch.signbit(out[~keep]).any()  # pruned entries are +0.0, as torch.where's zero
+
+
+@settings(max_examples=100, deadline=None)
+@given(values_and_keep())
+def test_gradient_equals_torch_where(case: tuple[torch.Tensor, torch.Tensor]) -> None:
+    values, keep = case
+    grad_out = torch.randn(values.shape, dtype=torch.float64).to(values.dtype)
+    grads = []
+    for path in ("bits", "where"):
+        leaf = values.detach().clone().requires_grad_()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(masking, "MIN_NUMEL_FOR_BITS", 0 if path == "bits" else 2**62)
+            out = masked(leaf, keep)
+        assert (out.grad_fn is not None) and (type(out.grad_fn).__name__ != "WhereBackward0") == (path == "bits")
+        out.backward(grad_out)
+        grads.append(leaf.grad)
+    assert _same_bits(grads[0], grads[1])
+
+
+@pytest.mark.usefixtures("bits_always")
+def test_expanded_and_non_contiguous_gradients() -> None:
+    values = torch.randn(64, 33, requires_grad=True)
+    keep = torch.rand(64, 33) < 0.3
+    masked(values, keep).sum().backward()  # the gradient arrives expanded (stride 0)
+    assert torch.equal(values.grad, keep.to(values.dtype))
+    values.grad = None
+    (masked(values, keep).t() * torch.arange(64.0)).sum().backward()
+    assert torch.equal(values.grad, torch.where(keep, torch.arange(64.0)[:, None].expand(64, 33), 0.0))
+
+
+@pytest.mark.usefixtures("bits_always")
+def test_double_backward_matches_torch_where() -> None:
+    def second_derivative(fn) -> torch.Tensor:
+        x = torch.linspace(-2, 2, 40, dtype=torch.float64).reshape(5, 8).requires_grad_()
+        keep = torch.arange(40).reshape(5, 8) % 3 != 0
+        (grad,) = torch.autograd.grad((fn(x, keep) ** 3).sum(), x, create_graph=True)
+        (hess_diag,) = torch.autograd.grad(grad.sum(), x)
+        return hess_diag
+
+    assert torch.equal(second_derivative(masked), second_derivative(_where))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(3, 4) < 0.5
+    assert torch.autograd.gradcheck(lambda t: masked(t, keep), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: masked(t, keep), (x,))
+
+
+def test_paths_taken() -> None:
+    big = torch.randn(masking.MIN_NUMEL_FOR_BITS)
+    keep = torch.ones_like(big, dtype=torch.bool)
+    assert masking._bits_apply(big, keep)
+    assert masking._bits_apply(nn.Parameter(big), keep)
+    assert not masking._bits_apply(big[:-1], keep[:-1])  # small: torch.where
+    assert not masking._bits_apply(big.to(torch.int32), keep)  # not floating
+    assert not masking._bits_apply(big.to(torch.complex64), keep)
+    assert not masking._bits_apply(big, keep.float())  # not a bool mask
+    assert not masking._bits_apply(big[None], keep)  # broadcasting: torch.where
+    assert not masking._bits_apply(big.to("meta"), keep.to("meta"))
+    with torch.no_grad():
+        assert type(masked(big.requires_grad_(), keep)) is torch.Tensor  # no autograd node without grad mode
+
+
+def test_under_torch_func_transforms_falls_back_to_where() -> None:
+    values = torch.randn(masking.MIN_NUMEL_FOR_BITS + 5)
+    keep = torch.rand(values.shape) < 0.5
+    grad = torch.func.grad(lambda v: masked(v, keep).sin().sum())(values)
+    assert torch.equal(grad, torch.where(keep, values.cos(), 0.0))
+    batched = torch.func.vmap(lambda v: masked(v, keep))(values.expand(3, -1))
+    assert torch.equal(batched, _where(values, keep).expand(3, -1))
+
+
+@pytest.mark.usefixtures("bits_always")
+def test_pruned_layer_with_bool_mask_trains_like_a_float_mask() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(30, 20) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    prune.l1_unstructured(layers[0], "weight", amount=0.7)
+    with prune.mask_dtype(torch.bool):
+        prune.l1_unstructured(layers[1], "weight", amount=0.7)
+    assert torch.equal(layers[0].weight_mask.bool(), layers[1].weight_mask)
+    x = torch.randn(8, 30)
+    for layer in layers:
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            layer(x).pow(2).sum().backward()
+            optimizer.step()
+    alias = layers[1].weight.grad_fn  # the _PrunedTensor subclass view of the masked tensor
+    assert type(alias.next_functions[0][0]).__name__ == "_KeepWhereBackward"
+    assert torch.equal(layers[0].weight, layers[1].weight)
+    assert torch.equal(layers[0].weight_orig, layers[1].weight_orig)
