@@ -1,0 +1,668 @@
+"""Accuracy at sparsity on Fashion-MNIST: lightprune's PruningCallback side by side with lightning's ModelPruning.
+
+The protocol is fixed so results compare (issue #7):
+
+* Data: Fashion-MNIST in MNIST IDX format (Debian's ``dataset-fashion-mnist``, /usr/share/datasets/fashion-mnist),
+  60,000 training / 10,000 test images, pixels scaled to [0, 1], flattened.
+* Model: LeNet-300-100 (784-300-100-10, ReLU). Only the three Linear weights are pruned (266,200); biases never.
+* Training: 20 epochs, Adam lr 1.2e-3, batch 128 shuffled, cross-entropy. Test accuracy on the 10,000 test images
+  after fit; seeds 0, 1, 2 (mean +- std). The seed fixes the initial weights and the shuffle, so the arms of one
+  seed start from the same network and see the same batches.
+* Sparsity 0.90, 0.95, 0.98, 0.99 of the 266,200 weights, verified by counting exact zeros after fit.
+
+Arms (``--arms``; see :data:`ARMS`):
+
+* ``dense``: no pruning.
+* ``modelpruning``: lightning's ``ModelPruning``, ``l1_unstructured``, global, amount ``a = 1 - (1 - s) ** (1/14)``
+  at epochs 1..14 (at the end of those epochs), no lottery-ticket reset, ``make_pruning_permanent=True``.
+* ``lp_control``: lightprune with ModelPruning's schedule: ``Geometric(a, start=2, rounds=14)`` in epochs (an epoch
+  event at ``e`` runs after ``e`` epochs, i.e. where ModelPruning's end-of-epoch ``e - 1`` does).
+* ``lp_gradual``: lightprune, global L1, ``Cubic`` schedule (Zhu & Gupta 2017) in optimizer steps from 5% to 60%
+  of the run, an event every 0.5% of the run (47 steps here), then 40% of the run to recover at the final sparsity.
+* ``lp_gradual_layerwise``: the same schedule, every layer pruned to the same sparsity.
+* ``lp_one_shot``: lightprune, global L1, to ``s`` at once after 10 epochs, then 10 epochs of fine-tuning.
+* ``lp_one_shot_rewind``: the same, then the surviving weights rewound to their values after epoch 1 (lottery-ticket
+  rewinding, Frankle et al. 2020) and retrained for the remaining 10 epochs.
+
+The gradual schedule's start, end and frequency were chosen before any run, from Zhu & Gupta's recipe (start
+after a short dense phase, end with a long enough recovery phase, prune every few dozen steps), and were not tuned
+on the test set. ``--val-size N`` holds N training images out and reports accuracy on them instead, for tuning.
+
+Epoch time: after the accuracy runs (alone on the machine), three-epoch fits of the dense model, of lightprune's
+callback (bool masks, its default, and float masks) and of ModelPruning, each pruning to 90% after epoch 0, run
+interleaved ``--timing-repeats`` times; the table gives the median time of the last epoch (reparametrized weights,
+an optimizer state warmed up as in a real run, no pruning event inside it) and its ratio to the dense model's.
+
+Every run is a fresh process (``--jobs`` at a time, ``--threads`` torch threads each) and leaves a JSON file under
+``OUT/runs``; a rerun with the same settings reuses them (``--fresh`` to redo), so an interrupted benchmark resumes.
+
+Usage:
+    python benchmarks/quality.py                        # the full benchmark: 75 runs, about an hour on 2 cores
+    python benchmarks/quality.py --quick                # a smoke run of every arm: a few minutes
+    python benchmarks/quality.py --seeds 0 --sparsities 0.98 --arms modelpruning lp_gradual
+
+Writes ``OUT/quality.md`` (the tables), ``OUT/quality.png`` (accuracy against sparsity, both tools) and
+``OUT/quality.json``; OUT defaults to ``benchmarks/results/quality``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+
+from lightprune import PruningCallback
+from lightprune.experiment.data import IDX_FILES, read_idx
+from lightprune.experiment.models import LeNet300100
+from lightprune.schedules import Constant, Cubic, Geometric
+
+FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
+LAYERS = ("fc1", "fc2", "fc3")
+MP_ROUNDS = 14
+"""ModelPruning prunes at the end of epochs 1..14: 14 geometric rounds."""
+
+ARMS = {
+    "dense": "dense (no pruning)",
+    "modelpruning": "lightning ModelPruning, geometric per epoch (torch.nn.utils.prune)",
+    "lp_control": "lightprune, ModelPruning's geometric per-epoch schedule (control)",
+    "lp_gradual": "lightprune, gradual cubic in steps, global",
+    "lp_gradual_layerwise": "lightprune, gradual cubic in steps, layerwise",
+    "lp_one_shot": "lightprune, one-shot after 10 epochs, fine-tune",
+    "lp_one_shot_rewind": "lightprune, one-shot after 10 epochs, rewind to epoch 1, retrain",
+}
+"""Arm name -> what it does."""
+
+GRADUAL = {"start": 0.05, "end": 0.6, "frequency": 0.005}
+"""The cubic schedule of the gradual arms, in fractions of the run's optimizer steps."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides a run's result (a cached run is reused only if its settings are equal)."""
+
+    epochs: int = 20
+    lr: float = 1.2e-3
+    batch_size: int = 128
+    limit_train: int | None = None
+    limit_test: int | None = None
+    val_size: int = 0
+    data_root: str = FASHION_MNIST_ROOT
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: an arm at a sparsity with a seed."""
+
+    arm: str
+    sparsity: float
+    seed: int
+    settings: Settings = field(default_factory=Settings)
+
+    @property
+    def key(self) -> str:
+        return f"{self.arm}_s{self.sparsity:g}_seed{self.seed}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data and model
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def load_data(settings: Settings) -> dict[str, tuple[Tensor, Tensor]]:
+    """Train and evaluation tensors (``x`` float in [0, 1], flattened; ``y`` int64) of the IDX directory.
+
+    With ``val_size > 0`` the evaluation split is ``val_size`` training images held out (the same for every seed);
+    otherwise it is the test file.
+    """
+    root = Path(settings.data_root)
+
+    def read(kind: str) -> Tensor:
+        for candidate in (root / IDX_FILES[kind], root / (IDX_FILES[kind] + ".gz")):
+            if candidate.exists():
+                return read_idx(candidate)
+        raise FileNotFoundError(
+            f"{IDX_FILES[kind]}[.gz] not found in {root}; install Fashion-MNIST with "
+            "`apt-get install dataset-fashion-mnist` or pass --data-root"
+        )
+
+    x_train = read("train_images").flatten(1).float().div_(255)
+    y_train = read("train_labels").long()
+    x_test = read("test_images").flatten(1).float().div_(255)
+    y_test = read("test_labels").long()
+    if settings.val_size:
+        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(12345))
+        held, kept = order[: settings.val_size], order[settings.val_size :]
+        x_test, y_test = x_train[held], y_train[held]
+        x_train, y_train = x_train[kept], y_train[kept]
+    if settings.limit_train is not None:
+        x_train, y_train = x_train[: settings.limit_train], y_train[: settings.limit_train]
+    if settings.limit_test is not None:
+        x_test, y_test = x_test[: settings.limit_test], y_test[: settings.limit_test]
+    return {"train": (x_train, y_train), "eval": (x_test, y_test)}
+
+
+class ShuffledBatches:
+    """Batches of in-memory tensors in a fresh seeded order every epoch (no per-sample collation).
+
+    Example:
+        >>> batches = ShuffledBatches(torch.arange(5.0), torch.arange(5), batch_size=2, seed=0)
+        >>> len(batches), [len(x) for x, _ in batches]
+        (3, [2, 2, 1])
+    """
+
+    def __init__(self, x: Tensor, y: Tensor, batch_size: int, seed: int) -> None:
+        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.y) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1
+        order = torch.randperm(len(self.y), generator=generator)
+        for start in range(0, len(order), self.batch_size):
+            index = order[start : start + self.batch_size]
+            yield self.x[index], self.y[index]
+
+
+class LeNetModule(pl.LightningModule):
+    """A lean LightningModule around LeNet-300-100: cross-entropy, Adam, nothing logged per step."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = LeNet300100(in_features=784, hidden=(300, 100), num_classes=10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def pruned_weights(module: Any) -> list[tuple[nn.Module, str]]:
+    """The three Linear weights the protocol prunes."""
+    return [(getattr(module.model, name), "weight") for name in LAYERS]
+
+
+@torch.no_grad()
+def accuracy(module: Any, x: Tensor, y: Tensor) -> float:
+    """Top-1 accuracy in percent."""
+    module.eval()
+    correct = sum(int((module(x[i : i + 2000]).argmax(1) == y[i : i + 2000]).sum()) for i in range(0, len(y), 2000))
+    return 100.0 * correct / len(y)
+
+
+class EpochTimer(Callback):
+    """Records the wall time of every training epoch."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def make_trainer(epochs: int, callbacks: list[Any]) -> Any:
+    """A quiet CPU Trainer: no logger, checkpoints, progress bar or validation."""
+    return pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The arms
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def mp_amount(sparsity: float, rounds: int = MP_ROUNDS) -> float:
+    """ModelPruning's per-epoch amount reaching ``sparsity`` after ``rounds`` rounds: ``1 - (1 - s) ** (1/rounds)``.
+
+    Example:
+        >>> round(1 - (1 - mp_amount(0.9)) ** 14, 12)
+        0.9
+    """
+    return 1.0 - (1.0 - sparsity) ** (1.0 / rounds)
+
+
+def arm_callbacks(arm: str, sparsity: float, module: Any, epochs: int) -> list[Any]:
+    """The pruning callback(s) of an arm (scaled to ``epochs``; the protocol's 20 give the epochs in the docs)."""
+    params = pruned_weights(module)
+    one_shot_epoch = epochs // 2
+    rounds = min(MP_ROUNDS, epochs - 1)  # 14 of the protocol's 20 epochs; fewer in --quick runs
+    if arm == "dense":
+        return []
+    if arm == "modelpruning":
+        from lightning.pytorch.callbacks import ModelPruning
+
+        amount = mp_amount(sparsity, rounds)
+        return [
+            ModelPruning(
+                "l1_unstructured",
+                parameters_to_prune=params,
+                use_global_unstructured=True,
+                amount=lambda epoch: amount if 1 <= epoch <= rounds else 0.0,
+                use_lottery_ticket_hypothesis=False,
+                make_pruning_permanent=True,
+            )
+        ]
+    if arm == "lp_control":
+        schedule = Geometric(mp_amount(sparsity, rounds), start=2, frequency=1, rounds=rounds)
+        return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global")]
+    if arm in ("lp_gradual", "lp_gradual_layerwise"):
+        schedule = Cubic(final=sparsity, **GRADUAL)
+        scope = "global" if arm == "lp_gradual" else "layerwise"
+        return [PruningCallback(schedule, parameters=params, unit="step", scope=scope)]
+    if arm == "lp_one_shot":
+        return [PruningCallback(Constant(sparsity, at=one_shot_epoch), parameters=params, unit="epoch")]
+    if arm == "lp_one_shot_rewind":
+        schedule = Constant(sparsity, at=one_shot_epoch)
+        return [PruningCallback(schedule, parameters=params, unit="epoch", rewind=1)]
+    raise ValueError(f"arm={arm!r} is not one of {sorted(ARMS)}")
+
+
+def count_zeros(module: Any) -> dict[str, int]:
+    """Exact zeros of each pruned weight after fit (the tools made the pruning permanent)."""
+    counts = {}
+    for name in LAYERS:
+        layer = getattr(module.model, name)
+        assert "weight" in layer._parameters, f"{name}.weight is still reparametrized after fit"
+        counts[name] = int((layer.weight == 0).sum())
+        assert not bool((layer.bias == 0).any()), f"{name}.bias has zeros: only weights may be pruned"
+    return counts
+
+
+def run_one(run: Run) -> dict[str, Any]:
+    """Train one arm and return its test accuracy, exact zero counts and timings."""
+
+    settings = run.settings
+    torch.set_num_threads(settings.threads)
+    data = load_data(settings)
+    pl.seed_everything(run.seed, verbose=False)
+    module = LeNetModule(settings.lr)
+    timer = EpochTimer()
+    trainer = make_trainer(settings.epochs, [timer, *arm_callbacks(run.arm, run.sparsity, module, settings.epochs)])
+    loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
+    start = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    fit_seconds = time.perf_counter() - start
+    zeros = count_zeros(module)
+    sizes = {name: getattr(module.model, name).weight.numel() for name in LAYERS}
+    return {
+        "run": asdict(run),
+        "accuracy": accuracy(module, *data["eval"]),
+        "zeros": zeros,
+        "sizes": sizes,
+        "sparsity_counted": sum(zeros.values()) / sum(sizes.values()),
+        "steps": trainer.global_step,
+        "epoch_seconds": timer.times,
+        "fit_seconds": fit_seconds,
+    }
+
+
+def _run_in_worker(run: Run) -> dict[str, Any]:
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    return run_one(run)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Epoch time of reparametrized weights
+# ------------------------------------------------------------------------------------------------------------------
+
+TIMING_ARMS = ("dense", "lightprune", "lightprune_float", "modelpruning")
+"""The models of the epoch-time comparison: dense, lightprune's callback (bool masks, its default; float masks),
+lightning's ModelPruning."""
+
+TIMING_EPOCHS = 3
+"""Each timing fit: epoch 0 dense (the optimizer state warms up as in a real run), pruned at the end of epoch 0 /
+start of epoch 1, epoch 2 timed (reparametrized weights, no pruning event inside it)."""
+
+
+def timing_callbacks(kind: str, module: LeNetModule, sparsity: float) -> list[Callback]:
+    """The callback that prunes ``module`` to ``sparsity`` after epoch 0 and keeps it reparametrized to the end."""
+    params = pruned_weights(module)
+    if kind == "dense":
+        return []
+    if kind in ("lightprune", "lightprune_float"):
+        mask = torch.bool if kind == "lightprune" else None
+        return [PruningCallback(Constant(sparsity, at=1), parameters=params, unit="epoch", mask_dtype=mask)]
+    if kind == "modelpruning":
+        from lightning.pytorch.callbacks import ModelPruning
+
+        return [
+            ModelPruning(
+                "l1_unstructured",
+                parameters_to_prune=params,
+                amount=lambda epoch: sparsity if epoch == 0 else 0.0,
+                use_lottery_ticket_hypothesis=False,
+            )
+        ]
+    raise ValueError(f"kind={kind!r} is not one of {TIMING_ARMS}")
+
+
+def time_epochs(settings: Settings, repeats: int, sparsity: float = 0.9) -> dict[str, Any]:
+    """Epoch time with reparametrized weights against dense, in Lightning fit, interleaved ``repeats`` times.
+
+    Every repeat runs one fit of each kind (rotating the order) and keeps the time of its last epoch, which trains
+    with weights pruned to ``sparsity`` and the optimizer state of a run in progress; the table reports medians.
+    """
+    torch.set_num_threads(settings.threads)
+    data = load_data(settings)
+    times: dict[str, list[float]] = {kind: [] for kind in TIMING_ARMS}
+    for repeat in range(repeats):
+        shift = repeat % len(TIMING_ARMS)
+        for kind in TIMING_ARMS[shift:] + TIMING_ARMS[:shift]:
+            pl.seed_everything(repeat, verbose=False)
+            module = LeNetModule(settings.lr)
+            timer = EpochTimer()
+            loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=repeat)
+            trainer = make_trainer(TIMING_EPOCHS, [timer, *timing_callbacks(kind, module, sparsity)])
+            trainer.fit(module, train_dataloaders=loader)
+            if kind != "dense":
+                assert sum(count_zeros(module).values()) == round(sparsity * 266_200)
+            times[kind].append(timer.times[-1])
+    medians = {kind: statistics.median(values) for kind, values in times.items()}
+    return {
+        "sparsity": sparsity,
+        "repeats": repeats,
+        "seconds": times,
+        "median_seconds": medians,
+        "ratio_to_dense": {kind: medians[kind] / medians["dense"] for kind in TIMING_ARMS},
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[float, dict[str, Any]]]:
+    """Group results by arm and sparsity: accuracy mean/std over seeds, mean per-layer sparsity, epoch seconds.
+
+    Example:
+        >>> result = {"run": {"arm": "dense", "sparsity": 0.0, "seed": 0}, "accuracy": 90.0, "zeros": {"fc1": 1},
+        ...           "sizes": {"fc1": 4}, "sparsity_counted": 0.25, "epoch_seconds": [2.0], "fit_seconds": 3.0}
+        >>> summarize([result])["dense"][0.0]["accuracy"]
+        (90.0, 0.0, 1)
+    """
+    grouped: dict[str, dict[float, list[dict[str, Any]]]] = {}
+    for result in results:
+        grouped.setdefault(result["run"]["arm"], {}).setdefault(result["run"]["sparsity"], []).append(result)
+    summary: dict[str, dict[float, dict[str, Any]]] = {}
+    for arm, by_sparsity in grouped.items():
+        for sparsity, group in by_sparsity.items():
+            accuracies = [r["accuracy"] for r in group]
+            layers = group[0]["sizes"]
+            summary.setdefault(arm, {})[sparsity] = {
+                "accuracy": (*_mean_std(accuracies), len(group)),
+                "seeds": sorted(r["run"]["seed"] for r in group),
+                "layer_sparsity": {
+                    name: statistics.fmean(r["zeros"][name] / r["sizes"][name] for r in group) for name in layers
+                },
+                "sparsity_counted": statistics.fmean(r["sparsity_counted"] for r in group),
+                "epoch_seconds": statistics.median(t for r in group for t in r["epoch_seconds"]),
+                "fit_seconds": statistics.fmean(r["fit_seconds"] for r in group),
+            }
+    return summary
+
+
+def _arm_order(summary: dict[str, Any]) -> list[str]:
+    return [arm for arm in ARMS if arm in summary]
+
+
+def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: str, command: str) -> str:
+    """The Markdown report: accuracy table, per-layer sparsity table, epoch-time table."""
+    sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
+    lines = [f"Command: `{command}`", "", f"Machine: {machine}", ""]
+    lines += ["Test accuracy (%), mean ± std over seeds (n = seeds):", ""]
+    lines += ["| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
+    lines += ["|---|" + "---:|" * len(sparsities)]
+    for arm in _arm_order(summary):
+        if arm == "dense":
+            mean, std, n = next(iter(summary[arm].values()))["accuracy"]
+            cells = [f"{mean:.2f} ± {std:.2f} (n={n})"] * len(sparsities)
+        else:
+            cells = []
+            for s in sparsities:
+                entry = summary[arm].get(s)
+                cells.append("-" if entry is None else "{:.2f} ± {:.2f} (n={})".format(*entry["accuracy"]))
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Sparsity counted after fit (exact zeros), total and per layer (fc1 / fc2 / fc3), mean over seeds:",
+        "",
+    ]
+    lines += ["| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
+    lines += ["|---|" + "---:|" * len(sparsities)]
+    for arm in _arm_order(summary):
+        if arm == "dense":
+            continue
+        cells = []
+        for s in sparsities:
+            entry = summary[arm].get(s)
+            if entry is None:
+                cells.append("-")
+                continue
+            layers = " / ".join(f"{v:.3f}" for v in entry["layer_sparsity"].values())
+            cells.append(f"{entry['sparsity_counted']:.5f} ({layers})")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Median epoch time within the accuracy runs (s; the runs shared the machine, so only indicative):",
+        "",
+    ]
+    lines += ["| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
+    lines += ["|---|" + "---:|" * len(sparsities)]
+    for arm in _arm_order(summary):
+        if arm == "dense":
+            cells = [f"{next(iter(summary[arm].values()))['epoch_seconds']:.2f}"] * len(sparsities)
+        else:
+            cells = [f"{summary[arm][s]['epoch_seconds']:.2f}" if s in summary[arm] else "-" for s in sparsities]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if timing:
+        lines += [
+            "",
+            f"Epoch time in Lightning fit with weights reparametrized at {timing['sparsity']:g} sparsity (the third "
+            f"epoch of fits pruned after the first), fits interleaved, median of {timing['repeats']}:",
+            "",
+            "| model | median epoch (s) | ratio to dense |",
+            "|---|---:|---:|",
+        ]
+        names = {
+            "dense": "dense",
+            "lightprune": "lightprune PruningCallback (bool masks, the default)",
+            "lightprune_float": "lightprune PruningCallback (float masks)",
+            "modelpruning": "lightning ModelPruning (torch.nn.utils.prune, float masks)",
+        }
+        for kind in TIMING_ARMS:
+            lines.append(
+                f"| {names[kind]} | {timing['median_seconds'][kind]:.3f} | {timing['ratio_to_dense'][kind]:.3f}× |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Accuracy (mean ± std) against sparsity, one curve per arm, dense as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
+    styles = {
+        "modelpruning": {"color": "black", "marker": "s", "linestyle": "--"},
+        "lp_control": {"color": "tab:gray", "marker": "x", "linestyle": ":"},
+        "lp_gradual": {"color": "tab:blue", "marker": "o"},
+        "lp_gradual_layerwise": {"color": "tab:cyan", "marker": "^"},
+        "lp_one_shot": {"color": "tab:orange", "marker": "v"},
+        "lp_one_shot_rewind": {"color": "tab:red", "marker": "D"},
+    }
+    positions = {s: i for i, s in enumerate(sparsities)}
+    for arm in _arm_order(summary):
+        if arm == "dense":
+            mean, std, _ = next(iter(summary[arm].values()))["accuracy"]
+            ax.axhspan(mean - std, mean + std, color="tab:green", alpha=0.15)
+            ax.axhline(mean, color="tab:green", label="dense")
+            continue
+        points = sorted((positions[s], *entry["accuracy"][:2]) for s, entry in summary[arm].items() if s > 0)
+        xs, means, stds = zip(*points, strict=True)
+        ax.errorbar(xs, means, yerr=stds, capsize=3, label=arm, **styles.get(arm, {}))
+    ax.set_xticks(range(len(sparsities)), [f"{s:g}" for s in sparsities])
+    ax.set_xlabel("sparsity of the three Linear weights (266,200)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("LeNet-300-100 on Fashion-MNIST: lightprune vs lightning ModelPruning")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine_description() -> str:
+    """CPU model, cores and software versions."""
+    import lightning
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"lightning {lightning.__version__}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def plan(arms: Sequence[str], sparsities: Sequence[float], seeds: Sequence[int], settings: Settings) -> list[Run]:
+    """The runs of a benchmark: dense once per seed, every other arm at every sparsity and seed."""
+    runs = []
+    for seed in seeds:
+        for arm in arms:
+            for sparsity in [0.0] if arm == "dense" else sparsities:
+                runs.append(Run(arm, sparsity, seed, settings))
+    return runs
+
+
+def execute(runs: list[Run], out: Path, jobs: int, fresh: bool) -> list[dict[str, Any]]:
+    """Run what is not cached under ``out/runs`` (``jobs`` processes at a time) and return every result."""
+    run_dir = out / "runs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    todo = []
+    for run in runs:
+        path = run_dir / f"{run.key}.json"
+        if path.exists() and not fresh:
+            cached = json.loads(path.read_text())
+            if cached["run"] == asdict(run):
+                results[run.key] = cached
+                continue
+        todo.append(run)
+    print(f"{len(runs)} runs: {len(results)} cached, {len(todo)} to do with {jobs} processes", flush=True)
+    context = get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = {pool.submit(_run_in_worker, run): run for run in todo}
+        for done, future in enumerate(as_completed(futures), 1):
+            run = futures[future]
+            result = future.result()
+            tmp = run_dir / f"{run.key}.json.tmp"
+            tmp.write_text(json.dumps(result, indent=1))
+            tmp.replace(run_dir / f"{run.key}.json")
+            results[run.key] = result
+            print(
+                f"[{done}/{len(todo)}] {run.key}: {result['accuracy']:.2f}% at sparsity "
+                f"{result['sparsity_counted']:.5f} ({result['fit_seconds']:.0f} s)",
+                flush=True,
+            )
+    return [results[run.key] for run in runs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95, 0.98, 0.99])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timing-repeats", type=int, default=7, help="interleaved epoch-time repeats (0: skip)")
+    parser.add_argument("--val-size", type=int, default=0, help="hold out this many training images for tuning")
+    parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
+    parser.add_argument("--quick", action="store_true", help="a few minutes: subsets, 4 epochs, one seed")
+    parser.add_argument("--fresh", action="store_true", help="ignore cached runs")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quality")
+    args = parser.parse_args(argv)
+
+    settings = Settings(epochs=args.epochs, val_size=args.val_size, data_root=args.data_root, threads=args.threads)
+    seeds, sparsities, repeats = args.seeds, args.sparsities, args.timing_repeats
+    if args.quick:
+        settings = replace(settings, epochs=4, limit_train=4096, limit_test=2000)
+        seeds, sparsities, repeats = seeds[:1], [0.9, 0.98], min(repeats, 1)
+    command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    results = execute(plan(args.arms, sparsities, seeds, settings), args.out, args.jobs, args.fresh)
+    summary = summarize(results)
+    timing = time_epochs(settings, repeats) if repeats > 0 else None
+    report = markdown(summary, timing, machine_description(), command.strip())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quality.md").write_text(report)
+    plot(summary, args.out / "quality.png")
+    serializable = {arm: {str(s): entry for s, entry in by_s.items()} for arm, by_s in summary.items()}
+    payload = {"settings": asdict(settings), "summary": serializable, "timing": timing, "results": results}
+    (args.out / "quality.json").write_text(json.dumps(payload, indent=1))
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
