@@ -31,7 +31,9 @@ on the test set. ``--val-size N`` holds N training images out and reports accura
 Epoch time: after the accuracy runs (alone on the machine), three-epoch fits of the dense model, of lightprune's
 callback (bool masks, its default, and float masks) and of ModelPruning, each pruning to 90% after epoch 0, run
 interleaved ``--timing-repeats`` times; the table gives the median time of the last epoch (reparametrized weights,
-an optimizer state warmed up as in a real run, no pruning event inside it) and its ratio to the dense model's.
+an optimizer state warmed up as in a real run, no pruning event inside it), its ratio to the dense model's median,
+and the median over repeats of the ratio to the dense fit of the same repeat (paired, so less sensitive to a machine
+whose speed drifts).
 
 Every run is a fresh process (``--jobs`` at a time, ``--threads`` torch threads each) and leaves a JSON file under
 ``OUT/runs``; a rerun with the same settings reuses them (``--fresh`` to redo), so an interrupted benchmark resumes.
@@ -88,8 +90,8 @@ ARMS = {
 }
 """Arm name -> what it does."""
 
-GRADUAL = {"start": 0.05, "end": 0.6, "frequency": 0.005}
-"""The cubic schedule of the gradual arms, in fractions of the run's optimizer steps."""
+GRADUAL = (0.05, 0.6, 0.005)
+"""The cubic schedule of the gradual arms: start, end and frequency in fractions of the run's optimizer steps."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class Settings:
     limit_train: int | None = None
     limit_test: int | None = None
     val_size: int = 0
+    gradual: tuple[float, float, float] = GRADUAL
     data_root: str = FASHION_MNIST_ROOT
     threads: int = 1
 
@@ -260,7 +263,9 @@ def mp_amount(sparsity: float, rounds: int = MP_ROUNDS) -> float:
     return 1.0 - (1.0 - sparsity) ** (1.0 / rounds)
 
 
-def arm_callbacks(arm: str, sparsity: float, module: Any, epochs: int) -> list[Any]:
+def arm_callbacks(
+    arm: str, sparsity: float, module: Any, epochs: int, gradual: tuple[float, float, float] = GRADUAL
+) -> list[Any]:
     """The pruning callback(s) of an arm (scaled to ``epochs``; the protocol's 20 give the epochs in the docs)."""
     params = pruned_weights(module)
     one_shot_epoch = epochs // 2
@@ -285,7 +290,8 @@ def arm_callbacks(arm: str, sparsity: float, module: Any, epochs: int) -> list[A
         schedule = Geometric(mp_amount(sparsity, rounds), start=2, frequency=1, rounds=rounds)
         return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global")]
     if arm in ("lp_gradual", "lp_gradual_layerwise"):
-        schedule = Cubic(final=sparsity, **GRADUAL)
+        start, end, frequency = gradual
+        schedule = Cubic(final=sparsity, start=start, end=end, frequency=frequency)
         scope = "global" if arm == "lp_gradual" else "layerwise"
         return [PruningCallback(schedule, parameters=params, unit="step", scope=scope)]
     if arm == "lp_one_shot":
@@ -316,7 +322,8 @@ def run_one(run: Run) -> dict[str, Any]:
     pl.seed_everything(run.seed, verbose=False)
     module = LeNetModule(settings.lr)
     timer = EpochTimer()
-    trainer = make_trainer(settings.epochs, [timer, *arm_callbacks(run.arm, run.sparsity, module, settings.epochs)])
+    callbacks = arm_callbacks(run.arm, run.sparsity, module, settings.epochs, settings.gradual)
+    trainer = make_trainer(settings.epochs, [timer, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
@@ -401,12 +408,14 @@ def time_epochs(settings: Settings, repeats: int, sparsity: float = 0.9) -> dict
                 assert sum(count_zeros(module).values()) == round(sparsity * 266_200)
             times[kind].append(timer.times[-1])
     medians = {kind: statistics.median(values) for kind, values in times.items()}
+    paired = {kind: [t / d for t, d in zip(values, times["dense"], strict=True)] for kind, values in times.items()}
     return {
         "sparsity": sparsity,
         "repeats": repeats,
         "seconds": times,
         "median_seconds": medians,
         "ratio_to_dense": {kind: medians[kind] / medians["dense"] for kind in TIMING_ARMS},
+        "median_paired_ratio": {kind: statistics.median(values) for kind, values in paired.items()},
     }
 
 
@@ -453,63 +462,55 @@ def _arm_order(summary: dict[str, Any]) -> list[str]:
     return [arm for arm in ARMS if arm in summary]
 
 
-def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: str, command: str) -> str:
-    """The Markdown report: accuracy table, per-layer sparsity table, epoch-time table."""
+def _arm_table(title: str, summary: dict[str, Any], cell: Any, dense: bool = True) -> list[str]:
+    """A table with an arm a row and a sparsity a column; the dense arm's single entry fills its whole row."""
     sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
-    lines = [f"Command: `{command}`", "", f"Machine: {machine}", ""]
-    lines += ["Test accuracy (%), mean ± std over seeds (n = seeds):", ""]
-    lines += ["| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
-    lines += ["|---|" + "---:|" * len(sparsities)]
+    lines = ["", title, "", "| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
+    lines.append("|---|" + "---:|" * len(sparsities))
     for arm in _arm_order(summary):
         if arm == "dense":
-            mean, std, n = next(iter(summary[arm].values()))["accuracy"]
-            cells = [f"{mean:.2f} ± {std:.2f} (n={n})"] * len(sparsities)
-        else:
-            cells = []
-            for s in sparsities:
-                entry = summary[arm].get(s)
-                cells.append("-" if entry is None else "{:.2f} ± {:.2f} (n={})".format(*entry["accuracy"]))
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Sparsity counted after fit (exact zeros), total and per layer (fc1 / fc2 / fc3), mean over seeds:",
-        "",
-    ]
-    lines += ["| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
-    lines += ["|---|" + "---:|" * len(sparsities)]
-    for arm in _arm_order(summary):
-        if arm == "dense":
+            if dense:
+                lines.append(
+                    f"| {arm} | " + " | ".join([cell(next(iter(summary[arm].values())))] * len(sparsities)) + " |"
+                )
             continue
-        cells = []
-        for s in sparsities:
-            entry = summary[arm].get(s)
-            if entry is None:
-                cells.append("-")
-                continue
-            layers = " / ".join(f"{v:.3f}" for v in entry["layer_sparsity"].values())
-            cells.append(f"{entry['sparsity_counted']:.5f} ({layers})")
+        cells = [cell(summary[arm][s]) if s in summary[arm] else "-" for s in sparsities]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
+    return lines
+
+
+def _sparsity_cell(entry: dict[str, Any]) -> str:
+    layers = " / ".join(f"{value:.3f}" for value in entry["layer_sparsity"].values())
+    return f"{entry['sparsity_counted']:.5f} ({layers})"
+
+
+def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: str, command: str) -> str:
+    """The Markdown report: accuracy table, per-layer sparsity table, epoch-time tables."""
+    lines = [f"Command: `{command}`", "", f"Machine: {machine}"]
+    lines += _arm_table(
+        "Test accuracy (%), mean ± std over seeds (n = seeds):",
+        summary,
+        lambda entry: "{:.2f} ± {:.2f} (n={})".format(*entry["accuracy"]),
+    )
+    lines += _arm_table(
+        "Sparsity counted after fit (exact zeros), total and per layer (fc1 / fc2 / fc3), mean over seeds:",
+        summary,
+        _sparsity_cell,
+        dense=False,
+    )
+    lines += _arm_table(
         "Median epoch time within the accuracy runs (s; the runs shared the machine, so only indicative):",
-        "",
-    ]
-    lines += ["| arm | " + " | ".join(f"s = {s:g}" for s in sparsities) + " |"]
-    lines += ["|---|" + "---:|" * len(sparsities)]
-    for arm in _arm_order(summary):
-        if arm == "dense":
-            cells = [f"{next(iter(summary[arm].values()))['epoch_seconds']:.2f}"] * len(sparsities)
-        else:
-            cells = [f"{summary[arm][s]['epoch_seconds']:.2f}" if s in summary[arm] else "-" for s in sparsities]
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        summary,
+        lambda entry: f"{entry['epoch_seconds']:.2f}",
+    )
     if timing:
         lines += [
             "",
             f"Epoch time in Lightning fit with weights reparametrized at {timing['sparsity']:g} sparsity (the third "
             f"epoch of fits pruned after the first), fits interleaved, median of {timing['repeats']}:",
             "",
-            "| model | median epoch (s) | ratio to dense |",
-            "|---|---:|---:|",
+            "| model | median epoch (s) | ratio of medians to dense | median of per-repeat ratios to dense |",
+            "|---|---:|---:|---:|",
         ]
         names = {
             "dense": "dense",
@@ -519,20 +520,17 @@ def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: st
         }
         for kind in TIMING_ARMS:
             lines.append(
-                f"| {names[kind]} | {timing['median_seconds'][kind]:.3f} | {timing['ratio_to_dense'][kind]:.3f}× |"
+                f"| {names[kind]} | {timing['median_seconds'][kind]:.3f} | {timing['ratio_to_dense'][kind]:.3f}× "
+                f"| {timing['median_paired_ratio'][kind]:.3f}× |"
             )
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    """Accuracy (mean ± std) against sparsity, one curve per arm, dense as a band."""
-    import matplotlib
+ZOOMED_ARMS = ("dense", "modelpruning", "lp_control", "lp_gradual")
+"""The arms of the plot's right panel, on an axis that separates them."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
+def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions: dict[float, int]) -> None:
     styles = {
         "modelpruning": {"color": "black", "marker": "s", "linestyle": "--"},
         "lp_control": {"color": "tab:gray", "marker": "x", "linestyle": ":"},
@@ -541,8 +539,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         "lp_one_shot": {"color": "tab:orange", "marker": "v"},
         "lp_one_shot_rewind": {"color": "tab:red", "marker": "D"},
     }
-    positions = {s: i for i, s in enumerate(sparsities)}
-    for arm in _arm_order(summary):
+    for arm in arms:
         if arm == "dense":
             mean, std, _ = next(iter(summary[arm].values()))["accuracy"]
             ax.axhspan(mean - std, mean + std, color="tab:green", alpha=0.15)
@@ -551,14 +548,30 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         points = sorted((positions[s], *entry["accuracy"][:2]) for s, entry in summary[arm].items() if s > 0)
         xs, means, stds = zip(*points, strict=True)
         ax.errorbar(xs, means, yerr=stds, capsize=3, label=arm, **styles.get(arm, {}))
-    ax.set_xticks(range(len(sparsities)), [f"{s:g}" for s in sparsities])
+    ax.set_xticks(range(len(positions)), [f"{s:g}" for s in positions])
     ax.set_xlabel("sparsity of the three Linear weights (266,200)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("LeNet-300-100 on Fashion-MNIST: lightprune vs lightning ModelPruning")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Accuracy (mean ± std) against sparsity: every arm (left), the gradual arm against ModelPruning (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
+    positions = {s: i for i, s in enumerate(sparsities)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    _plot_arms(left, summary, _arm_order(summary), positions)
+    left.set_ylabel("test accuracy (%)")
+    left.set_title("every arm")
+    _plot_arms(right, summary, [arm for arm in _arm_order(summary) if arm in ZOOMED_ARMS], positions)
+    right.set_title("gradual (lightprune) against ModelPruning")
+    fig.suptitle("LeNet-300-100 on Fashion-MNIST, 20 epochs: lightprune vs lightning ModelPruning")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -593,6 +606,14 @@ def plan(arms: Sequence[str], sparsities: Sequence[float], seeds: Sequence[int],
     return runs
 
 
+def _same_run(cached: dict[str, Any], run: Run) -> bool:
+    """Whether a cached run was made with ``run``'s settings (settings it predates count as their defaults)."""
+    expected = json.loads(json.dumps(asdict(run)))
+    defaults = json.loads(json.dumps(asdict(Settings())))
+    completed = {**cached, "settings": {**defaults, **cached["settings"]}}
+    return completed == expected
+
+
 def execute(runs: list[Run], out: Path, jobs: int, fresh: bool) -> list[dict[str, Any]]:
     """Run what is not cached under ``out/runs`` (``jobs`` processes at a time) and return every result."""
     run_dir = out / "runs"
@@ -603,7 +624,7 @@ def execute(runs: list[Run], out: Path, jobs: int, fresh: bool) -> list[dict[str
         path = run_dir / f"{run.key}.json"
         if path.exists() and not fresh:
             cached = json.loads(path.read_text())
-            if cached["run"] == asdict(run):
+            if _same_run(cached["run"], run):
                 results[run.key] = cached
                 continue
         todo.append(run)
@@ -635,15 +656,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--timing-repeats", type=int, default=7, help="interleaved epoch-time repeats (0: skip)")
+    parser.add_argument("--timing-repeats", type=int, default=9, help="interleaved epoch-time repeats (0: skip)")
     parser.add_argument("--val-size", type=int, default=0, help="hold out this many training images for tuning")
+    parser.add_argument(
+        "--gradual",
+        type=lambda text: tuple(float(part) for part in text.split(",")),
+        default=GRADUAL,
+        help="start,end,frequency of the gradual arms' cubic schedule, fractions of the run (default %(default)s)",
+    )
     parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
     parser.add_argument("--quick", action="store_true", help="a few minutes: subsets, 4 epochs, one seed")
     parser.add_argument("--fresh", action="store_true", help="ignore cached runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quality")
     args = parser.parse_args(argv)
 
-    settings = Settings(epochs=args.epochs, val_size=args.val_size, data_root=args.data_root, threads=args.threads)
+    settings = Settings(
+        epochs=args.epochs,
+        val_size=args.val_size,
+        gradual=args.gradual,
+        data_root=args.data_root,
+        threads=args.threads,
+    )
     seeds, sparsities, repeats = args.seeds, args.sparsities, args.timing_repeats
     if args.quick:
         settings = replace(settings, epochs=4, limit_train=4096, limit_test=2000)
