@@ -26,7 +26,8 @@ Arms (``--arms``; see :data:`ARMS`):
 
 The gradual schedule's start, end and frequency were chosen before any run, from Zhu & Gupta's recipe (start
 after a short dense phase, end with a long enough recovery phase, prune every few dozen steps), and were not tuned
-on the test set. ``--val-size N`` holds N training images out and reports accuracy on them instead, for tuning.
+on the test set. ``--val-size N`` holds N training images out and reports accuracy on them instead, for tuning;
+with ``--gradual START,END,FREQUENCY`` five schedules were compared that way, and this one was best (BENCHMARKS.md).
 
 Epoch time: after the accuracy runs (alone on the machine), three-epoch fits of the dense model, of lightprune's
 callback (bool masks, its default, and float masks) and of ModelPruning, each pruning to 90% after epoch 0, run
@@ -39,7 +40,7 @@ Every run is a fresh process (``--jobs`` at a time, ``--threads`` torch threads 
 ``OUT/runs``; a rerun with the same settings reuses them (``--fresh`` to redo), so an interrupted benchmark resumes.
 
 Usage:
-    python benchmarks/quality.py                        # the full benchmark: 75 runs, about an hour on 2 cores
+    python benchmarks/quality.py                        # the full benchmark: 75 runs, 30-45 minutes on 2 cores
     python benchmarks/quality.py --quick                # a smoke run of every arm: a few minutes
     python benchmarks/quality.py --seeds 0 --sparsities 0.98 --arms modelpruning lp_gradual
 
