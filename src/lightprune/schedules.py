@@ -449,7 +449,7 @@ class _Ramp(Schedule):
 class _MonotoneRamp(_Ramp):
     """A ramp from ``initial`` at ``start`` to ``final`` at ``end`` along a non-decreasing curve."""
 
-    def __init__(self, *, initial: float, final: float, start: Time, end: Time, frequency: Time) -> None:
+    def __init__(self, *, initial: float = 0.0, final: float, start: Time = 0, end: Time, frequency: Time = 1) -> None:
         super().__init__(start, end, frequency)
         self.initial = _check_sparsity("initial", initial)
         self.final = _check_sparsity("final", final)
@@ -504,9 +504,6 @@ class Linear(_MonotoneRamp):
 
     """
 
-    def __init__(self, *, initial: float = 0.0, final: float, start: Time = 0, end: Time, frequency: Time = 1) -> None:
-        super().__init__(initial=initial, final=final, start=start, end=end, frequency=frequency)
-
     def _shape(self, done: int, length: int) -> tuple[int, int]:
         return done, length
 
@@ -533,9 +530,6 @@ class Cubic(_MonotoneRamp):
         ([0, 50, 100], 0.7, 0.8)
 
     """
-
-    def __init__(self, *, initial: float = 0.0, final: float, start: Time = 0, end: Time, frequency: Time = 1) -> None:
-        super().__init__(initial=initial, final=final, start=start, end=end, frequency=frequency)
 
     def _shape(self, done: int, length: int) -> tuple[int, int]:
         # 1 - (1 - done / length) ** 3 == (length**3 - (length - done)**3) / length**3, exact in integers.
