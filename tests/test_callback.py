@@ -22,12 +22,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightprune import prune
 from lightprune.callback import PruningCallback, install_checkpoint_adapter
 from lightprune.prune.base import pruning_hooks
 from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
+from tiny_lightning import TinyNet, folded, loader
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -48,29 +48,12 @@ STEPS_PER_EPOCH = 8
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def loader(samples: int = 64, seed: int = 1) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 8, generator=generator)
-    y = torch.randint(0, 4, (samples,), generator=generator)
-    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
-
-
-class Net(L.LightningModule):
-    """Linear 8-16-12-4 with ReLUs, SGD with momentum (so resuming needs the optimizer state to line up)."""
+class Net(TinyNet):
+    """:class:`TinyNet` that also validates, tests and predicts, and records whether it was pruned in validation."""
 
     def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
+        super().__init__(seed)
         self.pruned_in: dict[str, list[bool]] = {"sanity": [], "validation": []}
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.pruned_in["sanity" if self.trainer.sanity_checking else "validation"].append(prune.is_pruned(self))
@@ -83,12 +66,6 @@ class Net(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         return self(batch[0])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        return loader()
 
 
 def trainer(
@@ -502,19 +479,8 @@ def test_pruned_checkpoint_loads_into_fresh_model(pruned_run: PrunedRun) -> None
     assert_same_state(state(fresh), saved, ordered=False)  # the masks are registered in parameter order
     x = next(iter(loader()))[0]
     fresh.eval()
-    expected = torch.func.functional_call(Net(), _effective(saved), (x,))
+    expected = torch.func.functional_call(Net(), folded(saved), (x,))
     assert torch.equal(fresh(x), expected)
-
-
-def _effective(saved: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A plain state_dict with orig * mask for every pruned tensor."""
-    plain = {}
-    for key, value in saved.items():
-        if key.endswith("_orig"):
-            plain[key[: -len("_orig")]] = torch.where(saved[key[: -len("_orig")] + "_mask"].bool(), value, 0)
-        elif not key.endswith("_mask"):
-            plain[key] = value
-    return plain
 
 
 @pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
@@ -530,7 +496,7 @@ def test_pruned_checkpoint_loads_with_load_from_checkpoint_and_ckpt_path(pruned_
 
 def test_plain_state_dict_loads_into_pruned_model(pruned_run: PrunedRun) -> None:
     pruned = copy.deepcopy(pruned_run.model)
-    plain = _effective(state(pruned_run.model))
+    plain = folded(state(pruned_run.model))
     install_checkpoint_adapter(pruned)
     pruned.load_state_dict(plain, strict=True)
     assert pruning_hook_names(pruned) == set()

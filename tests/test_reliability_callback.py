@@ -34,11 +34,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
+from tiny_lightning import TinyNet as Net
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -64,32 +64,6 @@ def schedule() -> Cubic:
 # ----------------------------------------------------------------------------------------------------------------------
 # Model, data, method, fits
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-class Net(L.LightningModule):
-    """Linear 8-16-12-4, SGD with momentum (resuming needs the optimizer state to line up with the parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(1)
-        x = torch.randn(64, 8, generator=generator)
-        y = torch.randint(0, 4, (64,), generator=generator)
-        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
 class Flaky(prune.L1Unstructured):

@@ -28,11 +28,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.nn.utils import prune as torch_prune
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightprune import prune
 from lightprune.callback import PruningCallback, install_checkpoint_adapter
 from lightprune.schedules import Cubic
+from tiny_lightning import TinyNet as Net
+from tiny_lightning import folded
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -46,30 +47,6 @@ pytestmark = [
 
 PRUNED = ["net.0.weight", "net.2.weight", "net.4.weight"]
 STEPS_PER_EPOCH = 8
-
-
-class Net(L.LightningModule):
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(1)
-        x = torch.randn(64, 8, generator=generator)
-        y = torch.randint(0, 4, (64,), generator=generator)
-        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
 class AdaptingNet(Net):
@@ -157,16 +134,6 @@ def loaded_model(path: Path, seed: int = 5) -> Net:
 # ----------------------------------------------------------------------------------------------------------------------
 # Where a lightprune checkpoint loads, strictly
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def folded(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    plain = {}
-    for key, value in state_dict.items():
-        if key.endswith("_orig"):
-            plain[key[: -len("_orig")]] = torch.where(state_dict[key[: -len("_orig")] + "_mask"].bool(), value, 0)
-        elif not key.endswith("_mask"):
-            plain[key] = value
-    return plain
 
 
 def same_model() -> nn.Module:

@@ -1,0 +1,56 @@
+"""The tiny LightningModule, data and state-dict helper that the callback test files share.
+
+``TinyNet`` is Linear 8-16-12-4 with ReLUs, seeded so that every instance with the same seed starts from the same
+weights, trained with SGD with momentum (so resuming needs the optimizer state to line up with the parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def loader(samples: int = 64, seed: int = 1) -> DataLoader:
+    """``samples`` random 8-feature inputs with labels in 0..3, batches of 8, fixed order."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 8, generator=generator)
+    y = torch.randint(0, 4, (samples,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+class TinyNet(L.LightningModule):
+    """Linear 8-16-12-4 with ReLUs, SGD with momentum, trained on :func:`loader` (8 steps an epoch)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return loader()
+
+
+def folded(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A plain state_dict with ``orig`` masked (``where(mask, orig, 0)``) for every pruned tensor of ``state_dict``."""
+    plain = {}
+    for key, value in state_dict.items():
+        if key.endswith("_orig"):
+            plain[key[: -len("_orig")]] = torch.where(state_dict[key[: -len("_orig")] + "_mask"].bool(), value, 0)
+        elif not key.endswith("_mask"):
+            plain[key] = value
+    return plain
