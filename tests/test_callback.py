@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback import PruningCallback, install_checkpoint_adapter
+from lightprune.callback import PruningCallback
 from lightprune.prune.base import pruning_hooks
 from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
 from tiny_lightning import TinyNet, folded, loader
@@ -115,6 +115,12 @@ def columns(logger: CSVLogger) -> list[str]:
 def events_logged(rows: list[dict[str, float]]) -> dict[int, float]:
     """``{step: pruning/target}`` of the rows the callback logged (one per event without ``log_every_n_steps``)."""
     return {int(row["step"]): row["pruning/target"] for row in rows if "pruning/target" in row}
+
+
+def pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The one PruningCallback's state in a checkpoint."""
+    (found,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("PruningCallback")]
+    return found
 
 
 def zeros(tensor: Tensor) -> int:
@@ -420,9 +426,22 @@ def test_resume_from_mid_schedule_checkpoint_is_exact(tmp_path: Path, case: str)
     uninterrupted = run(None)
     middle = tmp_path / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
     saved = torch.load(middle, weights_only=False)
-    assert any(key.endswith("_mask") for key in saved["state_dict"]), "the checkpoint must be mid-schedule, masked"
+    assert not any(key.endswith(("_orig", "_mask")) for key in saved["state_dict"]), "plain keys in checkpoints"
+    callback_state = pruning_state(saved)
+    assert callback_state["masks"], "the checkpoint must be mid-schedule, with masks in the callback's state"
     resumed = run(middle)  # a fresh, unpruned Net
-    assert_same_state(state(resumed), state(uninterrupted))
+    assert_same_resumed(resumed, uninterrupted)
+
+
+def assert_same_resumed(resumed: nn.Module, uninterrupted: nn.Module) -> None:
+    """A resumed fit holds what the uninterrupted one holds: the same effective weights, masks and hooks.
+
+    ``name_orig`` may differ where the mask is zero: the checkpoint holds the effective values, and what an optimizer
+    does to a pruned entry of ``name_orig`` never reaches the model (torch ranks a re-prune on ``orig * mask``).
+    """
+    assert_same_state(folded(state(resumed)), folded(state(uninterrupted)))
+    mask_keys = [key for key in state(uninterrupted) if key.endswith("_mask")]
+    assert_same_state({k: state(resumed)[k] for k in mask_keys}, {k: state(uninterrupted)[k] for k in mask_keys})
     assert pruning_hook_names(resumed) == pruning_hook_names(uninterrupted)
 
 
@@ -461,43 +480,53 @@ def test_not_permanent_keeps_exact_bool_masks(pruned_run: PrunedRun) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class AdaptingNet(Net):
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__(seed)
-        install_checkpoint_adapter(self)
-
-
-def test_pruned_checkpoint_loads_into_fresh_model(pruned_run: PrunedRun) -> None:
-    saved = torch.load(pruned_run.checkpoint, weights_only=False)["state_dict"]
-    assert {"net.0.weight_orig", "net.0.weight_mask", "net.0.bias_orig", "net.0.bias_mask"} <= set(saved)
-    with pytest.raises(RuntimeError, match="weight_orig"):  # what torch alone does
-        Net().load_state_dict(saved)
+def test_checkpoints_hold_plain_pruned_tensors_and_load_into_a_plain_model(pruned_run: PrunedRun) -> None:
+    checkpoint = torch.load(pruned_run.checkpoint, weights_only=True)
+    saved = checkpoint["state_dict"]
+    # the callback's tensors under their plain names; the user's own pruning of net.0.bias is left as torch saves it
+    assert [key for key in saved if key.startswith("net.0.")] == ["net.0.weight", "net.0.bias_orig", "net.0.bias_mask"]
+    assert set(WEIGHTS) <= set(saved)
+    callback_state = pruning_state(checkpoint)
+    for name in WEIGHTS:  # the effective values: exact zeros where the saved mask prunes
+        mask = callback_state["masks"][name]
+        assert mask.dtype == torch.bool and 0 < zeros(mask) < mask.numel()
+        assert torch.equal(saved[name] == 0, ~mask | (saved[name] == 0))
+        assert zeros(saved[name][~mask]) == zeros(mask)
+    plain = {key: value for key, value in saved.items() if not key.startswith("net.0.bias")}
     fresh = Net(seed=5)
-    install_checkpoint_adapter(fresh)
-    install_checkpoint_adapter(fresh)  # twice is a no-op
-    assert str(fresh.load_state_dict(saved, strict=True)) == "<All keys matched successfully>"
-    assert_same_state(state(fresh), saved, ordered=False)  # the masks are registered in parameter order
-    x = next(iter(loader()))[0]
-    fresh.eval()
-    expected = torch.func.functional_call(Net(), folded(saved), (x,))
-    assert torch.equal(fresh(x), expected)
+    del fresh.net[0].bias
+    fresh.net[0].register_parameter("bias", None)
+    fresh.net[0].bias = nn.Parameter(torch.zeros(16))
+    plain["net.0.bias"] = torch.where(saved["net.0.bias_mask"].bool(), saved["net.0.bias_orig"], 0)
+    assert str(fresh.load_state_dict(plain, strict=True)) == "<All keys matched successfully>"
+
+
+class UnprunedBiasNet(Net):
+    """Net whose checkpoint is loaded without lightprune: the user's own bias pruning is not part of the test."""
 
 
 @pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
-def test_pruned_checkpoint_loads_with_load_from_checkpoint_and_ckpt_path(pruned_run: PrunedRun) -> None:
-    saved = torch.load(pruned_run.checkpoint, weights_only=False)["state_dict"]
-    loaded = AdaptingNet.load_from_checkpoint(pruned_run.checkpoint, weights_only=False)
-    assert_same_state(state(loaded), saved, ordered=False)
-    # the callback's setup installs the adapter for trainer.<stage>(ckpt_path=...)
-    model = Net(seed=5)
-    trainer(PruningCallback(0.5)).validate(model, loader(16), ckpt_path=pruned_run.checkpoint, weights_only=False)
-    assert_same_state(state(model), saved, ordered=False)
+def test_a_checkpoint_written_during_fit_loads_the_lightning_way(tmp_path: Path) -> None:
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+    callback = PruningCallback(Cubic(final=0.6, start=0, end=12, frequency=4), make_permanent=False)
+    model, _ = fit([callback, checkpoints], enable_checkpointing=True, tmp_path=tmp_path)
+    path = tmp_path / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
+    loaded = Net.load_from_checkpoint(path)  # a plain LightningModule, no lightprune involved
+    assert not prune.is_pruned(loaded)
+    assert_same_state(state(loaded), folded(state(model)))
+    assert sum(zeros(weight) for weight in weights(loaded).values()) == round(0.6 * N)
+    # and a plain Trainer (no PruningCallback) restores it for validate
+    other = Net(seed=5)
+    trainer().validate(other, loader(16), ckpt_path=path, weights_only=True)
+    assert_same_state(state(other), folded(state(model)))
+    # the model itself follows torch's contract again after fit (make_permanent=False)
+    assert {"net.0.weight_orig", "net.0.weight_mask"} <= set(model.state_dict())
 
 
 def test_plain_state_dict_loads_into_pruned_model(pruned_run: PrunedRun) -> None:
     pruned = copy.deepcopy(pruned_run.model)
     plain = folded(state(pruned_run.model))
-    install_checkpoint_adapter(pruned)
+    prune.prepare_for_state_dict(pruned, plain)
     pruned.load_state_dict(plain, strict=True)
     assert pruning_hook_names(pruned) == set()
     assert_same_state(state(pruned), plain, ordered=False)
@@ -558,11 +587,13 @@ def test_mask_buffer_and_multihead_attention_prune_checkpoint_and_resume(tmp_pat
     assert torch.equal(uninterrupted.eval()(x), permanent(x))
 
     middle = tmp_path / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
-    saved = torch.load(middle, weights_only=False)["state_dict"]
-    assert {"attn_mask", "attn.out_proj.weight_orig", "attn.out_proj.weight_mask"} <= set(saved)
-    assert "attn_orig" not in saved
+    checkpoint = torch.load(middle, weights_only=False)
+    saved = checkpoint["state_dict"]
+    assert {"attn_mask", "attn.out_proj.weight"} <= set(saved)
+    assert not {"attn_orig", "attn.out_proj.weight_orig", "attn.out_proj.weight_mask"} & set(saved)
+    assert "attn.out_proj.weight" in pruning_state(checkpoint)["masks"]
     resumed, _ = run(middle)
-    assert_same_state(state(resumed), state(uninterrupted))
+    assert_same_resumed(resumed, uninterrupted)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -633,8 +664,8 @@ def test_test_after_fit(make_permanent: bool) -> None:
 
 
 def test_two_callbacks_on_disjoint_parameters_reach_their_targets() -> None:
-    unstructured = PruningCallback(Linear(final=0.5, end=8, frequency=4), include=r"net\.[02]\.weight")
-    structured = PruningCallback(Constant(0.5, at=3), method="ln_structured", include=r"net\.4\..*")
+    unstructured = PruningCallback(Linear(final=0.5, end=8, frequency=4), include=r"net\.[02]\.weight", name="a")
+    structured = PruningCallback(Constant(0.5, at=3), method="ln_structured", include=r"net\.4\..*", name="b")
     model, _ = fit([unstructured, structured])
     assert zeros(model.net[0].weight) + zeros(model.net[2].weight) == round(0.5 * (128 + 192))
     assert zero_channels(model.net[4].weight, 0) == 2
@@ -644,29 +675,32 @@ def test_two_callbacks_on_disjoint_parameters_reach_their_targets() -> None:
 def test_two_callbacks_with_disjoint_explicit_parameters_checkpoint_and_resume(tmp_path: Path) -> None:
     def run(ckpt_path: Path | None) -> tuple[L.LightningModule, list[PruningCallback]]:
         model = Net()
-        first = PruningCallback(Linear(final=0.5, end=20, frequency=4), parameters=[(model.net[0], "weight")])
-        second = PruningCallback(Linear(final=0.25, end=20, frequency=4), parameters=[(model.net[2], "weight")])
+        first = PruningCallback(
+            Linear(final=0.5, end=20, frequency=4), parameters=[(model.net[0], "weight")], name="first"
+        )
+        second = PruningCallback(
+            Linear(final=0.25, end=20, frequency=4), parameters=[(model.net[2], "weight")], name="second"
+        )
         checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
         fit([first, second, checkpoints], model, ckpt_path=ckpt_path, enable_checkpointing=True, max_epochs=3)
         return model, [first, second]
 
     uninterrupted, (first, second) = run(None)
-    assert "['net.0.weight']" in first.state_key
-    assert "['net.2.weight']" in second.state_key
-    assert first.state_key is first.state_key  # computed once: Lightning reads it at every hook call
+    assert first.state_key != second.state_key
+    assert "first" in first.state_key and "second" in second.state_key
     assert zeros(uninterrupted.net[0].weight) == 64
     assert zeros(uninterrupted.net[2].weight) == 48
     middle = tmp_path / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
     assert {first.state_key, second.state_key} <= set(torch.load(middle, weights_only=False)["callbacks"])
     resumed, _ = run(middle)
-    assert_same_state(state(resumed), state(uninterrupted))
+    assert_same_resumed(resumed, uninterrupted)
 
 
 @pytest.mark.parametrize(
     ("first", "second"),
     [
         ({"include": r"net\.[02]\.weight"}, {"include": r"net\.2\..*"}),
-        ({}, {}),  # identical configurations
+        ({"name": "a"}, {"name": "b"}),  # identical configurations (named apart, else Lightning refuses their keys)
     ],
 )
 def test_overlapping_selections_raise_at_setup(first: dict[str, Any], second: dict[str, Any]) -> None:

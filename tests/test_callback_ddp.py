@@ -79,7 +79,7 @@ SCRIPT = textwrap.dedent(
 
         def on_train_batch_end(self, trainer, pl_module, *args):
             self.masks[trainer.global_step] = {
-                key: value.clone() for key, value in pl_module.state_dict().items() if key.endswith("_mask")
+                key: value.clone() for key, value in pl_module.named_buffers() if key.endswith("_mask")
             }
 
         def on_train_end(self, trainer, pl_module):
@@ -99,6 +99,7 @@ SCRIPT = textwrap.dedent(
         parameter_names=("weight",),
         make_permanent=False,
         log_per_parameter=False,
+        name="random",
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -3,15 +3,18 @@
 The callback glues four small pieces together: a :mod:`~lightprune.schedules` schedule (target total sparsity over
 time), a :mod:`~lightprune.selection` of parameters, the :mod:`~lightprune.prune` engine and the
 :mod:`~lightprune.metrics` sparsity metric. It owns the clock (optimizer steps or epochs) and the little state that
-must survive a checkpoint; the masks themselves travel in the model's state_dict.
+must survive a checkpoint.
+
+Checkpoints speak plain torch: while the callback is attached, the model's ``state_dict`` holds each pruned tensor
+under its own name with its effective values (exact zeros where pruned), so ``load_from_checkpoint`` and a strict
+``load_state_dict`` into the unpruned model work without lightprune. The masks, the clock and the rewind snapshot
+travel in the callback's own checkpoint state, from which ``trainer.fit(model, ckpt_path=...)`` resumes exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,19 +23,25 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
 from typing_extensions import override
 
 from lightprune import prune
 from lightprune.metrics import SparsityCollection
 from lightprune.prune.base import ModuleSnapshot, find_hook, refresh_pruned
-from lightprune.prune.functional import adaptation_plan, apply_adaptation, pair_problems
+from lightprune.prune.state_dict import PlainStateDict
 from lightprune.schedules import Constant, FromCallable, Schedule
-from lightprune.selection import DEFAULT_MODULE_TYPES, resolve_pairs, select_parameters
+from lightprune.selection import (
+    DEFAULT_MODULE_TYPES,
+    compile_patterns,
+    parameter_owners,
+    resolve_module_types,
+    resolve_pairs,
+    select_parameters,
+)
 
-__all__ = ["METHODS", "PruningCallback", "install_checkpoint_adapter"]
+__all__ = ["METHODS", "PruningCallback"]
 
 METHODS: dict[str, type[prune.BasePruningMethod]] = {
     "l1_unstructured": prune.L1Unstructured,
@@ -45,6 +54,9 @@ METHODS: dict[str, type[prune.BasePruningMethod]] = {
 _SCOPES = ("global", "layerwise")
 _UNITS = ("step", "epoch")
 _LOG_PREFIX = "pruning/"
+_SMALL_SHARE = 0.5
+"""Below this share of the model's weights (parameters of two or more dimensions), the default selection warns."""
+_DEFAULT_TYPES = object()
 
 
 def _is_int(value: Any) -> bool:
@@ -87,130 +99,6 @@ def _resolve_schedule(schedule: Schedule | float | Callable[[int], float]) -> Sc
     )
 
 
-def _adapt_before_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: match the model's pruning reparametrization to the keys being loaded.
-
-    A state_dict that cannot load (a tampered or foreign checkpoint: wrong shapes, tensors missing or replaced,
-    unknown keys under ``strict``) is refused here, before anything changes; torch alone would copy every tensor it
-    can and raise at the end, leaving the model half-loaded (and the reparametrization adapted to a checkpoint that
-    never loaded).
-    """
-    strict = _loading_strictly()
-    plan = adaptation_plan(module, state_dict, prefix)
-    unchecked = [entry for entry in plan if not _predictable(entry[1])]  # _load_problems checks the others' pairs
-    problems = pair_problems(unchecked, state_dict) + _load_problems(module, state_dict, prefix, strict, plan)
-    if problems:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(module).__name__} (lightprune checked it first; the model is "
-            "unchanged):\n\t" + "\n\t".join(problems)
-        )
-    apply_adaptation(plan, state_dict)
-    if plan:
-        rank_zero_info(f"lightprune: adapted the pruning reparametrization of {len(plan)} tensors to the state_dict")
-
-
-def _loading_strictly() -> bool:
-    """The ``strict`` of the ``load_state_dict`` call under way (torch hands its hooks ``strict=True`` always).
-
-    Found in the caller's frame of ``nn.Module.load_state_dict``; where there is none (another loader), the load
-    counts as not strict: only what torch rejects either way (shapes, values that are not tensors) is checked.
-    """
-    code = nn.Module.load_state_dict.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return bool(frame.f_locals.get("strict", True))
-        frame = frame.f_back
-    return False
-
-
-def _predictable(module: nn.Module) -> bool:
-    """Whether torch loads ``module``'s own tensors with ``nn.Module``'s rules (no override, no key-rewriting hook)."""
-    loader = type(module)._load_from_state_dict
-    own_hooks = [
-        h for h in module._load_state_dict_pre_hooks.values() if getattr(h, "hook", None) is not _adapt_before_load
-    ]
-    return not own_hooks and (loader is nn.Module._load_from_state_dict or loader is _NormBase._load_from_state_dict)
-
-
-def _load_problems(
-    module: nn.Module,
-    state_dict: Mapping[str, Any],
-    prefix: str,
-    strict: bool,
-    plan: list[tuple[str, nn.Module, str, str]],
-) -> list[str]:
-    """What ``load_state_dict`` would reject once ``plan`` is applied, by torch's rules, for the modules that follow
-    them (:func:`_predictable`): a value that is not a tensor, a shape mismatch and, under ``strict``, missing and
-    unexpected keys. Modules with their own loading logic are left to torch."""
-    problems: list[str] = []
-    planned = {(id(m), n): action for _, m, n, action in plan}
-    for module_name, submodule in module.named_modules(remove_duplicate=False):
-        if not _predictable(submodule):
-            continue
-        base = f"{prefix}{module_name}." if module_name else prefix
-        local = {n: p for n, p in submodule._parameters.items() if p is not None}
-        local.update(
-            (n, b)
-            for n, b in submodule._buffers.items()
-            if b is not None and n not in submodule._non_persistent_buffers_set
-        )
-        shapes = {n: tuple(t.shape) for n, t in local.items()}
-        for name in list(shapes):
-            if planned.get((id(submodule), name)) == "identity":
-                shapes[name + "_orig"] = shapes[name + "_mask"] = shapes.pop(name)
-        for (owner, name), action in planned.items():
-            if owner == id(submodule) and action == "remove":
-                shapes[name] = shapes.pop(name + "_orig")
-                shapes.pop(name + "_mask", None)
-        for name, shape in shapes.items():
-            key = base + name
-            if key not in state_dict:
-                # batch norms fill in a num_batches_tracked missing from old checkpoints
-                if strict and not (isinstance(submodule, _NormBase) and name == "num_batches_tracked"):
-                    problems.append(f"missing key {key!r}")
-                continue
-            value = state_dict[key]
-            if not torch.overrides.is_tensor_like(value):
-                problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
-            elif name in local and torch.nn.parameter.is_lazy(local[name]):
-                continue
-            elif tuple(value.shape) != shape and not (shape == () and value.dim() == 1):  # torch takes value[0]
-                problems.append(f"size mismatch for {key!r}: {tuple(value.shape)} in the state_dict, {shape} here")
-        if not strict:
-            continue
-        extra_state = base + "_extra_state"
-        if type(submodule).set_extra_state is not nn.Module.set_extra_state and extra_state not in state_dict:
-            problems.append(f"missing key {extra_state!r}")
-        for key in state_dict:
-            if key.startswith(base) and key != extra_state:
-                first = key[len(base) :].split(".", 1)[0]
-                if first not in submodule._modules and first not in shapes:
-                    problems.append(f"unexpected key {key!r}")
-    return problems
-
-
-def install_checkpoint_adapter(module: nn.Module) -> None:
-    """Let ``module`` load state_dicts saved with or without pruning reparametrization, strictly.
-
-    Lightning restores a checkpoint into the freshly built model before any callback sees it; a pruned
-    checkpoint has ``weight_orig`` and ``weight_mask`` where the fresh model has ``weight``. This pre-hook calls
-    :func:`lightprune.prune.prepare_for_state_dict` at the start of every ``load_state_dict``. Installing it twice
-    is a no-op.
-
-    Example:
-        >>> pruned = prune.l1_unstructured(nn.Linear(3, 2), "weight", amount=0.5)
-        >>> fresh = nn.Linear(3, 2)
-        >>> install_checkpoint_adapter(fresh)
-        >>> fresh.load_state_dict(pruned.state_dict())
-        <All keys matched successfully>
-    """
-    if not any(
-        getattr(hook, "hook", None) is _adapt_before_load for hook in module._load_state_dict_pre_hooks.values()
-    ):
-        module.register_load_state_dict_pre_hook(_adapt_before_load)
-
-
 class PruningCallback(Callback):
     r"""Prune a LightningModule during ``trainer.fit`` on a schedule of target sparsity.
 
@@ -228,6 +116,14 @@ class PruningCallback(Callback):
     that a parent reads without calling their module's forward (``nn.MultiheadAttention``'s ``out_proj``) are
     recomputed by the callback, so they never go stale.
 
+    The selection is made when fit starts (``on_fit_start``), after ``LightningModule.configure_model``, so layers
+    built there are pruned too. A selected parameter that is tied to other modules (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) is masked in every module that holds it, counted once, and stays tied.
+
+    Checkpoints: every checkpoint the Trainer writes while the callback is attached holds the pruned tensors under
+    their plain names (``features.0.weight``, masked values), so ``LitModel.load_from_checkpoint(path)`` and a strict
+    ``load_state_dict`` into the unpruned model work without lightprune; the masks travel in the callback's state.
+
     Args:
         schedule: a :class:`~lightprune.schedules.Schedule`, a float (one-shot to that sparsity when training
             starts) or a callable ``time -> sparsity`` (evaluated at every time unit of the run).
@@ -241,7 +137,9 @@ class PruningCallback(Callback):
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
         include: regular expressions; a parameter's qualified name must fully match one (``None``: all).
         exclude: regular expressions; parameters whose qualified name fully matches one are skipped.
-        module_types: module classes whose parameters may be pruned (default Linear and Conv1d/2d/3d).
+        module_types: module classes, or their import paths (``"transformers.pytorch_utils.Conv1D"``), whose
+            parameters may be pruned; default Linear and Conv1d/2d/3d, with a warning at setup when those hold less
+            than half of the model's weights.
         parameter_names: attribute names that may be pruned (default ``("weight",)``: no biases).
         prune_channel_bias: with a structured method pruning output channels (``dim=0``), also zero the bias
             entries of the pruned channels.
@@ -257,6 +155,11 @@ class PruningCallback(Callback):
         log_every_n_steps: also log the sparsities every this many optimizer steps, between events.
         seed: seed of the random methods' draws; every event draws from ``seed`` and the event's time, so DDP ranks
             and resumed runs draw identical masks.
+        name: names this callback's checkpoint state (its ``state_key``) and its logged keys
+            (``pruning/<name>/...``); needed to tell apart several PruningCallbacks on one Trainer. Without it, the
+            state key is built from the method, scope, unit and selection patterns.
+        summary: at the end of fit, print (rank zero) a table of what was pruned: parameter, shape, kept / total,
+            sparsity, and the total.
 
     Raises:
         ValueError: for any configuration mistake, at construction (or, for the selection, at setup), naming the
@@ -280,7 +183,7 @@ class PruningCallback(Callback):
         parameters: Sequence[tuple[nn.Module, str]] | None = None,
         include: Sequence[str] | str | None = None,
         exclude: Sequence[str] | str | None = None,
-        module_types: Sequence[type[nn.Module]] | None = DEFAULT_MODULE_TYPES,
+        module_types: Sequence[type[nn.Module] | str] | None = _DEFAULT_TYPES,  # type: ignore[assignment]
         parameter_names: Sequence[str] | str | None = ("weight",),
         prune_channel_bias: bool = False,
         rewind: str | int | Mapping[str, Tensor] | None = None,
@@ -289,6 +192,8 @@ class PruningCallback(Callback):
         log_per_parameter: bool = True,
         log_every_n_steps: int | None = None,
         seed: int = 0,
+        name: str | None = None,
+        summary: bool = True,
     ) -> None:
         self.schedule = _resolve_schedule(schedule)
         self.method = _resolve_method(method)
@@ -343,6 +248,12 @@ class PruningCallback(Callback):
             raise ValueError(f"seed={seed!r} must be an int")
         if parameters is not None and (include is not None or exclude is not None):
             raise ValueError("give either parameters=[(module, name), ...] or include/exclude patterns, not both")
+        compile_patterns("include", include)  # an invalid pattern fails here, not when fit starts
+        compile_patterns("exclude", exclude)
+        self._default_types = module_types is _DEFAULT_TYPES
+        module_types = resolve_module_types(DEFAULT_MODULE_TYPES if self._default_types else module_types)
+        if name is not None and not (isinstance(name, str) and name and "/" not in name):
+            raise ValueError(f"name={name!r} must be None or a non-empty str without '/'")
 
         self.scope = scope
         self.unit = unit
@@ -358,9 +269,16 @@ class PruningCallback(Callback):
         self.log_per_parameter = log_per_parameter
         self.log_every_n_steps = log_every_n_steps
         self.seed = seed
+        self.name = name
+        self.summary = summary
+        self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
 
         self._selection: list[tuple[str, nn.Module, str]] = []
-        self._state_key: str | None = None
+        # other modules holding a selected parameter (tied weights): (module, name, [(other module, other name)])
+        self._ties: list[tuple[nn.Module, str, list[tuple[nn.Module, str]]]] = []
+        self._plain_state_dict = PlainStateDict([])
+        self._plain_state_dict_handle: Any = None
+        self._restored_masks: dict[str, Tensor] | None = None
         self._biases: list[nn.Module] = []
         self._resolved: Schedule | None = None
         self._last_event = -1
@@ -380,39 +298,39 @@ class PruningCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        """Names the callback's state in a checkpoint: its method, scope, unit and the tensors it selected.
+        """Names the callback's state in a checkpoint, from constructor arguments only (as Lightning's callbacks do).
 
-        Two callbacks of a Trainer must prune disjoint tensors (checked at setup), so after setup the selection
-        tells them apart, also when both were given ``parameters=`` pairs, and it is the same when a run resumes
-        with a freshly built model. Before setup (Lightning only checks the keys are distinct when the Trainer is
-        built) the key is this instance's own, so that overlapping callbacks reach setup, which says what overlaps.
-        Lightning reads the key at every hook call (profiler labels), so it is computed once per selection.
+        With ``name=`` the key is built from the name alone, so renaming a layer or editing the patterns keeps the
+        saved state reachable; without it, from the method, scope, unit and selection patterns. Two PruningCallbacks
+        with the same key on one Trainer are refused by Lightning when the Trainer is built: give them names.
         """
-        if self._state_key is None:
-            return self._generate_state_key(
-                method=self.method.__name__, scope=self.scope, unit=self.unit, selection=f"unresolved-{id(self):x}"
-            )
-        return self._state_key
-
-    def _selection_state_key(self) -> str:
-        selection = repr(self.selection)
-        if len(selection) > 200:
-            digest = hashlib.sha1("\n".join(self.selection).encode()).hexdigest()[:16]
-            selection = f"{len(self._selection)} tensors, sha1 {digest}"
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
         return self._generate_state_key(
-            method=self.method.__name__, scope=self.scope, unit=self.unit, selection=selection
+            method=self.method.__name__,
+            scope=self.scope,
+            unit=self.unit,
+            include=self.include,
+            exclude=self.exclude,
+            parameter_names=self.parameter_names,
         )
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        install_checkpoint_adapter(pl_module)
         if stage == "fit":
             self._reset()
-            self._select(trainer, pl_module)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after configure_model (layers built there are selected) and after the strategy wrapped the model
+        self._select(trainer, pl_module)
+        self._install_plain_state_dict(pl_module)
+        self._apply_restored_masks()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._resolve_schedule(trainer)
+        self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
+        self._resolve_schedule_for_run(trainer)
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
 
     @override
@@ -439,6 +357,9 @@ class PruningCallback(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
+        self._warn_if_schedule_unfinished(trainer)
+        if self.summary and trainer.is_global_zero and self._selection:
+            rank_zero_info(self.summary_table())
         if self.make_permanent:
             self._make_permanent()
         self._refresh_unhooked()
@@ -456,16 +377,39 @@ class PruningCallback(Callback):
         self._refresh_unhooked()
 
     @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._remove_plain_state_dict()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint written after the state_dict hook is gone (OnExceptionCheckpoint) is made plain all the same
+        self._plain_state_dict(pl_module, checkpoint["state_dict"], "", None)
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "last_event": self._last_event,
             "rewind_snapshot": self._rewind_snapshot,
+            "masks": self._current_masks(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_event = int(state_dict.get("last_event", -1))
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
+        masks = state_dict.get("masks", {})
+        if not isinstance(masks, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in masks.items()
+        ):
+            raise ValueError(f"{self.state_key}: the checkpoint's 'masks' must map parameter names to tensors")
+        self._restored_masks = dict(masks)
+        if self._selection:  # the selection exists already (strategies restoring after on_fit_start)
+            self._apply_restored_masks()
 
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
@@ -480,13 +424,16 @@ class PruningCallback(Callback):
         self._last_event = -1
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
+        self._restored_masks = None
+        self._selection = []
+        self._ties = []
         self._hooked = set()
         self._unhooked = []
         self._watched = []
         self._watch_pending = True
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Resolve which tensors to prune; check them against other pruning callbacks and the method."""
+        """Resolve which tensors to prune; check them against other pruning callbacks, the method and sharding."""
         if self.parameters is not None:
             selection = resolve_pairs(pl_module, self.parameters)
         else:
@@ -497,12 +444,19 @@ class PruningCallback(Callback):
                 module_types=self.module_types,
                 parameter_names=self.parameter_names,
             )
-        mine = {(id(module), name) for _, module, name in selection}
-        for other in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(other, PruningCallback) and other is not self:
-                shared = [q for q, module, name in other._selection if (id(module), name) in mine]
-                if shared:
-                    raise ValueError(f"two PruningCallbacks select the same parameters {shared}: make them disjoint")
+        mine = {id(self._orig(module, name)) for _, module, name in selection}
+        others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._selection]
+        for other in others:
+            shared = [q for q, module, name in other._selection if id(other._orig(module, name)) in mine]
+            if shared:
+                raise ValueError(f"two PruningCallbacks select the same parameters {shared}: make them disjoint")
+        for other in others:
+            if other._log_prefix == self._log_prefix:
+                raise ValueError(
+                    f"two PruningCallbacks would log to the same keys {self._log_prefix}...: give each a distinct "
+                    "name= (e.g. PruningCallback(..., name='encoder'))"
+                )
+        _refuse_sharded(selection, self._orig)
         for qualified, module, name in selection:
             tensor = self._orig(module, name)
             if self.structured and tensor.dim() < 2:
@@ -514,13 +468,123 @@ class PruningCallback(Callback):
                     f"method_kwargs dim={dim} is out of range for {qualified} of shape {tuple(tensor.shape)}: "
                     f"allowed dims are {-tensor.dim()} ... {tensor.dim() - 1}"
                 )
+        owners = parameter_owners(pl_module)
+        self._ties = []
+        for _, module, name in selection:
+            others = [(m, n) for _, m, n in owners.get(id(self._orig(module, name)), []) if (m, n) != (module, name)]
+            if others:
+                self._ties.append((module, name, others))
         self._selection = selection
-        self._state_key = self._selection_state_key()
         self._biases = []
         if self.prune_channel_bias:
             self._biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
+        if self._default_types and self.parameters is None:
+            self._warn_small_share(pl_module, owners)
 
-    def _resolve_schedule(self, trainer: Trainer) -> None:
+    def _warn_small_share(
+        self, pl_module: LightningModule, owners: dict[int, list[tuple[str, nn.Module, str]]]
+    ) -> None:
+        """Say so once when the default module types leave most of the model's weights unselected (GPT-2's
+        ``Conv1D`` layers are not ``nn.Linear``), naming the largest unselected module types."""
+        selected = {id(self._orig(module, name)) for _, module, name in self._selection}
+        total = chosen = 0
+        unselected: dict[str, int] = {}
+        for parameter_id, places in owners.items():
+            _, module, name = places[0]
+            tensor = self._orig(module, name)
+            if tensor.dim() < 2:
+                continue
+            total += tensor.numel()
+            if parameter_id in selected:
+                chosen += tensor.numel()
+            else:
+                kind = f"{type(module).__module__}.{type(module).__qualname__}"
+                unselected[kind] = unselected.get(kind, 0) + tensor.numel()
+        if total == 0 or chosen / total >= _SMALL_SHARE:
+            return
+        largest = sorted(unselected.items(), key=lambda item: -item[1])[:3]
+        named = ", ".join(f"{kind} ({count / total:.0%})" for kind, count in largest)
+        rank_zero_warn(
+            f"PruningCallback: the default selection (Linear and Conv weights) covers {chosen / total:.0%} of the "
+            f"model's weights; the largest unselected module types are {named}. Pass module_types (classes or import "
+            "paths) to prune them too.",
+            category=UserWarning,
+        )
+
+    def _install_plain_state_dict(self, pl_module: LightningModule) -> None:
+        """Make the model's state_dict (every checkpoint) hold this callback's pruned tensors under plain names."""
+        self._plain_state_dict.pairs = self._pruned_pairs_all()
+        if self._plain_state_dict_handle is None:
+            self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(self._plain_state_dict)
+
+    def _remove_plain_state_dict(self) -> None:
+        """After fit, the model follows torch's state_dict contract again (``name_orig``, ``name_mask``)."""
+        if self._plain_state_dict_handle is not None:
+            self._plain_state_dict_handle.remove()
+            self._plain_state_dict_handle = None
+
+    def _pruned_pairs_all(self) -> list[tuple[nn.Module, str]]:
+        """Every ``(module, name)`` this callback may mask: the selection, the tied owners and the channel biases."""
+        pairs = [(module, name) for _, module, name in self._selection]
+        pairs += [other for _, _, others in self._ties for other in others]
+        return pairs + [(module, "bias") for module in self._biases]
+
+    def _current_masks(self) -> dict[str, Tensor]:
+        """The masks this callback keeps, by qualified name (selection and channel biases): its checkpoint state."""
+        masks = {}
+        for qualified, module, name in self._selection:
+            mask = self._mask(module, name)
+            if mask is not None:
+                masks[qualified] = mask
+        for qualified, module, _ in self._selection:
+            if module in self._biases:
+                mask = self._mask(module, "bias")
+                if mask is not None:
+                    masks[qualified.rsplit(".", 1)[0] + ".bias" if "." in qualified else "bias"] = mask
+        return masks
+
+    def _apply_restored_masks(self) -> None:
+        """Put the masks of a checkpoint back on the selected tensors (resume), checked first, all or nothing."""
+        if self._restored_masks is None or not self._selection:
+            return
+        targets = {qualified: (module, name) for qualified, module, name in self._selection}
+        for qualified, module, _ in self._selection:
+            if module in self._biases:
+                targets[qualified.rsplit(".", 1)[0] + ".bias" if "." in qualified else "bias"] = (module, "bias")
+        problems = []
+        for key, mask in self._restored_masks.items():
+            if key not in targets:
+                problems.append(
+                    f"{key!r} is not selected by this callback (a renamed layer or another selection? the selection "
+                    f"is {sorted(targets)})"
+                )
+                continue
+            shape = tuple(self._orig(*targets[key]).shape)
+            if tuple(mask.shape) != shape:
+                problems.append(f"the mask of {key!r} has shape {tuple(mask.shape)}, the parameter {shape}")
+            elif mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+                problems.append(f"the mask of {key!r} has dtype {mask.dtype}; masks are torch.bool or floating")
+        if problems:
+            raise ValueError(
+                f"{self.state_key}: the checkpoint's masks do not fit the model (nothing was changed):\n  "
+                + "\n  ".join(problems)
+            )
+        restored, self._restored_masks = self._restored_masks, None
+        with self._all_or_nothing():
+            for key, mask in restored.items():
+                module, name = targets[key]
+                current = self._mask(module, name)
+                if current is not None and torch.equal(current.to(mask.dtype), mask.to(current.device)):
+                    continue
+                if current is not None:
+                    prune.remove(module, name)
+                with prune.mask_dtype(mask.dtype):
+                    prune.custom_from_mask(module, name, mask=mask)
+            self._sync_ties()
+        self._plain_state_dict.pairs = self._pruned_pairs_all()
+
+    def _resolve_schedule_for_run(self, trainer: Trainer) -> None:
+        """Fix the schedule's fractional times to this run's length and check it against the run."""
         schedule = self.schedule
         if not schedule.is_resolved:
             total = trainer.estimated_stepping_batches if self.unit == "step" else trainer.max_epochs
@@ -620,8 +684,7 @@ class PruningCallback(Callback):
         failure at the second tensor would leave the first one at the new target (a half-applied event, in the model
         and in any checkpoint written on the exception).
         """
-        pairs = [(module, name) for _, module, name in self._selection] + [(module, "bias") for module in self._biases]
-        snapshots = [(ModuleSnapshot.take(module, name), name) for module, name in pairs]
+        snapshots = [(ModuleSnapshot.take(module, name), name) for module, name in self._pruned_pairs_all()]
         try:
             yield
         except BaseException:
@@ -647,6 +710,25 @@ class PruningCallback(Callback):
                         self.method.apply(module, name, amount=increment, **self.method_kwargs)
             for module in self._biases:
                 self._prune_bias(module)
+            self._sync_ties()
+        self._plain_state_dict.pairs = self._pruned_pairs_all()
+
+    def _sync_ties(self) -> None:
+        """Mask every other module holding a selected (tied) parameter with the very mask of its selected owner.
+
+        The other owner gets the reparametrization too (``name_orig`` is the same Parameter, so the tie holds) and
+        shares the mask tensor, so every module computes with the masked values during training.
+        """
+        for module, name, others in self._ties:
+            mask = self._mask(module, name)
+            if mask is None:
+                continue
+            for other, other_name in others:
+                if find_hook(other, other_name)[1] is None:
+                    with prune.mask_dtype(mask.dtype):
+                        prune.custom_from_mask(other, other_name, mask=mask)
+                other._buffers[other_name + "_mask"] = mask
+                refresh_pruned(other)
 
     @staticmethod
     def _prune_bias(module: nn.Module) -> None:
@@ -662,8 +744,7 @@ class PruningCallback(Callback):
 
     def _make_permanent(self) -> None:
         """Remove the reparametrization of the tensors this callback pruned (others' are left alone)."""
-        pairs = [(module, name) for _, module, name in self._selection] + [(module, "bias") for module in self._biases]
-        for module, name in pairs:
+        for module, name in self._pruned_pairs_all():
             if find_hook(module, name)[1] is not None:
                 prune.remove(module, name)
 
@@ -678,8 +759,7 @@ class PruningCallback(Callback):
     # itself before every training batch and before validation, test and predict. Normal layers cost nothing.
 
     def _pruned_pairs(self) -> Iterator[tuple[nn.Module, str]]:
-        pairs = [(module, name) for _, module, name in self._selection] + [(module, "bias") for module in self._biases]
-        for module, name in pairs:
+        for module, name in self._pruned_pairs_all():
             if find_hook(module, name)[1] is not None and isinstance(module.__dict__.get(name), Tensor):
                 yield module, name
 
@@ -761,7 +841,7 @@ class PruningCallback(Callback):
     def _sparsities(self, pl_module: LightningModule) -> dict[str, float]:
         """Per-tensor and total sparsity of the selection's masks, reduced across DDP ranks by torchmetrics."""
         names = [qualified for qualified, _, _ in self._selection]
-        metric = SparsityCollection(names, prefix=_LOG_PREFIX + "sparsity/").to(pl_module.device)
+        metric = SparsityCollection(names, prefix=self._log_prefix + "sparsity/").to(pl_module.device)
         tensors = {}
         for qualified, module, name in self._selection:
             mask = self._mask(module, name)
@@ -771,7 +851,7 @@ class PruningCallback(Callback):
         metric.update(tensors)
         values = {key: float(value) for key, value in metric.compute().items()}
         if not self.log_per_parameter:
-            values = {_LOG_PREFIX + "sparsity/total": values[_LOG_PREFIX + "sparsity/total"]}
+            values = {self._log_prefix + "sparsity/total": values[self._log_prefix + "sparsity/total"]}
         return values
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, target: float, log_to_module: bool = True) -> None:
@@ -780,16 +860,16 @@ class PruningCallback(Callback):
         if not self._selection:
             return
         values = self._sparsities(pl_module)
-        values[_LOG_PREFIX + "target"] = float(target)
+        values[self._log_prefix + "target"] = float(target)
         self._last_logged = trainer.global_step
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
         if log_to_module:
-            total = values[_LOG_PREFIX + "sparsity/total"]
+            total = values[self._log_prefix + "sparsity/total"]
             # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
             pl_module.log(
-                _LOG_PREFIX + "sparsity",
+                self._log_prefix + "sparsity",
                 total,
                 on_step=False,
                 on_epoch=True,
@@ -802,3 +882,65 @@ class PruningCallback(Callback):
     def selection(self) -> list[str]:
         """Qualified names of the tensors this callback prunes (after setup)."""
         return [qualified for qualified, _, _ in self._selection]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Saying what happened
+    # ------------------------------------------------------------------------------------------------------------
+
+    def summary_table(self) -> str:
+        """A table of the pruned tensors (parameter, shape, kept / total, sparsity) and the total, as printed at the
+        end of fit; units are entries, or channels along ``dim`` for structured methods.
+
+        Example:
+            >>> callback = PruningCallback(0.5)
+            >>> callback.summary_table()
+            'PruningCallback: nothing selected yet'
+        """
+        if not self._selection:
+            return "PruningCallback: nothing selected yet"
+        unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
+        rows = [("parameter", "shape", f"kept / total {unit}", "sparsity")]
+        kept_all = total_all = 0
+        for qualified, module, name in self._selection:
+            units, pruned = self._units(module, name)
+            kept_all, total_all = kept_all + units - pruned, total_all + units
+            shape = "x".join(str(size) for size in self._orig(module, name).shape)
+            rows.append((qualified, shape, f"{units - pruned:,} / {units:,}", f"{pruned / max(units, 1):.2%}"))
+        rows.append(("total", "", f"{kept_all:,} / {total_all:,}", f"{1 - kept_all / max(total_all, 1):.2%}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines = []
+        for row in rows:
+            padded = zip(row, widths, strict=True)
+            cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(padded)]
+            lines.append("  ".join(cells))
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        title = "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
+        return f"{title}: pruned {self.scope}, {self.method.__name__}\n" + "\n".join(lines)
+
+    def _warn_if_schedule_unfinished(self, trainer: Trainer) -> None:
+        """Fit ended (EarlyStopping, max_steps, interruption) before the schedule's last event: say how far it got."""
+        if self._resolved is None or not self._selection or self._last_event >= self._resolved.last_event:
+            return
+        counts = [self._units(module, name) for _, module, name in self._selection]
+        reached = sum(pruned for _, pruned in counts) / max(sum(units for units, _ in counts), 1)
+        rank_zero_warn(
+            f"PruningCallback: fit ended at {self.unit} {self._now(trainer)}, before the schedule's last event at "
+            f"{self.unit} {self._resolved.last_event}: sparsity reached {reached:.4f}, scheduled final sparsity "
+            f"{self._resolved.final_sparsity:.4f}",
+            category=UserWarning,
+        )
+
+
+def _refuse_sharded(selection: list[tuple[str, nn.Module, str]], original: Callable[[nn.Module, str], Tensor]) -> None:
+    """Parameters sharded as DTensor (ModelParallelStrategy / FSDP2) are not supported yet: refuse them at setup."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    sharded = [qualified for qualified, module, name in selection if isinstance(original(module, name), DTensor)]
+    if sharded:
+        raise ValueError(
+            f"PruningCallback does not support parameters sharded as DTensor (ModelParallelStrategy / FSDP2) yet; "
+            f"sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Train without sharding, or exclude them."
+        )

@@ -20,13 +20,22 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import nn
 
-__all__ = ["DEFAULT_MODULE_TYPES", "pruned_tensor_names", "resolve_pairs", "select_parameters"]
+__all__ = [
+    "DEFAULT_MODULE_TYPES",
+    "compile_patterns",
+    "parameter_owners",
+    "pruned_tensor_names",
+    "resolve_module_types",
+    "resolve_pairs",
+    "select_parameters",
+]
 
 DEFAULT_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 """Modules whose ``weight`` is pruned by default. Subclasses count too (e.g. ``nn.LazyLinear`` and the ``out_proj`` of
@@ -81,7 +90,17 @@ def _qualify(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _compile(kind: str, patterns: Sequence[str] | str | None) -> list[re.Pattern[str]]:
+def compile_patterns(kind: str, patterns: Sequence[str] | str | None) -> list[re.Pattern[str]]:
+    """Compile ``include`` / ``exclude`` patterns, naming the bad one (``kind`` is the argument's name).
+
+    Example:
+        >>> [p.pattern for p in compile_patterns("include", ["fc1", "fc2"])]
+        ['fc1', 'fc2']
+        >>> compile_patterns("exclude", ["fc(1"])
+        Traceback (most recent call last):
+        ...
+        ValueError: exclude pattern 'fc(1' is not a valid regular expression: missing ), unterminated subpattern ...
+    """
     if patterns is None:
         return []
     if isinstance(patterns, str):
@@ -147,8 +166,8 @@ def select_parameters(
         (True, 'weight')
 
     """
-    includes = _compile("include", include)
-    excludes = _compile("exclude", exclude)
+    includes = compile_patterns("include", include)
+    excludes = compile_patterns("exclude", exclude)
     if isinstance(module_types, type):
         module_types = (module_types,)
     types = None if module_types is None else tuple(module_types)
@@ -253,3 +272,68 @@ def _unpack_pair(index: int, pair: Any) -> tuple[nn.Module, str]:
     if not isinstance(module, nn.Module) or not isinstance(name, str):
         raise ValueError(f"pairs[{index}]={pair!r} must be a (module, parameter name) pair")
     return module, name
+
+
+def resolve_module_types(
+    module_types: Sequence[type[nn.Module] | str] | type[nn.Module] | str | None,
+) -> tuple[type[nn.Module], ...] | None:
+    """Module classes from classes or their import paths (``"transformers.pytorch_utils.Conv1D"``).
+
+    Import paths let a YAML config name a class, as Hydra users expect.
+
+    Raises:
+        ValueError: a path cannot be imported or does not name an ``nn.Module`` subclass (the message names it).
+
+    Example:
+        >>> resolve_module_types(["torch.nn.Linear", nn.Conv2d])
+        (<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.modules.conv.Conv2d'>)
+        >>> resolve_module_types("torch.nn.Lienar")
+        Traceback (most recent call last):
+        ...
+        ValueError: module_types entry 'torch.nn.Lienar' cannot be imported: module 'torch.nn' has no attribute 'Lienar'
+    """
+    if module_types is None:
+        return None
+    if isinstance(module_types, (str, type)):
+        module_types = [module_types]
+    resolved = []
+    for entry in module_types:
+        cls: Any = entry
+        if isinstance(entry, str):
+            module_name, _, class_name = entry.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name) if module_name else None
+            except (ImportError, AttributeError) as err:
+                raise ValueError(f"module_types entry {entry!r} cannot be imported: {err}") from None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(
+                f"module_types entry {entry!r} is not an nn.Module subclass nor the import path of one "
+                "(e.g. 'torch.nn.Linear')"
+            )
+        resolved.append(cls)
+    return tuple(resolved)
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    """Every place a parameter is registered in ``model``, keyed by ``id(parameter)``.
+
+    A parameter tied between modules (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``; ``b.weight =
+    a.weight``) has several owners; each owner is ``(qualified_name, module, name)`` with the user's name (``weight``
+    for a pruned ``weight_orig``). A module registered under several names counts once, under its first name.
+
+    Example:
+        >>> a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+        >>> b.weight = a.weight
+        >>> owners = parameter_owners(nn.Sequential(a, b))
+        >>> [qualified for qualified, _, _ in owners[id(a.weight)]]
+        ['0.weight', '1.weight']
+    """
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, parameter in _own_parameters(module):
+            if (id(module), name) in seen:
+                continue
+            seen.add((id(module), name))
+            owners.setdefault(id(parameter), []).append((_qualify(prefix, name), module, name))
+    return owners
