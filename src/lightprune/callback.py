@@ -378,8 +378,19 @@ class PruningCallback(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._remove_plain_state_dict()
+        if stage != "fit":
+            return
+        if _spawned(trainer):
+            # Lightning hands rank zero's state_dict to the main process after teardown and loads it there with
+            # strict=False: keep it plain, or the main process would silently keep its untrained dense weights
+            if not self.make_permanent and self._selection:
+                rank_zero_warn(
+                    "PruningCallback(make_permanent=False) under a spawning strategy: the model returned to the main "
+                    "process holds the pruned weights as plain tensors; the reparametrization stays in the worker",
+                    category=UserWarning,
+                )
+            return
+        self._remove_plain_state_dict()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -445,6 +456,7 @@ class PruningCallback(Callback):
                 parameter_names=self.parameter_names,
             )
         mine = {id(self._orig(module, name)) for _, module, name in selection}
+        _refuse_other_pruning(trainer)
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._selection]
         for other in others:
             shared = [q for q, module, name in other._selection if id(other._orig(module, name)) in mine]
@@ -943,4 +955,23 @@ def _refuse_sharded(selection: list[tuple[str, nn.Module, str]], original: Calla
         raise ValueError(
             f"PruningCallback does not support parameters sharded as DTensor (ModelParallelStrategy / FSDP2) yet; "
             f"sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Train without sharding, or exclude them."
+        )
+
+
+def _spawned(trainer: Trainer) -> bool:
+    """Whether this fit runs in processes spawned or forked by Lightning (``ddp_spawn``, ``ddp_fork``, notebooks)."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
+
+
+def _refuse_other_pruning(trainer: Trainer) -> None:
+    """Another pruning tool on the same model would fight over the tensors: refuse it at setup, naming it."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    foreign = [type(c).__name__ for c in trainer.callbacks if isinstance(c, ModelPruning)]  # type: ignore[attr-defined]
+    if foreign:
+        raise ValueError(
+            f"PruningCallback cannot share a Trainer with lightning's {foreign[0]}: both would reparametrize the same "
+            "weights. Use one pruning callback (PruningCallback covers ModelPruning's methods and schedules)."
         )
