@@ -8,15 +8,26 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import (
+    Callback,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
+from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
-from lightprune.schedules import Cubic
-from tiny_lightning import TinyNet
+from lightprune.schedules import Cubic, Points
+from tiny_lightning import TinyNet, loader
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:.*val_check_interval.*"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
 ]
 
@@ -66,3 +77,143 @@ def test_ddp_spawn_returns_the_pruned_trained_model_to_the_main_process(tmp_path
     for name, weight in weights.items():  # trained: the kept weights moved away from their initial values
         kept = weight != 0
         assert not torch.equal(weight[kept], initial[name][kept]), name
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Weight averaging: EMA, any WeightAveraging subclass, SWA, in every order
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class BNNet(TinyNet):
+    """``TinyNet`` with a BatchNorm (averaging callbacks pair parameters *and buffers* by position) and validation."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(
+                nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4)
+            )
+        self.validated: list[tuple[int, int, int]] = []  # (step, zeros of the weights used, zeros of the masks)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+        if batch_idx == 0:
+            used = sum(int((self.get_submodule(n.rsplit(".", 1)[0]).weight == 0).sum()) for n in BN_WEIGHTS)
+            masks = [self.get_submodule(n.rsplit(".", 1)[0])._buffers.get("weight_mask") for n in BN_WEIGHTS]
+            pruned = sum(int((m == 0).sum()) for m in masks if m is not None)
+            self.validated.append((self.trainer.global_step, used, pruned))
+
+
+BN_WEIGHTS = ["net.0.weight", "net.3.weight", "net.5.weight"]
+BN_N = 128 + 192 + 48
+
+
+def bn_zeros(state_dict: dict[str, Tensor]) -> int:
+    return sum(int((state_dict[name] == 0).sum()) for name in BN_WEIGHTS)
+
+
+class EveryOtherStep(WeightAveraging):
+    """A user's averaging callback: a plain running mean, updated every other optimizer step."""
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        return step_idx is not None and step_idx % 2 == 1
+
+
+def averaging(kind: str) -> Callback:
+    if kind == "EMAWeightAveraging":
+        return EMAWeightAveraging(decay=0.9)
+    return EveryOtherStep(use_buffers=False)  # a running mean of boolean masks cannot be taken
+
+
+def test_averaging_boolean_mask_buffers_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    callbacks = [PruningCallback(0.5), EveryOtherStep()]  # use_buffers=True: every buffer is averaged, masks too
+    with pytest.raises(ValueError, match=r"EveryOtherStep averages buffers.*mask_dtype=None.*use_buffers=False"):
+        trainer(callbacks, tmp_path, max_steps=4).fit(BNNet())
+    trainer([PruningCallback(0.5, mask_dtype=None), EveryOtherStep()], tmp_path, max_steps=4).fit(BNNet())
+
+
+def averaged_fit(tmp_path: Path, kind: str, pruning_first: bool, **kwargs: Any) -> tuple[BNNet, PruningCallback, Any]:
+    model = BNNet()
+    pruning = PruningCallback(Cubic(final=0.8, start=0, end=20, frequency=4), make_permanent=True)
+    average = averaging(kind)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+    callbacks = [pruning, average] if pruning_first else [average, pruning]
+    run = trainer(
+        [*callbacks, checkpoints], tmp_path, max_steps=30, max_epochs=-1, enable_checkpointing=True,
+        val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0, **kwargs,
+    )  # fmt: skip
+    run.fit(model, val_dataloaders=loader(16))
+    return model, pruning, average
+
+
+@pytest.mark.parametrize("kind", ["EMAWeightAveraging", "WeightAveraging subclass"])
+@pytest.mark.parametrize("pruning_first", [True, False], ids=["pruning first", "averaging first"])
+def test_weight_averaging_keeps_the_masks_in_every_order(tmp_path: Path, kind: str, pruning_first: bool) -> None:
+    model, _, average = averaged_fit(tmp_path, kind, pruning_first)
+    # (c) the final model holds exactly the target's zeros, (d) and the average's values, not the last step's
+    final = {name: model.get_parameter(name).detach() for name in BN_WEIGHTS}
+    assert sum(int((w == 0).sum()) for w in final.values()) == round(0.8 * BN_N)
+    averaged = average._average_model.module
+    for name, weight in final.items():
+        module = averaged.get_submodule(name.rsplit(".", 1)[0])
+        masked_average = torch.where(module.weight_mask.bool(), module.weight_orig.detach(), 0)
+        assert torch.equal(weight, masked_average), name  # the masked average was copied back
+    # (a) validation ran on weights with at least the masks' zeros at every check after the first event
+    assert model.validated and all(used >= pruned > 0 for _, used, pruned in model.validated)
+    # (b) every checkpoint holds plain keys and the zeros of the event before it, current and averaged state alike
+    schedule = Cubic(final=0.8, start=0, end=20, frequency=4)
+    for step in (10, 20, 30):
+        (path,) = (tmp_path / "ckpt").glob(f"*step={step}.ckpt")
+        checkpoint = torch.load(path, weights_only=False)
+        expected = round(schedule.target(step) * BN_N)
+        assert not any(key.endswith(("_orig", "_mask")) for key in checkpoint["state_dict"])
+        assert bn_zeros(checkpoint["state_dict"]) >= expected, step
+        assert bn_zeros(checkpoint["current_model_state"]) == expected, step
+
+
+def test_averaged_model_keeps_the_pruned_positions_exactly_zero(tmp_path: Path) -> None:
+    _, _, average = averaged_fit(tmp_path, "EMAWeightAveraging", True)
+    averaged = average._average_model
+    state = averaged.state_dict()  # plain keys, the masked average
+    masks = [averaged.module.get_submodule(name.rsplit(".", 1)[0]).weight_mask for name in BN_WEIGHTS]
+    for name, mask in zip(BN_WEIGHTS, masks, strict=True):
+        assert "module." + name + "_orig" not in state
+        assert int((state["module." + name][~mask] != 0).sum()) == 0, name
+    assert sum(int((~m).sum()) for m in masks) == round(0.8 * BN_N)
+
+
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["no batch norm", "batch norm (SWA's extra epoch)"])
+@pytest.mark.parametrize("pruning_first", [True, False], ids=["pruning first", "averaging first"])
+def test_stochastic_weight_averaging_keeps_the_masks(tmp_path: Path, pruning_first: bool, batch_norm: bool) -> None:
+    model, names = (BNNet(), BN_WEIGHTS) if batch_norm else (TinyNet(), WEIGHTS)
+    pruning = PruningCallback(Points([(1, 0.4), (2, 0.8)]), unit="epoch")
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=3)
+    trainer([pruning, swa] if pruning_first else [swa, pruning], tmp_path, max_epochs=5).fit(model)
+    weights = {name: model.get_parameter(name).detach() for name in names}
+    assert sum(int((w == 0).sum()) for w in weights.values()) == round(0.8 * N)
+    assert not prune.is_pruned(model)
+
+
+def test_resume_with_ema_is_as_exact_as_lightning_without_pruning(tmp_path: Path) -> None:
+    def run(root: Path, prune_it: bool, ckpt_path: Path | None = None) -> dict[str, Tensor]:
+        model = BNNet()
+        callbacks: list[Any] = [EMAWeightAveraging(decay=0.9)]
+        if prune_it:
+            callbacks.append(PruningCallback(Cubic(final=0.8, start=0, end=20, frequency=4), make_permanent=True))
+        checkpoints = ModelCheckpoint(root, every_n_epochs=1, save_top_k=-1)
+        run = trainer([*callbacks, checkpoints], tmp_path, max_epochs=4, enable_checkpointing=True)
+        run.fit(model, ckpt_path=ckpt_path)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    # from an epoch's end: Lightning restarts a plain DataLoader at its first batch, so mid-epoch resumes differ
+    for prune_it in (False, True):
+        name = "pruned" if prune_it else "control"
+        uninterrupted = run(tmp_path / name / "a", prune_it)
+        (middle,) = (tmp_path / name / "a").glob("*step=16.ckpt")
+        resumed = run(tmp_path / name / "b", prune_it, ckpt_path=middle)
+        same = all(torch.equal(resumed[key], value) for key, value in uninterrupted.items())
+        assert same, f"{name}: resuming with EMA is not exact"
+        if prune_it:
+            assert bn_zeros(resumed) == round(0.8 * BN_N)

@@ -274,9 +274,11 @@ class PruningCallback(Callback):
         self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
 
         self._selection: list[tuple[str, nn.Module, str]] = []
-        # other modules holding a selected parameter (tied weights): (module, name, [(other module, other name)])
-        self._ties: list[tuple[nn.Module, str, list[tuple[nn.Module, str]]]] = []
+        # other modules holding a selected parameter (tied weights): (module, name, [(qualified, other, other name)])
+        self._ties: list[tuple[nn.Module, str, list[tuple[str, nn.Module, str]]]] = []
         self._plain_state_dict = PlainStateDict([])
+        # copies of the model kept by weight-averaging callbacks (EMA, SWA): masked like the model itself
+        self._averages: list[nn.Module] = []
         self._plain_state_dict_handle: Any = None
         self._restored_masks: dict[str, Tensor] | None = None
         self._biases: list[nn.Module] = []
@@ -319,12 +321,14 @@ class PruningCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._reset()
+            _run_after_weight_averaging(trainer, self)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after configure_model (layers built there are selected) and after the strategy wrapped the model
         self._select(trainer, pl_module)
         self._install_plain_state_dict(pl_module)
+        self._averages = _averaged_models(trainer)
         self._apply_restored_masks()
 
     @override
@@ -438,6 +442,7 @@ class PruningCallback(Callback):
         self._restored_masks = None
         self._selection = []
         self._ties = []
+        self._averages = []
         self._hooked = set()
         self._unhooked = []
         self._watched = []
@@ -457,6 +462,8 @@ class PruningCallback(Callback):
             )
         mine = {id(self._orig(module, name)) for _, module, name in selection}
         _refuse_other_pruning(trainer)
+        if self.mask_dtype == torch.bool:
+            _refuse_averaged_bool_buffers(trainer)
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._selection]
         for other in others:
             shared = [q for q, module, name in other._selection if id(other._orig(module, name)) in mine]
@@ -483,7 +490,7 @@ class PruningCallback(Callback):
         owners = parameter_owners(pl_module)
         self._ties = []
         for _, module, name in selection:
-            others = [(m, n) for _, m, n in owners.get(id(self._orig(module, name)), []) if (m, n) != (module, name)]
+            others = [(q, m, n) for q, m, n in owners.get(id(self._orig(module, name)), []) if (m, n) != (module, name)]
             if others:
                 self._ties.append((module, name, others))
         self._selection = selection
@@ -537,9 +544,7 @@ class PruningCallback(Callback):
 
     def _pruned_pairs_all(self) -> list[tuple[nn.Module, str]]:
         """Every ``(module, name)`` this callback may mask: the selection, the tied owners and the channel biases."""
-        pairs = [(module, name) for _, module, name in self._selection]
-        pairs += [other for _, _, others in self._ties for other in others]
-        return pairs + [(module, "bias") for module in self._biases]
+        return [(module, name) for _, module, name in self._named_pairs()]
 
     def _current_masks(self) -> dict[str, Tensor]:
         """The masks this callback keeps, by qualified name (selection and channel biases): its checkpoint state."""
@@ -552,7 +557,7 @@ class PruningCallback(Callback):
             if module in self._biases:
                 mask = self._mask(module, "bias")
                 if mask is not None:
-                    masks[qualified.rsplit(".", 1)[0] + ".bias" if "." in qualified else "bias"] = mask
+                    masks[_bias_name(qualified)] = mask
         return masks
 
     def _apply_restored_masks(self) -> None:
@@ -562,7 +567,7 @@ class PruningCallback(Callback):
         targets = {qualified: (module, name) for qualified, module, name in self._selection}
         for qualified, module, _ in self._selection:
             if module in self._biases:
-                targets[qualified.rsplit(".", 1)[0] + ".bias" if "." in qualified else "bias"] = (module, "bias")
+                targets[_bias_name(qualified)] = (module, "bias")
         problems = []
         for key, mask in self._restored_masks.items():
             if key not in targets:
@@ -594,6 +599,7 @@ class PruningCallback(Callback):
                     prune.custom_from_mask(module, name, mask=mask)
             self._sync_ties()
         self._plain_state_dict.pairs = self._pruned_pairs_all()
+        self._mask_averages()
 
     def _resolve_schedule_for_run(self, trainer: Trainer) -> None:
         """Fix the schedule's fractional times to this run's length and check it against the run."""
@@ -646,6 +652,7 @@ class PruningCallback(Callback):
             return
         target = self._resolved.target(t)
         self._prune_to(target, event)
+        self._mask_averages()
         self._last_event = event
         self._watch_pending = True  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
@@ -735,12 +742,34 @@ class PruningCallback(Callback):
             mask = self._mask(module, name)
             if mask is None:
                 continue
-            for other, other_name in others:
-                if find_hook(other, other_name)[1] is None:
-                    with prune.mask_dtype(mask.dtype):
-                        prune.custom_from_mask(other, other_name, mask=mask)
-                other._buffers[other_name + "_mask"] = mask
-                refresh_pruned(other)
+            for _, other, other_name in others:
+                _share_mask(other, other_name, mask)
+
+    def _mask_averages(self) -> None:
+        """Put every mask on the weight-averaging callbacks' copies of the model too (found by qualified name).
+
+        EMA and SWA average the parameters position by position and copy the average back over the model; masked
+        the same way (the same reparametrization, the same mask tensors), their copies compute with the masked
+        average, their checkpoints hold it plainly, and the average they hand back is masked at fit end.
+        """
+        pairs = self._named_pairs()
+        for average in self._averages:
+            mirrored = []
+            for qualified, module, name in pairs:
+                mask = self._mask(module, name)
+                if mask is None:
+                    continue
+                module_name = qualified.rsplit(".", 1)[0] if "." in qualified else ""
+                counterpart = average.get_submodule(module_name)
+                _share_mask(counterpart, name, mask)
+                mirrored.append((counterpart, name))
+            _plain_state_dict_of(average).pairs = mirrored
+
+    def _named_pairs(self) -> list[tuple[str, nn.Module, str]]:
+        """:meth:`_pruned_pairs_all` with each tensor's qualified name in the LightningModule."""
+        named = list(self._selection)
+        named += [other for _, _, others in self._ties for other in others]
+        return named + [(_bias_name(q), m, "bias") for q, m, _ in self._selection if m in self._biases]
 
     @staticmethod
     def _prune_bias(module: nn.Module) -> None:
@@ -974,4 +1003,90 @@ def _refuse_other_pruning(trainer: Trainer) -> None:
         raise ValueError(
             f"PruningCallback cannot share a Trainer with lightning's {foreign[0]}: both would reparametrize the same "
             "weights. Use one pruning callback (PruningCallback covers ModelPruning's methods and schedules)."
+        )
+
+
+def _bias_name(weight_name: str) -> str:
+    """The qualified name of the bias beside a qualified weight name."""
+    return weight_name.rsplit(".", 1)[0] + ".bias" if "." in weight_name else "bias"
+
+
+def _share_mask(module: nn.Module, name: str, mask: Tensor) -> None:
+    """Mask ``module.<name>`` with ``mask`` itself (the same tensor, or a copy on the parameter's device)."""
+    if find_hook(module, name)[1] is None:
+        with prune.mask_dtype(mask.dtype):
+            prune.custom_from_mask(module, name, mask=mask)
+    device = module._parameters[name + "_orig"].device
+    module._buffers[name + "_mask"] = mask if mask.device == device else mask.to(device)
+    refresh_pruned(module)
+
+
+def _averaged_models(trainer: Trainer) -> list[nn.Module]:
+    """The copies of the model that weight-averaging callbacks keep (``WeightAveraging`` and its subclasses such as
+    ``EMAWeightAveraging``: an ``AveragedModel``'s ``module``; ``StochasticWeightAveraging``: a LightningModule)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    found = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        average = getattr(callback, "_average_model", None)
+        if isinstance(callback, StochasticWeightAveraging) and isinstance(average, nn.Module):
+            found.append(average)
+        elif _is_weight_averaging(callback) and isinstance(getattr(average, "module", None), nn.Module):
+            found.append(average.module)
+    return found
+
+
+def _is_weight_averaging(callback: Callback) -> bool:
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # lightning < 2.6
+        return False
+    return isinstance(callback, WeightAveraging)
+
+
+def _plain_state_dict_of(module: nn.Module) -> PlainStateDict:
+    """The :class:`PlainStateDict` hook of an averaged copy, registered on first use."""
+    for hook in module._state_dict_hooks.values():
+        if isinstance(hook, PlainStateDict):
+            return hook
+    hook = PlainStateDict([])
+    module.register_state_dict_post_hook(hook)
+    return hook
+
+
+def _run_after_weight_averaging(trainer: Trainer, callback: PruningCallback) -> None:
+    """Move ``callback`` after the weight-averaging callbacks in ``trainer.callbacks`` (checkpoints stay last).
+
+    They copy their average back over the model at the end of fit, which must happen before the pruning is made
+    permanent; Lightning calls callbacks in list order, and users cannot be expected to know which order is right
+    (Lightning moves checkpoint callbacks last for the same reason). The list is replaced, not changed in place, so a
+    hook being dispatched over the old list finishes unchanged.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+    averaging = [
+        i for i, c in enumerate(callbacks) if isinstance(c, StochasticWeightAveraging) or _is_weight_averaging(c)
+    ]
+    position = callbacks.index(callback)
+    if not averaging or position > averaging[-1]:
+        return
+    callbacks.remove(callback)
+    callbacks.insert(averaging[-1], callback)  # right after the last averaging callback
+    trainer.callbacks = callbacks  # type: ignore[attr-defined]
+
+
+def _refuse_averaged_bool_buffers(trainer: Trainer) -> None:
+    """A ``WeightAveraging`` that averages buffers with torch's running mean fails on boolean masks mid-fit."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not _is_weight_averaging(callback) or not getattr(callback, "_use_buffers", False):
+            continue
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        if isinstance(callback, EMAWeightAveraging):  # its update takes boolean buffers
+            continue
+        raise ValueError(
+            f"{type(callback).__name__} averages buffers, and the masks are boolean buffers torch's running mean "
+            "cannot average: pass PruningCallback(mask_dtype=None) (masks in the parameters' dtype, which average to "
+            f"themselves) or {type(callback).__name__}(use_buffers=False)"
         )
