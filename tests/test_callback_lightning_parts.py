@@ -64,12 +64,16 @@ def test_lightnings_model_pruning_beside_is_refused_at_setup(tmp_path: Path, ord
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("make_permanent", [True, False])
-def test_ddp_spawn_returns_the_pruned_trained_model_to_the_main_process(tmp_path: Path, make_permanent: bool) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "make_permanent"), [("ddp_spawn", True), ("ddp_spawn", False), ("ddp_fork", False)]
+)
+def test_spawned_workers_return_the_pruned_trained_model_to_the_main_process(
+    tmp_path: Path, strategy: str, make_permanent: bool
+) -> None:
     model = TinyNet()
     initial = {name: model.get_parameter(name).detach().clone() for name in WEIGHTS}
     callback = PruningCallback(Cubic(final=0.8, start=0, end=6, frequency=2), make_permanent=make_permanent)
-    run = trainer([callback], tmp_path, devices=2, strategy="ddp_spawn", max_epochs=2)
+    run = trainer([callback], tmp_path, devices=2, strategy=strategy, max_epochs=2)
     run.fit(model)
     assert not prune.is_pruned(model)  # plain tensors in the main process, whatever make_permanent
     weights = {name: model.get_parameter(name).detach() for name in WEIGHTS}

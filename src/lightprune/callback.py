@@ -56,7 +56,6 @@ _UNITS = ("step", "epoch")
 _LOG_PREFIX = "pruning/"
 _SMALL_SHARE = 0.5
 """Below this share of the model's weights (parameters of two or more dimensions), the default selection warns."""
-_DEFAULT_TYPES = object()
 
 
 def _is_int(value: Any) -> bool:
@@ -183,7 +182,7 @@ class PruningCallback(Callback):
         parameters: Sequence[tuple[nn.Module, str]] | None = None,
         include: Sequence[str] | str | None = None,
         exclude: Sequence[str] | str | None = None,
-        module_types: Sequence[type[nn.Module] | str] | None = _DEFAULT_TYPES,  # type: ignore[assignment]
+        module_types: Sequence[type[nn.Module] | str] | None = DEFAULT_MODULE_TYPES,
         parameter_names: Sequence[str] | str | None = ("weight",),
         prune_channel_bias: bool = False,
         rewind: str | int | Mapping[str, Tensor] | None = None,
@@ -250,8 +249,8 @@ class PruningCallback(Callback):
             raise ValueError("give either parameters=[(module, name), ...] or include/exclude patterns, not both")
         compile_patterns("include", include)  # an invalid pattern fails here, not when fit starts
         compile_patterns("exclude", exclude)
-        self._default_types = module_types is _DEFAULT_TYPES
-        module_types = resolve_module_types(DEFAULT_MODULE_TYPES if self._default_types else module_types)
+        module_types = resolve_module_types(module_types)
+        self._default_types = module_types is not None and set(module_types) == set(DEFAULT_MODULE_TYPES)
         if name is not None and not (isinstance(name, str) and name and "/" not in name):
             raise ValueError(f"name={name!r} must be None or a non-empty str without '/'")
 
