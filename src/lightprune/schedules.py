@@ -38,6 +38,8 @@ from functools import cached_property
 from numbers import Integral, Real
 from typing import Any
 
+from lightprune._checks import is_int
+
 __all__ = [
     "SCHEDULES",
     "Constant",
@@ -58,24 +60,20 @@ Time = int | float
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
 def _is_float(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, (Integral, bool))
 
 
 def _check_sparsity(name: str, value: Any) -> float:
     """Return ``value`` as a float after checking that it is a number in ``[0, 1]``."""
-    if not (_is_int(value) or _is_float(value)) or not 0 <= value <= 1:
+    if not (is_int(value) or _is_float(value)) or not 0 <= value <= 1:
         raise ValueError(f"{name}={value!r} must be in [0, 1]")
     return float(value)
 
 
 def _check_position(name: str, value: Any) -> Time:
     """Check a point in time: an int >= 0 (clock time) or a float in [0, 1] (fraction of the run)."""
-    if _is_int(value) and value >= 0:
+    if is_int(value) and value >= 0:
         return int(value)
     if _is_float(value) and 0 <= value <= 1:
         return float(value)
@@ -87,7 +85,7 @@ def _check_position(name: str, value: Any) -> Time:
 
 def _check_period(name: str, value: Any) -> Time:
     """Check a duration: an int >= 1 (clock units) or a float in (0, 1] (fraction of the run)."""
-    if _is_int(value) and value >= 1:
+    if is_int(value) and value >= 1:
         return int(value)
     if _is_float(value) and 0 < value <= 1:
         return float(value)
@@ -119,7 +117,7 @@ def _resolve_period(value: Time, total: int) -> int:
 
 
 def _check_total(total: Any) -> int:
-    if not _is_int(total) or total < 1:
+    if not is_int(total) or total < 1:
         raise ValueError(f"total={total!r} must be an int >= 1 (the number of clock units in the run)")
     return int(total)
 
@@ -580,7 +578,7 @@ class Geometric(Schedule):
         self.frequency = _check_period("frequency", frequency)
         if (rounds is None) == (end is None):
             raise ValueError(f"give exactly one of rounds or end, got rounds={rounds!r} and end={end!r}")
-        if rounds is not None and not (_is_int(rounds) and rounds >= 1):
+        if rounds is not None and not (is_int(rounds) and rounds >= 1):
             raise ValueError(f"rounds={rounds!r} must be an int >= 1")
         self.rounds = None if rounds is None else int(rounds)
         self.end = None if end is None else _check_position("end", end)
@@ -768,7 +766,7 @@ class FromCallable(_Ramp):
 
     def _call(self, event: int) -> float:
         value = self.fn(event)
-        if not (_is_int(value) or _is_float(value)) or not 0 <= value <= 1:
+        if not (is_int(value) or _is_float(value)) or not 0 <= value <= 1:
             raise ValueError(f"fn({event})={value!r} must be in [0, 1]")
         return float(value)
 

@@ -1,0 +1,99 @@
+"""PruningCallback beside Lightning's other moving parts: weight averaging, spawned workers, other pruning tools.
+
+Weight-averaging callbacks (``EMAWeightAveraging``, any ``WeightAveraging``, ``StochasticWeightAveraging``) keep a
+copy of the model, average its parameters (and buffers) by position, and copy the average back over the model at
+the end of fit. The callback masks their copies with the model's own masks and runs after them, whatever order the
+user gave. Lightning's spawning launchers hand rank zero's state_dict back to the main process after teardown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging
+from torch import nn
+
+__all__ = [
+    "averaged_models",
+    "refuse_averaged_bool_buffers",
+    "refuse_other_pruning",
+    "run_after_weight_averaging",
+    "spawned",
+]
+
+
+def _weight_averaging() -> tuple[type, ...]:
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # lightning < 2.6
+        return ()
+    return (WeightAveraging,)
+
+
+def _is_averaging(callback: Callback) -> bool:
+    return isinstance(callback, (StochasticWeightAveraging, *_weight_averaging()))
+
+
+def averaged_models(trainer: Trainer) -> list[nn.Module]:
+    """The copies of the model that weight-averaging callbacks keep (a ``WeightAveraging``'s ``AveragedModel``
+    module; ``StochasticWeightAveraging``'s LightningModule copy)."""
+    found = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        average: Any = getattr(callback, "_average_model", None)
+        if isinstance(callback, StochasticWeightAveraging) and isinstance(average, nn.Module):
+            found.append(average)
+        elif isinstance(callback, _weight_averaging()) and isinstance(getattr(average, "module", None), nn.Module):
+            found.append(average.module)
+    return found
+
+
+def run_after_weight_averaging(trainer: Trainer, callback: Callback) -> None:
+    """Move ``callback`` right after the last weight-averaging callback in ``trainer.callbacks`` (checkpoints stay
+    last).
+
+    They copy their average back over the model at the end of fit, which must happen before the pruning is made
+    permanent; Lightning calls callbacks in list order, and users cannot be expected to know which order is right
+    (Lightning moves checkpoint callbacks last for the same reason). The list is replaced, not changed in place, so a
+    hook being dispatched over the old list finishes unchanged.
+    """
+    callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+    averaging = [i for i, c in enumerate(callbacks) if _is_averaging(c)]
+    if not averaging or callbacks.index(callback) > averaging[-1]:
+        return
+    callbacks.remove(callback)
+    callbacks.insert(averaging[-1], callback)
+    trainer.callbacks = callbacks  # type: ignore[attr-defined]
+
+
+def refuse_averaged_bool_buffers(trainer: Trainer) -> None:
+    """A ``WeightAveraging`` that averages buffers with torch's running mean fails on boolean masks mid-fit."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, _weight_averaging()) or not getattr(callback, "_use_buffers", False):
+            continue
+        if isinstance(callback, EMAWeightAveraging):  # its update takes boolean buffers
+            continue
+        raise ValueError(
+            f"{type(callback).__name__} averages buffers, and the masks are boolean buffers torch's running mean "
+            "cannot average: pass PruningCallback(mask_dtype=None) (masks in the parameters' dtype, which average to "
+            f"themselves) or {type(callback).__name__}(use_buffers=False)"
+        )
+
+
+def refuse_other_pruning(trainer: Trainer) -> None:
+    """Lightning's ModelPruning on the same Trainer would reparametrize the same weights: refuse, naming it."""
+    foreign = [type(c).__name__ for c in trainer.callbacks if isinstance(c, ModelPruning)]  # type: ignore[attr-defined]
+    if foreign:
+        raise ValueError(
+            f"PruningCallback cannot share a Trainer with lightning's {foreign[0]}: both would reparametrize the same "
+            "weights. Use one pruning callback (PruningCallback covers ModelPruning's methods and schedules)."
+        )
+
+
+def spawned(trainer: Trainer) -> bool:
+    """Whether this fit runs in processes spawned or forked by Lightning (``ddp_spawn``, ``ddp_fork``, notebooks)."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)

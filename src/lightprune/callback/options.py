@@ -1,0 +1,194 @@
+"""The names and values ``PruningCallback`` accepts: methods, scopes, units, schedules, rewind points."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lightning.pytorch import Trainer
+from torch import Tensor
+
+from lightprune import prune
+from lightprune._checks import is_int
+from lightprune.schedules import Constant, FromCallable, Schedule
+
+__all__ = [
+    "METHODS",
+    "SCOPES",
+    "UNITS",
+    "check_choice",
+    "resolve_method",
+    "resolve_method_options",
+    "resolve_rewind",
+    "resolve_schedule",
+    "schedule_for_run",
+]
+
+METHODS: dict[str, type[prune.BasePruningMethod]] = {
+    "l1_unstructured": prune.L1Unstructured,
+    "random_unstructured": prune.RandomUnstructured,
+    "ln_structured": prune.LnStructured,
+    "random_structured": prune.RandomStructured,
+}
+"""Pruning methods the callback accepts by name; any ``BasePruningMethod`` subclass (or its import path) works too."""
+
+SCOPES = ("global", "layerwise")
+"""One ranking across the whole selection, or one per tensor."""
+
+UNITS = ("step", "epoch")
+"""What the schedule's times count: optimizer steps or epochs."""
+
+
+def resolve_method(method: str | type[prune.BasePruningMethod]) -> type[prune.BasePruningMethod]:
+    """A method class from a :data:`METHODS` name, an import path ``"package.module.Class"`` or the class itself.
+
+    Example:
+        >>> resolve_method("ln_structured").__name__, resolve_method("lightprune.prune.Identity").__name__
+        ('LnStructured', 'Identity')
+    """
+    if isinstance(method, type) and issubclass(method, prune.BasePruningMethod):
+        return method
+    if isinstance(method, str):
+        if method in METHODS:
+            return METHODS[method]
+        module_name, _, class_name = method.rpartition(".")
+        if module_name:
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError) as err:
+                raise ValueError(f"method={method!r} could not be imported: {err}") from err
+            if isinstance(cls, type) and issubclass(cls, prune.BasePruningMethod):
+                return cls
+            raise ValueError(f"method={method!r} is not a lightprune.prune.BasePruningMethod subclass")
+    allowed = ", ".join(repr(name) for name in METHODS)
+    raise ValueError(
+        f"method={method!r} is not supported: use one of {allowed}, a BasePruningMethod subclass or its import path"
+    )
+
+
+def resolve_schedule(schedule: Schedule | float | Callable[[int], float]) -> Schedule:
+    """A schedule from a :class:`~lightprune.schedules.Schedule`, a sparsity (one-shot at the start) or a callable.
+
+    Example:
+        >>> resolve_schedule(0.5)
+        Constant(sparsity=0.5, at=0)
+    """
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
+        return Constant(float(schedule))
+    if callable(schedule):
+        return FromCallable(schedule, start=0, end=1.0, frequency=1)
+    raise ValueError(
+        f"schedule={schedule!r} must be a lightprune.schedules.Schedule, a sparsity in [0, 1] (one-shot at the "
+        "start) or a callable time -> target sparsity"
+    )
+
+
+def resolve_rewind(rewind: str | int | Mapping[str, Tensor] | None, unit: str) -> tuple[int | None, dict | None]:
+    """``(time to snapshot at, given snapshot)`` from the callback's ``rewind`` argument.
+
+    Example:
+        >>> resolve_rewind("init", "step"), resolve_rewind(None, "step")
+        ((0, None), (None, None))
+    """
+    if isinstance(rewind, Mapping):
+        bad = next(((k, v) for k, v in rewind.items() if not (isinstance(k, str) and isinstance(v, Tensor))), None)
+        if bad is not None:
+            raise ValueError(
+                f"a rewind snapshot must map parameter names to tensors (see snapshot_weights); got "
+                f"{bad[0]!r}: {type(bad[1]).__name__}"
+            )
+        return 0, {k: v.detach().to("cpu", copy=True) for k, v in rewind.items()}
+    if rewind == "init":
+        return 0, None
+    if rewind is not None and not (is_int(rewind) and rewind >= 0):
+        raise ValueError(
+            f"rewind={rewind!r} must be None, 'init', an int >= 0 (a time in {unit}s) or a snapshot_weights() dict"
+        )
+    return rewind, None
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """Raise naming ``value`` and ``allowed`` unless ``value`` is one of them.
+
+    Example:
+        >>> check_choice("unit", "batch", UNITS)
+        Traceback (most recent call last):
+        ...
+        ValueError: unit='batch' is not supported: allowed are ('step', 'epoch')
+    """
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported: allowed are {allowed}")
+
+
+def resolve_method_options(
+    method: str | type[prune.BasePruningMethod], method_kwargs: Mapping[str, Any] | None, scope: str | None
+) -> tuple[type[prune.BasePruningMethod], dict[str, Any], str]:
+    """``(method class, its keyword arguments, scope)``, with the defaults filled in and checked together.
+
+    Structured methods prune output channels (``dim=0``) and ``LnStructured`` the L2 norm (``n=2``) unless told
+    otherwise; the scope defaults to ``"global"`` for unstructured methods, ``"layerwise"`` for structured ones. One
+    instance is built, so arguments the method does not take fail here.
+
+    Example:
+        >>> method, kwargs, scope = resolve_method_options("ln_structured", None, None)
+        >>> method.__name__, kwargs, scope
+        ('LnStructured', {'dim': 0, 'n': 2}, 'layerwise')
+    """
+    cls = resolve_method(method)
+    kwargs = dict(method_kwargs or {})
+    if "amount" in kwargs:
+        raise ValueError("method_kwargs must not contain 'amount': the callback computes it from the schedule")
+    kind = getattr(cls, "PRUNING_TYPE", None)
+    if kind == "structured":
+        kwargs.setdefault("dim", 0)
+        if cls is prune.LnStructured:
+            kwargs.setdefault("n", 2)
+    try:
+        cls(amount=0, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"method_kwargs={kwargs!r} do not fit {cls.__name__}: {err}") from err
+    if scope is None:
+        scope = "layerwise" if kind == "structured" else "global"
+    check_choice("scope", scope, SCOPES)
+    if scope == "global" and kind != "unstructured":
+        raise ValueError(
+            f"scope='global' needs an unstructured method, but {cls.__name__} is {kind!r}: use scope='layerwise'"
+        )
+    return cls, kwargs, scope
+
+
+def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:
+    """``schedule`` with fractional times fixed to this run's length, checked against the run.
+
+    Raises when the run's length is unknown for fractional times or the rewind point comes after the first event;
+    warns when the last event comes after the end of training.
+    """
+    if not schedule.is_resolved:
+        total = trainer.estimated_stepping_batches if unit == "step" else trainer.max_epochs
+        if total is None or total < 1 or total == float("inf"):
+            raise ValueError(
+                f"the schedule {schedule!r} gives times as fractions of the run, but the run length in "
+                f"{unit}s is unknown ({total!r}): set max_steps/max_epochs or give integer times"
+            )
+        schedule = schedule.resolve(int(total))
+    validate = getattr(schedule, "validate", None)
+    if callable(validate):
+        validate()
+    if rewind is not None and schedule.first_event < rewind:
+        raise ValueError(
+            f"rewind={rewind} is after the first pruning event at {unit} {schedule.first_event}: the weights to "
+            "rewind to would not exist yet"
+        )
+    # the run's last time: steps as Lightning counts them (max_steps, max_epochs and accumulation), or epochs
+    end = trainer.estimated_stepping_batches if unit == "step" else trainer.max_epochs
+    if end is not None and 0 <= end < float("inf") and schedule.last_event > end:
+        warnings.warn(
+            f"the schedule's last event is at {unit} {schedule.last_event}, after the end of training at {unit} "
+            f"{int(end)}: the final sparsity {schedule.final_sparsity} will not be reached",
+            stacklevel=3,
+        )
+    return schedule

@@ -1,0 +1,508 @@
+"""``PruningCallback``: Lightning's hooks, the clock and the pruning events; the rest lives beside it.
+
+The callback glues four small pieces together: a :mod:`~lightprune.schedules` schedule (target total sparsity over
+time), a :mod:`~lightprune.selection` of parameters, the :mod:`~lightprune.prune` engine and the
+:mod:`~lightprune.metrics` sparsity metric. It owns the clock (optimizer steps or epochs) and the little state that
+must survive a checkpoint.
+
+Checkpoints speak plain torch: while the callback is attached, the model's ``state_dict`` holds each pruned tensor
+under its own name with its effective values (exact zeros where pruned), so ``load_from_checkpoint`` and a strict
+``load_state_dict`` into the unpruned model work without lightprune. The masks, the clock and the rewind snapshot
+travel in the callback's own checkpoint state, from which ``trainer.fit(model, ckpt_path=...)`` resumes exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightprune import prune
+from lightprune._checks import is_int
+from lightprune.callback import neighbours, reporting, rewinding, selecting
+from lightprune.callback.masked import MaskedSelection
+from lightprune.callback.masks import mask_of, original
+from lightprune.callback.options import (
+    UNITS,
+    check_choice,
+    resolve_method_options,
+    resolve_rewind,
+    resolve_schedule,
+    schedule_for_run,
+)
+from lightprune.prune.stale import StaleRefresher
+from lightprune.schedules import Schedule
+from lightprune.selection import (
+    DEFAULT_MODULE_TYPES,
+    compile_patterns,
+    parameter_owners,
+    resolve_module_types,
+    resolve_pairs,
+    select_parameters,
+)
+
+__all__ = ["PruningCallback"]
+
+_LOG_PREFIX = "pruning/"
+
+
+class PruningCallback(Callback):
+    r"""Prune a LightningModule during ``trainer.fit`` on a schedule of target sparsity.
+
+    At every event of ``schedule`` the callback prunes the selected parameters up to the schedule's *target total
+    sparsity*: ``round(target * n)`` entries (or channels) of each tensor in ``"layerwise"`` scope, of the whole
+    selection in ``"global"`` scope. The difference from what is already pruned goes to the engine as an exact count,
+    so masks grow through ``PruningContainer``\ s and the final target is met to the unit.
+
+    Time is counted in optimizer steps (``trainer.global_step``, so gradient accumulation is handled) or in completed
+    epochs. An event at step ``t`` runs right after the ``t``-th optimizer step (``t = 0``: when training starts);
+    an event at epoch ``e`` runs when epoch ``e`` starts, after ``e`` epochs (and at the end of fit for the last one).
+    Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``. Every fit
+    starts the schedule afresh, also with a callback reused from an earlier fit; a fit resumed from a checkpoint
+    (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included. Pruned tensors
+    that a parent reads without calling their module's forward (``nn.MultiheadAttention``'s ``out_proj``) are
+    recomputed by the callback, so they never go stale.
+
+    The selection is made when fit starts (``on_fit_start``), after ``LightningModule.configure_model``, so layers
+    built there are pruned too. A selected parameter that is tied to other modules (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) is masked in every module that holds it, counted once, and stays tied.
+
+    Checkpoints: every checkpoint the Trainer writes while the callback is attached holds the pruned tensors under
+    their plain names (``features.0.weight``, masked values), so ``LitModel.load_from_checkpoint(path)`` and a strict
+    ``load_state_dict`` into the unpruned model work without lightprune; the masks travel in the callback's state.
+
+    Args:
+        schedule: a :class:`~lightprune.schedules.Schedule`, a float (one-shot to that sparsity when training
+            starts) or a callable ``time -> sparsity`` (evaluated at every time unit of the run).
+        method: ``"l1_unstructured"``, ``"random_unstructured"``, ``"ln_structured"``, ``"random_structured"``, a
+            ``BasePruningMethod`` subclass, or its import path (``"my_package.pruning.MyMethod"``).
+        method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
+            ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
+        scope: ``"global"`` (one ranking across the selection; unstructured methods only) or ``"layerwise"``.
+            Default: global for unstructured methods, layerwise for structured ones.
+        unit: ``"step"`` (optimizer steps) or ``"epoch"``; the schedule's times are in this unit.
+        parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
+        include: regular expressions; a parameter's qualified name must fully match one (``None``: all).
+        exclude: regular expressions; parameters whose qualified name fully matches one are skipped.
+        module_types: module classes, or their import paths (``"transformers.pytorch_utils.Conv1D"``), whose
+            parameters may be pruned; default Linear and Conv1d/2d/3d, with a warning at setup when those hold less
+            than half of the model's weights.
+        parameter_names: attribute names that may be pruned (default ``("weight",)``: no biases).
+        prune_channel_bias: with a structured method pruning output channels (``dim=0``), also zero the bias
+            entries of the pruned channels.
+        rewind: lottery-ticket rewinding after every event: ``None`` (off), ``"init"`` (the weights when training
+            starts), an int ``k`` (the weights after ``k`` units of time) or a snapshot taken earlier with
+            :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot
+            lives on the CPU.
+        make_permanent: at the end of fit, remove the reparametrization of the tensors this callback pruned, so
+            the model holds plain Parameters with zeros.
+        mask_dtype: dtype of new masks; ``torch.bool`` (1 byte per entry) by default, ``None`` for the parameter's.
+        log_per_parameter: log ``pruning/sparsity/<qualified name>`` for every pruned tensor (turn off for very
+            large selections); the total ``pruning/sparsity/total`` and ``pruning/target`` are always logged.
+        log_every_n_steps: also log the sparsities every this many optimizer steps, between events.
+        seed: seed of the random methods' draws; every event draws from ``seed`` and the event's time, so DDP ranks
+            and resumed runs draw identical masks.
+        name: names this callback's checkpoint state (its ``state_key``) and its logged keys
+            (``pruning/<name>/...``); needed to tell apart several PruningCallbacks on one Trainer. Without it, the
+            state key is built from the method, scope, unit and selection patterns.
+        summary: at the end of fit, print (rank zero) a table of what was pruned: parameter, shape, kept / total,
+            sparsity, and the total.
+
+    The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
+    is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
+    class runs past 350 lines because its constructor checks its nineteen arguments eagerly, as Lightning's callbacks
+    do, and this docstring documents them.)
+
+    Raises:
+        ValueError: for any configuration mistake, at construction (or, for the selection, at setup), naming the
+            bad value and what is allowed.
+
+    Example:
+        >>> from lightprune.schedules import Cubic
+        >>> callback = PruningCallback(Cubic(final=0.9, start=0, end=100, frequency=10))
+        >>> callback.scope, callback.unit, callback.method.__name__
+        ('global', 'step', 'L1Unstructured')
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule | float | Callable[[int], float],
+        *,
+        method: str | type[prune.BasePruningMethod] = "l1_unstructured",
+        method_kwargs: Mapping[str, Any] | None = None,
+        scope: str | None = None,
+        unit: str = "step",
+        parameters: Sequence[tuple[nn.Module, str]] | None = None,
+        include: Sequence[str] | str | None = None,
+        exclude: Sequence[str] | str | None = None,
+        module_types: Sequence[type[nn.Module] | str] | None = DEFAULT_MODULE_TYPES,
+        parameter_names: Sequence[str] | str | None = ("weight",),
+        prune_channel_bias: bool = False,
+        rewind: str | int | Mapping[str, Tensor] | None = None,
+        make_permanent: bool = True,
+        mask_dtype: torch.dtype | None = torch.bool,
+        log_per_parameter: bool = True,
+        log_every_n_steps: int | None = None,
+        seed: int = 0,
+        name: str | None = None,
+        summary: bool = True,
+    ) -> None:
+        self.schedule = resolve_schedule(schedule)
+        self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
+        self.structured = self.method.PRUNING_TYPE == "structured"
+        check_choice("unit", unit, UNITS)
+        if prune_channel_bias and not (self.structured and self.method_kwargs.get("dim") == 0):
+            raise ValueError(
+                "prune_channel_bias=True needs a structured method pruning output channels (dim=0); got "
+                f"method={self.method.__name__} with method_kwargs={self.method_kwargs!r}"
+            )
+        rewind_at, snapshot = resolve_rewind(rewind, unit)
+        if mask_dtype is not None and not isinstance(mask_dtype, torch.dtype):
+            raise ValueError(f"mask_dtype={mask_dtype!r} must be a torch.dtype (e.g. torch.bool) or None")
+        if log_every_n_steps is not None and not (is_int(log_every_n_steps) and log_every_n_steps >= 1):
+            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be None or an int >= 1")
+        if not is_int(seed):
+            raise ValueError(f"seed={seed!r} must be an int")
+        if parameters is not None and (include is not None or exclude is not None):
+            raise ValueError("give either parameters=[(module, name), ...] or include/exclude patterns, not both")
+        compile_patterns("include", include)  # an invalid pattern fails here, not when fit starts
+        compile_patterns("exclude", exclude)
+        module_types = resolve_module_types(module_types)
+        self._default_types = module_types is not None and set(module_types) == set(DEFAULT_MODULE_TYPES)
+        if name is not None and not (isinstance(name, str) and name and "/" not in name):
+            raise ValueError(f"name={name!r} must be None or a non-empty str without '/'")
+
+        self.scope = scope
+        self.unit = unit
+        self.parameters = None if parameters is None else list(parameters)
+        self.include = include
+        self.exclude = exclude
+        self.module_types = module_types
+        self.parameter_names = parameter_names
+        self.prune_channel_bias = prune_channel_bias
+        self.rewind = rewind_at
+        self.make_permanent = make_permanent
+        self.mask_dtype = mask_dtype
+        self.log_per_parameter = log_per_parameter
+        self.log_every_n_steps = log_every_n_steps
+        self.seed = seed
+        self.name = name
+        self.summary = summary
+        self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
+
+        self._masked: MaskedSelection | None = None
+        self._plain_state_dict_handle: Any = None
+        self._restored_masks: dict[str, Tensor] | None = None
+        self._resolved: Schedule | None = None
+        self._last_event = -1
+        self._last_logged = -1
+        self._given_snapshot = snapshot
+        self._rewind_snapshot: dict[str, Tensor] | None = snapshot
+        self._stale = StaleRefresher()  # pruned tensors a parent reads without calling their module's forward
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lightning hooks: thin, each delegating to a named step
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """Names the callback's state in a checkpoint, from constructor arguments only (as Lightning's callbacks do).
+
+        With ``name=`` the key is built from the name alone, so renaming a layer or editing the patterns keeps the
+        saved state reachable; without it, from the method, scope, unit and selection patterns. Two PruningCallbacks
+        with the same key on one Trainer are refused by Lightning when the Trainer is built: give them names.
+        """
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
+        return self._generate_state_key(
+            method=self.method.__name__,
+            scope=self.scope,
+            unit=self.unit,
+            include=self.include,
+            exclude=self.exclude,
+            parameter_names=self.parameter_names,
+        )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._reset()
+            neighbours.run_after_weight_averaging(trainer, self)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after configure_model (layers built there are selected) and after the strategy wrapped the model
+        self._masked = self._select(trainer, pl_module)
+        self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(self._masked.plain_state_dict)
+        self._masked.share_with_averages(neighbours.averaged_models(trainer))
+        self._apply_restored_masks()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
+        self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
+        self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.unit == "epoch":
+            self._step(trainer, pl_module, trainer.current_epoch)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._stale.refresh()
+        if self._masked is not None:
+            self._stale.watch(self._masked.pairs())
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._stale.classify()
+        if self.unit == "step":
+            self._step(trainer, pl_module, trainer.global_step)
+        step = trainer.global_step
+        if self.log_every_n_steps and step % self.log_every_n_steps == 0 and step != self._last_logged:
+            self._log(trainer, pl_module, 0.0 if self._resolved is None else self._resolved.target(self._now(trainer)))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
+        self._warn_if_schedule_unfinished(trainer)
+        if self.summary and trainer.is_global_zero and self._masked is not None:
+            rank_zero_info(self.summary_table())
+        if self.make_permanent and self._masked is not None:
+            self._masked.make_permanent()
+        self._stale.refresh()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stale.refresh()
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stale.refresh()
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stale.refresh()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if neighbours.spawned(trainer):
+            # Lightning hands rank zero's state_dict to the main process after teardown and loads it there with
+            # strict=False: keep it plain, or the main process would silently keep its untrained dense weights
+            if not self.make_permanent and self._masked is not None:
+                rank_zero_warn(
+                    "PruningCallback(make_permanent=False) under a spawning strategy: the model returned to the main "
+                    "process holds the pruned weights as plain tensors; the reparametrization stays in the worker",
+                    category=UserWarning,
+                )
+            return
+        self._remove_plain_state_dict()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint written after the state_dict hook is gone (OnExceptionCheckpoint) is made plain all the same
+        if self._masked is not None:
+            self._masked.plain_state_dict(pl_module, checkpoint["state_dict"], "", None)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "last_event": self._last_event,
+            "rewind_snapshot": self._rewind_snapshot,
+            "masks": {} if self._masked is None else self._masked.masks(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_event = int(state_dict.get("last_event", -1))
+        self._rewind_snapshot = state_dict.get("rewind_snapshot")
+        masks = state_dict.get("masks", {})
+        if not isinstance(masks, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in masks.items()
+        ):
+            raise ValueError(f"{self.state_key}: the checkpoint's 'masks' must map parameter names to tensors")
+        self._restored_masks = dict(masks)
+        self._apply_restored_masks()  # when the selection exists already (strategies restoring after on_fit_start)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Set-up
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        """Start a fit from a clean clock: a second ``fit`` (same callback, new Trainer) replays the schedule.
+
+        Runs in ``setup``, before Lightning restores a checkpoint's state into the callback (``load_state_dict``).
+        """
+        self._resolved = None
+        self._last_event = -1
+        self._last_logged = -1
+        self._rewind_snapshot = self._given_snapshot
+        self._restored_masks = None
+        self._masked = None
+        self._stale.reset()
+
+    def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
+        """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
+        if self.parameters is not None:
+            selection = resolve_pairs(pl_module, self.parameters)
+        else:
+            selection = select_parameters(
+                pl_module,
+                include=self.include,
+                exclude=self.exclude,
+                module_types=self.module_types,
+                parameter_names=self.parameter_names,
+            )
+        neighbours.refuse_other_pruning(trainer)
+        if self.mask_dtype == torch.bool:
+            neighbours.refuse_averaged_bool_buffers(trainer)
+        others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
+        selecting.refuse_overlaps(selection, others, self._log_prefix)
+        selecting.refuse_sharded(selection)
+        if self.structured:
+            selecting.check_dims(selection, self.method_kwargs)
+        owners = parameter_owners(pl_module)
+        if self._default_types and self.parameters is None:
+            selecting.warn_small_share(selection, owners)
+        biases = []
+        if self.prune_channel_bias:
+            biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
+        ties = selecting.find_ties(selection, owners)
+        return MaskedSelection(
+            selection, ties, biases, self.method, self.method_kwargs, self.scope, self.mask_dtype, self.seed
+        )
+
+    def _remove_plain_state_dict(self) -> None:
+        """After fit, the model follows torch's state_dict contract again (``name_orig``, ``name_mask``)."""
+        if self._plain_state_dict_handle is not None:
+            self._plain_state_dict_handle.remove()
+            self._plain_state_dict_handle = None
+
+    def _apply_restored_masks(self) -> None:
+        """Put the masks of a checkpoint back on the selected tensors (resume), once both are known."""
+        if self._restored_masks is not None and self._masked is not None:
+            restored, self._restored_masks = self._restored_masks, None
+            self._masked.restore(restored, self.state_key)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The clock
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _now(self, trainer: Trainer) -> int:
+        return trainer.global_step if self.unit == "step" else trainer.current_epoch
+
+    def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
+        """Take the rewind snapshot when its time comes, then prune if an event is due."""
+        if self._resolved is None or self._masked is None:
+            return
+        if self.rewind is not None and self._rewind_snapshot is None and t >= self.rewind:
+            self._rewind_snapshot = rewinding.snapshot_weights(pl_module)
+        # the latest event at or before t, in O(1): events missed in between are caught up by one prune to target
+        event = self._resolved.latest_event(t)
+        if event is None or event <= self._last_event:
+            return
+        target = self._resolved.target(t)
+        self._masked.prune_to(target, event)
+        self._last_event = event
+        self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
+        if self.rewind is not None and self._rewind_snapshot is not None:
+            rewinding.rewind_into(pl_module, self._rewind_snapshot)
+        self._log(trainer, pl_module, target, log_to_module=log_to_module)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lottery-ticket rewinding, logging, saying what happened
+    # ------------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def snapshot_weights(model: nn.Module) -> dict[str, Tensor]:
+        """A CPU copy of every parameter of ``model``, keyed by its name (``weight``, also for a pruned tensor).
+
+        Pass it as ``rewind=`` to rewind to these weights, e.g. the initial ones, across separate fits.
+
+        Example:
+            >>> snapshot = PruningCallback.snapshot_weights(nn.Linear(2, 1))
+            >>> sorted(snapshot), snapshot["weight"].device.type
+            (['bias', 'weight'], 'cpu')
+        """
+        return rewinding.snapshot_weights(model)
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule, target: float, log_to_module: bool = True) -> None:
+        """Send the sparsities to every logger at the current step and, where Lightning allows ``self.log`` in the
+        current hook, the total to the module's logged metrics (progress bar, ``callback_metrics``)."""
+        if self._masked is None:
+            return
+        current = {}
+        for qualified, module, name in self._masked.selection:
+            mask = mask_of(module, name)
+            current[qualified] = torch.ones_like(original(module, name), dtype=torch.bool) if mask is None else mask
+        values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
+        total_key = self._log_prefix + "sparsity/total"
+        if not self.log_per_parameter:
+            values = {total_key: values[total_key]}
+        values[self._log_prefix + "target"] = float(target)
+        self._last_logged = trainer.global_step
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
+        if log_to_module:
+            # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
+            pl_module.log(
+                self._log_prefix + "sparsity",
+                values[total_key],
+                on_step=False,
+                on_epoch=True,
+                reduce_fx="max",
+                prog_bar=True,
+                sync_dist=True,
+            )
+
+    @property
+    def selection(self) -> list[str]:
+        """Qualified names of the tensors this callback prunes (after fit started).
+
+        Example:
+            >>> PruningCallback(0.5).selection
+            []
+        """
+        return [] if self._masked is None else [qualified for qualified, _, _ in self._masked.selection]
+
+    def summary_table(self) -> str:
+        """A table of the pruned tensors (parameter, shape, kept / total, sparsity) and the total, as printed at the
+        end of fit; units are entries, or channels along ``dim`` for structured methods.
+
+        Example:
+            >>> PruningCallback(0.5).summary_table()
+            'PruningCallback: nothing selected yet'
+        """
+        if self._masked is None:
+            return "PruningCallback: nothing selected yet"
+        unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
+        rows = [(q, tuple(original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
+        title = "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
+        return reporting.summary_table(f"{title}: pruned {self.scope}, {self.method.__name__}", unit, rows)
+
+    def _warn_if_schedule_unfinished(self, trainer: Trainer) -> None:
+        """Fit ended (EarlyStopping, max_steps, interruption) before the schedule's last event: say how far it got."""
+        if self._resolved is None or self._masked is None or self._last_event >= self._resolved.last_event:
+            return
+        counts = self._masked.counts()
+        reached = sum(pruned for _, pruned in counts) / max(sum(units for units, _ in counts), 1)
+        reporting.warn_unfinished(
+            self.unit, self._now(trainer), self._resolved.last_event, reached, self._resolved.final_sparsity
+        )

@@ -1,0 +1,64 @@
+"""What the callback tells the user: sparsities for the loggers, a table at the end of fit, an unfinished schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightprune.metrics import SparsityCollection
+
+__all__ = ["sparsities", "summary_table", "warn_unfinished"]
+
+
+def sparsities(masks: Mapping[str, Tensor], prefix: str, device: torch.device) -> dict[str, float]:
+    """Per-tensor and total sparsity of ``masks`` (qualified name -> mask), reduced across DDP ranks by torchmetrics.
+
+    Example:
+        >>> sparsities({"fc.weight": torch.tensor([True, False])}, "pruning/sparsity/", torch.device("cpu"))
+        {'pruning/sparsity/fc.weight': 0.5, 'pruning/sparsity/total': 0.5}
+    """
+    metric = SparsityCollection(list(masks), prefix=prefix).to(device)
+    metric.update(dict(masks))
+    return {key: float(value) for key, value in metric.compute().items()}
+
+
+def summary_table(title: str, unit: str, rows: Sequence[tuple[str, Sequence[int], int, int]]) -> str:
+    """A table of ``(parameter, shape, units, pruned units)`` rows and their total, as ModelSummary prints one.
+
+    Example:
+        >>> print(summary_table("pruned", "weights", [("fc.weight", (2, 3), 6, 3)]))
+        pruned
+        parameter  shape  kept / total weights  sparsity
+        ------------------------------------------------
+        fc.weight  2x3                   3 / 6    50.00%
+        ------------------------------------------------
+        total                            3 / 6    50.00%
+    """
+    table = [("parameter", "shape", f"kept / total {unit}", "sparsity")]
+    kept_all = total_all = 0
+    for qualified, shape, units, pruned in rows:
+        kept_all, total_all = kept_all + units - pruned, total_all + units
+        size = "x".join(str(s) for s in shape)
+        table.append((qualified, size, f"{units - pruned:,} / {units:,}", f"{pruned / max(units, 1):.2%}"))
+    table.append(("total", "", f"{kept_all:,} / {total_all:,}", f"{1 - kept_all / max(total_all, 1):.2%}"))
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    lines = []
+    for row in table:
+        padded = zip(row, widths, strict=True)
+        cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(padded)]
+        lines.append("  ".join(cells))
+    lines.insert(1, "-" * len(lines[0]))
+    lines.insert(len(lines) - 1, "-" * len(lines[0]))
+    return title + "\n" + "\n".join(lines)
+
+
+def warn_unfinished(unit: str, now: int, last_event: int, reached: float, final: float) -> None:
+    """Fit ended (EarlyStopping, max_steps, interruption) before the schedule's last event: say how far it got."""
+    rank_zero_warn(
+        f"PruningCallback: fit ended at {unit} {now}, before the schedule's last event at {unit} {last_event}: "
+        f"sparsity reached {reached:.4f}, scheduled final sparsity {final:.4f}",
+        category=UserWarning,
+    )

@@ -1,0 +1,61 @@
+"""Lottery-ticket rewinding: snapshots of a model's weights under their user-facing names, copied back into it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from lightprune.prune.base import pruning_hooks, refresh_pruned
+
+__all__ = ["named_weights", "rewind_into", "snapshot_weights"]
+
+
+def named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Every parameter under its user-facing name (``weight`` for a pruned ``weight_orig``).
+
+    Example:
+        >>> [name for name, _ in named_weights(torch.nn.Linear(2, 1))]
+        ['weight', 'bias']
+    """
+    for module_name, module in model.named_modules():
+        pruned = {hook._tensor_name for _, hook in pruning_hooks(module)}
+        for name, parameter in module._parameters.items():
+            if parameter is None:
+                continue
+            if name.endswith("_orig") and name[: -len("_orig")] in pruned:
+                name = name[: -len("_orig")]
+            yield (f"{module_name}.{name}" if module_name else name), parameter
+
+
+def snapshot_weights(model: nn.Module) -> dict[str, Tensor]:
+    """A CPU copy of every parameter of ``model``, keyed by its user-facing name.
+
+    Example:
+        >>> snapshot = snapshot_weights(torch.nn.Linear(2, 1))
+        >>> sorted(snapshot), snapshot["weight"].device.type
+        (['bias', 'weight'], 'cpu')
+    """
+    return {name: p.detach().to("cpu", copy=True) for name, p in named_weights(model)}
+
+
+def rewind_into(model: nn.Module, snapshot: Mapping[str, Tensor]) -> None:
+    """Copy the snapshot's values into the live parameters (a copy: they never share storage) and recompute the
+    pruned tensors; parameters missing from the snapshot, or of another shape, are left as they are.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> saved = snapshot_weights(layer)
+        >>> _ = torch.nn.init.zeros_(layer.weight)
+        >>> rewind_into(layer, saved)
+        >>> torch.equal(layer.weight, saved["weight"])
+        True
+    """
+    with torch.no_grad():
+        for name, parameter in named_weights(model):
+            saved = snapshot.get(name)
+            if saved is not None and saved.shape == parameter.shape:
+                parameter.copy_(saved)
+    for module in model.modules():
+        refresh_pruned(module)

@@ -1,0 +1,106 @@
+"""The checks made when fit starts, on the tensors a callback selected: before any step, never mid-training."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightprune._checks import is_int
+from lightprune.callback.masks import original
+
+__all__ = ["SMALL_SHARE", "check_dims", "find_ties", "refuse_overlaps", "refuse_sharded", "warn_small_share"]
+
+Selection = list[tuple[str, nn.Module, str]]
+
+SMALL_SHARE = 0.5
+"""Below this share of the model's weights (parameters of two or more dimensions), the default selection warns."""
+
+
+def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str) -> None:
+    """Another PruningCallback (``others``, whose ``_masked`` selection is made) prunes some of the same tensors, or logs to the same
+    keys: refuse, naming them."""
+    mine = {id(original(module, name)) for _, module, name in selection}
+    others = list(others)
+    for other in others:
+        shared = [q for q, module, name in other._masked.selection if id(original(module, name)) in mine]
+        if shared:
+            raise ValueError(f"two PruningCallbacks select the same parameters {shared}: make them disjoint")
+    for other in others:
+        if other._log_prefix == log_prefix:
+            raise ValueError(
+                f"two PruningCallbacks would log to the same keys {log_prefix}...: give each a distinct name= (e.g. "
+                "PruningCallback(..., name='encoder'))"
+            )
+
+
+def refuse_sharded(selection: Selection) -> None:
+    """Parameters sharded as DTensor (ModelParallelStrategy / FSDP2) are not supported yet: refuse them."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    sharded = [qualified for qualified, module, name in selection if isinstance(original(module, name), DTensor)]
+    if sharded:
+        raise ValueError(
+            f"PruningCallback does not support parameters sharded as DTensor (ModelParallelStrategy / FSDP2) yet; "
+            f"sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Train without sharding, or exclude them."
+        )
+
+
+def check_dims(selection: Selection, method_kwargs: Mapping[str, Any]) -> None:
+    """A structured method needs tensors of two or more dims, and its ``dim`` among them (else the first event
+    fails, mid-training)."""
+    dim = method_kwargs.get("dim")
+    for qualified, module, name in selection:
+        tensor = original(module, name)
+        if tensor.dim() < 2:
+            raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: structured pruning needs >= 2 dims")
+        if is_int(dim) and not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(
+                f"method_kwargs dim={dim} is out of range for {qualified} of shape {tuple(tensor.shape)}: "
+                f"allowed dims are {-tensor.dim()} ... {tensor.dim() - 1}"
+            )
+
+
+def find_ties(
+    selection: Selection, owners: Mapping[int, Selection]
+) -> list[tuple[nn.Module, str, list[tuple[str, nn.Module, str]]]]:
+    """For each selected tensor registered on other modules too (tied weights): ``(module, name, other owners)``."""
+    ties = []
+    for _, module, name in selection:
+        others = [(q, m, n) for q, m, n in owners.get(id(original(module, name)), []) if (m, n) != (module, name)]
+        if others:
+            ties.append((module, name, others))
+    return ties
+
+
+def warn_small_share(selection: Selection, owners: Mapping[int, Selection]) -> None:
+    """Say so once when the selection leaves most of the model's weights out (GPT-2's ``Conv1D`` layers are not
+    ``nn.Linear``), naming the largest unselected module types."""
+    selected = {id(original(module, name)) for _, module, name in selection}
+    total = chosen = 0
+    unselected: dict[str, int] = {}
+    for parameter_id, places in owners.items():
+        _, module, name = places[0]
+        tensor = original(module, name)
+        if tensor.dim() < 2:
+            continue
+        total += tensor.numel()
+        if parameter_id in selected:
+            chosen += tensor.numel()
+        else:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            unselected[kind] = unselected.get(kind, 0) + tensor.numel()
+    if total == 0 or chosen / total >= SMALL_SHARE:
+        return
+    largest = sorted(unselected.items(), key=lambda item: -item[1])[:3]
+    named = ", ".join(f"{kind} ({count / total:.0%})" for kind, count in largest)
+    rank_zero_warn(
+        f"PruningCallback: the default selection (Linear and Conv weights) covers {chosen / total:.0%} of the "
+        f"model's weights; the largest unselected module types are {named}. Pass module_types (classes or import "
+        "paths) to prune them too.",
+        category=UserWarning,
+    )
