@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, original, restore_problems, share_mask
 from lightprune.prune.base import ModuleSnapshot, find_hook
 from lightprune.prune.state_dict import PlainStateDict
@@ -37,6 +38,8 @@ class MaskedSelection:
         scope: ``"global"`` (one ranking) or ``"layerwise"``.
         mask_dtype: dtype of new masks (``None``: the parameter's).
         seed: seed of the random methods' draws, combined with each event's time.
+        inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
+            tensors plain Parameters, zeroed in place; events put the reparametrization back for their duration.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -57,6 +60,7 @@ class MaskedSelection:
         scope: str,
         mask_dtype: torch.dtype | None,
         seed: int,
+        inplace: bool = False,
     ) -> None:
         self.selection, self.ties, self.biases = selection, ties, biases
         self.method, self.method_kwargs, self.scope = method, dict(method_kwargs), scope
@@ -64,6 +68,15 @@ class MaskedSelection:
         self.mask_dtype, self.seed = mask_dtype, seed
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
+        self.inplace = InPlaceMasks() if inplace else None
+
+    def mask(self, module: nn.Module, name: str) -> Tensor | None:
+        """The mask of ``module.<name>`` (under the reparametrization or kept apart in place), or ``None``."""
+        if self.inplace is not None:
+            kept = self.inplace.mask(module, name)
+            if kept is not None:
+                return kept
+        return mask_of(module, name)
 
     # ------------------------------------------------------------------------------------------------------------
     # What is masked
@@ -82,7 +95,7 @@ class MaskedSelection:
     def units(self, module: nn.Module, name: str) -> tuple[int, int]:
         """``(units, pruned units)`` of a tensor: entries, or channels along ``dim`` for structured methods."""
         tensor = original(module, name)
-        mask = mask_of(module, name)
+        mask = self.mask(module, name)
         if not self.structured:
             pruned = 0 if mask is None else tensor.numel() - int(torch.count_nonzero(mask))
             return tensor.numel(), pruned
@@ -125,9 +138,21 @@ class MaskedSelection:
                 snapshot.restore(name)
             raise
 
+    @contextlib.contextmanager
+    def reparametrized(self) -> Iterator[None]:
+        """In place mode: put the reparametrization back for the block (an event, a restore), take it away after."""
+        if self.inplace is None:
+            yield
+            return
+        self.inplace.give_back()
+        try:
+            yield
+        finally:
+            self.inplace.take(self.pairs())
+
     def prune_to(self, target: float, event: int) -> None:
         """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing."""
-        with prune.mask_dtype(self.mask_dtype), self._seeded(event), self.all_or_nothing():
+        with self.reparametrized(), prune.mask_dtype(self.mask_dtype), self._seeded(event), self.all_or_nothing():
             if self.scope == "global":
                 counts = self.counts()
                 total = sum(units for units, _ in counts)
@@ -161,6 +186,8 @@ class MaskedSelection:
                     share_mask(other, other_name, mask)
         named = self.named_pairs()
         self.plain_state_dict.pairs = [(module, name) for _, module, name in named]
+        if self.inplace is not None:
+            return  # the averaged copies stay plain too: apply_in_place zeroes them
         for average in self.averages:
             mirrored = []
             for qualified, module, name in named:
@@ -171,8 +198,27 @@ class MaskedSelection:
                     mirrored.append((counterpart, name))
             _plain_state_dict_of(average).pairs = mirrored
 
+    def apply_in_place(self) -> None:
+        """In place mode: zero the pruned entries of the weights and of the averaged copies' weights."""
+        if self.inplace is None:
+            return
+        self.inplace.apply()
+        with torch.no_grad():
+            for average in self.averages:
+                for qualified, module, name in self.named_pairs():
+                    mask = self.inplace.mask(module, name)
+                    if mask is not None:
+                        counterpart = average.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
+                        weight = getattr(counterpart, name)
+                        weight.mul_(mask.to(weight.device))
+
     def make_permanent(self) -> None:
-        """Remove the reparametrization of the tensors this selection masks (others' are left alone)."""
+        """Remove the reparametrization of the tensors this selection masks (others' are left alone); in place,
+        zero the weights a last time and stop masking gradients."""
+        if self.inplace is not None:
+            self.apply_in_place()
+            self.inplace.remove_hooks()
+            return
         for module, name in self.pairs():
             if find_hook(module, name)[1] is not None:
                 prune.remove(module, name)
@@ -189,7 +235,7 @@ class MaskedSelection:
 
     def masks(self) -> dict[str, Tensor]:
         """The masks by qualified name, for a checkpoint (tensors not pruned yet have none)."""
-        found = {key: mask_of(module, name) for key, (module, name) in self._mask_targets().items()}
+        found = {key: self.mask(module, name) for key, (module, name) in self._mask_targets().items()}
         return {key: mask for key, mask in found.items() if mask is not None}
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
@@ -201,7 +247,7 @@ class MaskedSelection:
                 f"{owner}: the checkpoint's masks do not fit the model (nothing was changed):\n  "
                 + "\n  ".join(problems)
             )
-        with self.all_or_nothing():
+        with self.reparametrized(), self.all_or_nothing():
             for key, mask in saved.items():
                 module, name = targets[key]
                 current = mask_of(module, name)

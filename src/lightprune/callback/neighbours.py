@@ -16,6 +16,7 @@ from torch import nn
 
 __all__ = [
     "averaged_models",
+    "mask_after_optimizer_steps",
     "refuse_averaged_bool_buffers",
     "refuse_other_pruning",
     "run_after_weight_averaging",
@@ -90,6 +91,41 @@ def refuse_other_pruning(trainer: Trainer) -> None:
             f"PruningCallback cannot share a Trainer with lightning's {foreign[0]}: both would reparametrize the same "
             "weights. Use one pruning callback (PruningCallback covers ModelPruning's methods and schedules)."
         )
+
+
+def mask_after_optimizer_steps(trainer: Trainer, pl_module: Any, mask: Any) -> list[Any]:
+    """In place masking: call ``mask()`` right after every step of the Trainer's optimizers; returns the handles.
+
+    LBFGS re-evaluates its closure between updates inside one step, on weights the masks cannot reach: refused.
+    Optimizers whose update reads a whole tensor (Adafactor's relative step size uses the weights' RMS) and manual
+    optimization (several steps or closures per batch are the user's) work, but are not bit for bit the
+    reparametrized mode: warned.
+    """
+    from lightning.pytorch.utilities import rank_zero_warn
+    from torch.optim import LBFGS
+
+    optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+    refused = [type(o).__name__ for o in optimizers if isinstance(o, LBFGS)]
+    if refused:
+        raise ValueError(
+            f"PruningCallback(masking='inplace') cannot mask inside {refused[0]}'s step, which re-evaluates its "
+            "closure on the updated weights: use masking='reparametrize'"
+        )
+    whole = [type(o).__name__ for o in optimizers if type(o).__name__ in ("Adafactor", "LAMB", "Lamb", "LARS")]
+    if whole:
+        rank_zero_warn(
+            f"PruningCallback(masking='inplace') with {whole[0]}: its update reads whole tensors (norms), which hold "
+            "zeros where pruned here and stale values under masking='reparametrize': the two modes differ",
+            category=UserWarning,
+        )
+    if not pl_module.automatic_optimization:
+        rank_zero_warn(
+            "PruningCallback(masking='inplace') under manual optimization: weights are zeroed after every "
+            "optimizer.step() and gradients as they are accumulated; closures evaluated inside a step see the "
+            "weights as that step left them",
+            category=UserWarning,
+        )
+    return [optimizer.register_step_post_hook(lambda *args, **kwargs: mask()) for optimizer in optimizers]
 
 
 def spawned(trainer: Trainer) -> bool:

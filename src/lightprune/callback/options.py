@@ -15,6 +15,7 @@ from lightprune._checks import is_int
 from lightprune.schedules import Constant, FromCallable, Schedule
 
 __all__ = [
+    "MASKING",
     "METHODS",
     "SCOPES",
     "UNITS",
@@ -39,6 +40,9 @@ SCOPES = ("global", "layerwise")
 
 UNITS = ("step", "epoch")
 """What the schedule's times count: optimizer steps or epochs."""
+
+MASKING = ("reparametrize", "inplace")
+"""How masks act during training: torch's reparametrization, or plain Parameters zeroed in place."""
 
 
 def resolve_method(method: str | type[prune.BasePruningMethod]) -> type[prune.BasePruningMethod]:

@@ -27,8 +27,9 @@ from lightprune import prune
 from lightprune._checks import is_int
 from lightprune.callback import neighbours, reporting, rewinding, selecting
 from lightprune.callback.masked import MaskedSelection
-from lightprune.callback.masks import mask_of, original
+from lightprune.callback.masks import original
 from lightprune.callback.options import (
+    MASKING,
     UNITS,
     check_choice,
     resolve_method_options,
@@ -101,7 +102,12 @@ class PruningCallback(Callback):
             :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot
             lives on the CPU.
         make_permanent: at the end of fit, remove the reparametrization of the tensors this callback pruned, so
-            the model holds plain Parameters with zeros.
+            the model holds plain Parameters with zeros (always so with ``masking="inplace"``).
+        masking: ``"reparametrize"`` (torch's ``name_orig * name_mask`` before every forward, the default) or
+            ``"inplace"``: between events the tensors stay plain Parameters; pruned gradient entries are zeroed as
+            soon as they are accumulated and pruned weights right after every optimizer step. Faster and leaner; the
+            effective weights are the same for optimizers whose update of an entry depends on that entry alone
+            (SGD, Adam, AdamW, RMSprop...). LBFGS is refused; Adafactor and manual optimization warn.
         mask_dtype: dtype of new masks; ``torch.bool`` (1 byte per entry) by default, ``None`` for the parameter's.
         log_per_parameter: log ``pruning/sparsity/<qualified name>`` for every pruned tensor (turn off for very
             large selections); the total ``pruning/sparsity/total`` and ``pruning/target`` are always logged.
@@ -152,11 +158,13 @@ class PruningCallback(Callback):
         seed: int = 0,
         name: str | None = None,
         summary: bool = True,
+        masking: str = "reparametrize",
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
         check_choice("unit", unit, UNITS)
+        check_choice("masking", masking, MASKING)
         if prune_channel_bias and not (self.structured and self.method_kwargs.get("dim") == 0):
             raise ValueError(
                 "prune_channel_bias=True needs a structured method pruning output channels (dim=0); got "
@@ -194,10 +202,12 @@ class PruningCallback(Callback):
         self.seed = seed
         self.name = name
         self.summary = summary
+        self.masking = masking
         self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
 
         self._masked: MaskedSelection | None = None
         self._plain_state_dict_handle: Any = None
+        self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
         self._restored_masks: dict[str, Tensor] | None = None
         self._resolved: Schedule | None = None
         self._last_event = -1
@@ -247,11 +257,14 @@ class PruningCallback(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
+        if self.masking == "inplace":
+            self._step_handles = neighbours.mask_after_optimizer_steps(trainer, pl_module, self._in_place)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._in_place()  # StochasticWeightAveraging updates its average when an epoch starts
         if self.unit == "epoch":
             self._step(trainer, pl_module, trainer.current_epoch)
 
@@ -266,6 +279,7 @@ class PruningCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._stale.classify()
+        self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
         if self.unit == "step":
             self._step(trainer, pl_module, trainer.global_step)
         step = trainer.global_step
@@ -278,9 +292,15 @@ class PruningCallback(Callback):
         self._warn_if_schedule_unfinished(trainer)
         if self.summary and trainer.is_global_zero and self._masked is not None:
             rank_zero_info(self.summary_table())
-        if self.make_permanent and self._masked is not None:
+        if (self.make_permanent or self.masking == "inplace") and self._masked is not None:
             self._masked.make_permanent()
+        self._remove_step_handles()
         self._stale.refresh()
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._masked is not None and self._masked.inplace is not None:
+            self._masked.inplace.mask_grads()  # before clipping and the step, whatever wrote the gradients since
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -313,6 +333,7 @@ class PruningCallback(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
+        self._remove_step_handles()
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -385,8 +406,25 @@ class PruningCallback(Callback):
             biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
         ties = selecting.find_ties(selection, owners)
         return MaskedSelection(
-            selection, ties, biases, self.method, self.method_kwargs, self.scope, self.mask_dtype, self.seed
+            selection,
+            ties,
+            biases,
+            self.method,
+            self.method_kwargs,
+            self.scope,
+            self.mask_dtype,
+            self.seed,
+            inplace=self.masking == "inplace",
         )
+
+    def _in_place(self) -> None:
+        if self._masked is not None:
+            self._masked.apply_in_place()
+
+    def _remove_step_handles(self) -> None:
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
 
     def _remove_plain_state_dict(self) -> None:
         """After fit, the model follows torch's state_dict contract again (``name_orig``, ``name_mask``)."""
@@ -423,6 +461,7 @@ class PruningCallback(Callback):
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
+            self._in_place()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -449,7 +488,7 @@ class PruningCallback(Callback):
             return
         current = {}
         for qualified, module, name in self._masked.selection:
-            mask = mask_of(module, name)
+            mask = self._masked.mask(module, name)
             current[qualified] = torch.ones_like(original(module, name), dtype=torch.bool) if mask is None else mask
         values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
         total_key = self._log_prefix + "sparsity/total"

@@ -20,8 +20,8 @@ SMALL_SHARE = 0.5
 
 
 def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str) -> None:
-    """Another PruningCallback (``others``, whose ``_masked`` selection is made) prunes some of the same tensors, or logs to the same
-    keys: refuse, naming them."""
+    """Another PruningCallback (``others``, whose selection is made) prunes some of the same tensors, or logs to the
+    same keys: refuse, naming them."""
     mine = {id(original(module, name)) for _, module, name in selection}
     others = list(others)
     for other in others:

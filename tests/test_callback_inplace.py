@@ -1,0 +1,188 @@
+"""``PruningCallback(masking="inplace")``: plain Parameters zeroed in place, the same effective weights as the
+reparametrized mode, bit for bit, for every optimizer whose update of an entry depends on that entry alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from torch import Tensor, nn
+
+from lightprune import prune
+from lightprune.callback import PruningCallback
+from lightprune.schedules import Cubic, Linear
+from tiny_lightning import TinyNet
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
+]
+
+WEIGHTS = ["net.0.weight", "net.2.weight", "net.4.weight"]
+N = 128 + 192 + 48
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1),
+    "SGD momentum, weight decay, Nesterov": lambda params: torch.optim.SGD(
+        params, lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True
+    ),
+    "Adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "Adam with L2": lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3),
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2),
+    "RMSprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
+}
+
+
+class Net(TinyNet):
+    def __init__(self, optimizer: str = "SGD") -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return OPTIMIZERS[self.optimizer_name](self.parameters())
+
+
+def fit(model: L.LightningModule, callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "max_epochs": 3,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": tmp_path,
+    }
+    options.update(kwargs)
+    ckpt_path = options.pop("ckpt_path", None)
+    trainer = L.Trainer(callbacks=callbacks, **options)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def effective(model: nn.Module) -> dict[str, Tensor]:
+    return {name: model.get_parameter(name).detach().clone() for name in WEIGHTS}
+
+
+def assert_same(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
+        assert torch.equal(actual[name] == 0, value == 0), name  # the same zeros
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}],
+    ids=["plain", "accumulation and clipping"],
+)
+def test_in_place_equals_the_reparametrization_bit_for_bit(
+    tmp_path: Path, optimizer: str, options: dict[str, Any]
+) -> None:
+    results = {}
+    for masking in ("reparametrize", "inplace"):
+        model = Net(optimizer)
+        callback = PruningCallback(Cubic(final=0.7, start=0, end=10, frequency=2), masking=masking)
+        fit(model, [callback], tmp_path, **options)
+        assert not prune.is_pruned(model)
+        results[masking] = effective(model)
+    assert sum(int((w == 0).sum()) for w in results["inplace"].values()) == round(0.7 * N)
+    assert_same(results["inplace"], results["reparametrize"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "ln_structured", "method_kwargs": {"n": 1}, "prune_channel_bias": True},
+        {"method": "random_unstructured", "scope": "layerwise", "rewind": "init"},
+    ],
+    ids=["structured with channel biases", "random, layerwise, rewinding"],
+)
+def test_in_place_equals_the_reparametrization_for_other_methods(tmp_path: Path, options: dict[str, Any]) -> None:
+    results = {}
+    for masking in ("reparametrize", "inplace"):
+        model = Net("Adam")
+        callback = PruningCallback(Linear(final=0.5, start=0, end=12, frequency=4), masking=masking, **options)
+        fit(model, [callback], tmp_path)
+        results[masking] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert list(results["inplace"]) == list(results["reparametrize"])
+    assert_same(results["inplace"], results["reparametrize"])
+    for key, value in results["reparametrize"].items():
+        assert torch.equal(results["inplace"][key], value), key
+
+
+class Probe(L.Callback):
+    """Between events the tensors are plain Parameters, and the gradients the optimizer sees are masked."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        assert not prune.is_pruned(pl_module)
+        for name in WEIGHTS:
+            weight = pl_module.get_parameter(name)
+            if bool((weight == 0).any()):
+                assert bool((weight.grad[weight == 0] == 0).all()), name
+                self.checked += 1
+
+
+def test_between_events_the_tensors_are_plain_and_gradients_masked(tmp_path: Path) -> None:
+    probe = Probe()
+    callback = PruningCallback(Cubic(final=0.7, start=0, end=10, frequency=2), masking="inplace")
+    fit(Net("Adam"), [callback, probe], tmp_path)
+    assert probe.checked > 0
+
+
+def test_in_place_resumes_exactly(tmp_path: Path) -> None:
+    def run(root: Path, ckpt_path: Path | None = None) -> dict[str, Tensor]:
+        model = Net("Adam")
+        callback = PruningCallback(Cubic(final=0.7, start=0, end=20, frequency=2), masking="inplace")
+        checkpoints = ModelCheckpoint(root, every_n_epochs=1, save_top_k=-1)
+        fit(model, [callback, checkpoints], tmp_path, enable_checkpointing=True, ckpt_path=ckpt_path)
+        return effective(model)
+
+    uninterrupted = run(tmp_path / "a")
+    (middle,) = (tmp_path / "a").glob("*step=8.ckpt")
+    saved = torch.load(middle, weights_only=True)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("PruningCallback")]
+    assert state["masks"] and not any(k.endswith(("_orig", "_mask")) for k in saved["state_dict"])
+    assert_same(run(tmp_path / "b", ckpt_path=middle), uninterrupted)
+
+
+def test_in_place_with_ema_keeps_the_zeros(tmp_path: Path) -> None:
+    model = Net("Adam")
+    callbacks = [
+        PruningCallback(Cubic(final=0.7, start=0, end=10, frequency=2), masking="inplace"),
+        EMAWeightAveraging(),
+    ]
+    fit(model, callbacks, tmp_path)
+    assert sum(int((w == 0).sum()) for w in effective(model).values()) == round(0.7 * N)
+
+
+def test_lbfgs_is_refused_and_adafactor_warns(tmp_path: Path) -> None:
+    class LBFGSNet(TinyNet):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(ValueError, match=r"masking='inplace'\) cannot mask inside LBFGS's step"):
+        fit(LBFGSNet(), [PruningCallback(0.5, masking="inplace")], tmp_path, max_epochs=1)
+
+    class AdafactorNet(TinyNet):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adafactor(self.parameters())
+
+    with pytest.warns(UserWarning, match=r"with Adafactor: its update reads whole tensors"):
+        fit(AdafactorNet(), [PruningCallback(0.5, masking="inplace")], tmp_path, max_epochs=1)
+
+
+def test_masking_must_be_one_of_the_modes() -> None:
+    with pytest.raises(
+        ValueError, match=r"masking='in_place' is not supported: allowed are \('reparametrize', 'inplace'\)"
+    ):
+        PruningCallback(0.5, masking="in_place")
