@@ -15,7 +15,7 @@ from torch import nn
 
 from lightprune import prune
 from lightprune.prune import masking
-from lightprune.prune.masking import masked
+from lightprune.prune.masking import masked, masked_
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SPECIALS = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3.5)
@@ -154,3 +154,27 @@ def test_pruned_layer_with_bool_mask_trains_like_a_float_mask() -> None:
     assert type(alias.next_functions[0][0]).__name__ == "_KeepWhereBackward"
     assert torch.equal(layers[0].weight, layers[1].weight)
     assert torch.equal(layers[0].weight_orig, layers[1].weight_orig)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "non-contiguous bool"])
+def test_masked_in_place_zeroes_exactly_where_the_mask_prunes(dtype: torch.dtype, mask_kind: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 33, generator=generator).to(dtype)
+    values[0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    keep = torch.rand(64, 33, generator=generator) > 0.5
+    keep[0, :3] = False
+    expected = torch.where(keep, values, torch.zeros((), dtype=dtype))
+    mask: torch.Tensor = keep
+    if mask_kind == "float":
+        mask = keep.to(dtype)
+        expected = values * mask  # a floating mask multiplies: inf * 0 is NaN, as torch's own masks give
+    elif mask_kind == "non-contiguous bool":
+        values, mask, expected = values.t(), keep.t(), expected.t()
+    out = masked_(values, mask)
+    assert out is values
+    assert torch.equal(values.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(values[finite], expected[finite])
+    if mask_kind != "float":  # a bool mask gives +0 even over inf and NaN
+        assert not bool(values[~mask].isnan().any()) and bool((values[~mask] == 0).all())

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.masks import mask_of, original
+from lightprune.prune.masking import masked_
 
 __all__ = ["InPlaceMasks"]
 
@@ -80,7 +81,7 @@ class InPlaceMasks:
         """Zero the pruned entries of every masked Parameter (after an optimizer step, a rewind, an average)."""
         with torch.no_grad():
             for parameter, mask in self._by_parameter.values():
-                parameter.mul_(mask)
+                masked_(parameter, mask)
 
     def mask_grads(self) -> None:
         """Zero the pruned entries of every gradient (again: a no-op unless something wrote gradients since)."""
@@ -90,7 +91,7 @@ class InPlaceMasks:
     def _mask_grad(self, parameter: Tensor) -> None:
         entry = self._by_parameter.get(id(parameter))
         if entry is not None and parameter.grad is not None:
-            parameter.grad.mul_(entry[1])
+            masked_(parameter.grad, entry[1])
 
     def remove_hooks(self) -> None:
         """Stop masking gradients (end of fit); the masks stay readable."""

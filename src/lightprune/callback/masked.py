@@ -20,6 +20,7 @@ from lightprune import prune
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, original, restore_problems, share_mask
 from lightprune.prune.base import ModuleSnapshot, find_hook
+from lightprune.prune.masking import masked_
 from lightprune.prune.state_dict import PlainStateDict
 
 __all__ = ["MaskedSelection"]
@@ -210,7 +211,7 @@ class MaskedSelection:
                     if mask is not None:
                         counterpart = average.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
                         weight = getattr(counterpart, name)
-                        weight.mul_(mask.to(weight.device))
+                        masked_(weight, mask.to(weight.device))
 
     def make_permanent(self) -> None:
         """Remove the reparametrization of the tensors this selection masks (others' are left alone); in place,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["masked"]
+__all__ = ["masked", "masked_"]
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of the same width as a floating dtype of that many bytes."""
@@ -93,3 +93,33 @@ def masked(values: Tensor, keep: Tensor) -> Tensor:
             return _KeepWhere.apply(values, keep)
         return _select_bits(values, keep)
     return torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def masked_(values: Tensor, keep: Tensor) -> Tensor:
+    """Zero ``values`` in place where ``keep`` is false (``keep``: a bool or 0/1 floating mask); returns ``values``.
+
+    With a ``torch.bool`` mask on the CPU, a floating ``values`` is ANDed with the mask widened to its bit width
+    (0 or all ones), about 2.5x a float multiplication where multiplying by the bool mask takes about 9x; pruned
+    entries become ``+0`` even where they held ``inf`` or ``NaN``. Otherwise it multiplies in place.
+
+    Example:
+        >>> values = torch.tensor([1.5, -2.0, float("nan"), 4.0])
+        >>> masked_(values, torch.tensor([True, False, False, True]))
+        tensor([1.5000, 0.0000, 0.0000, 4.0000])
+    """
+    if (
+        keep.dtype == torch.bool
+        and values.is_floating_point()
+        and values.element_size() in _BITS
+        and values.device.type == "cpu"
+        and values.is_contiguous()
+        and keep.is_contiguous()
+        and keep.shape == values.shape
+    ):
+        widened = keep.view(torch.uint8).to(_BITS[values.element_size()])
+        widened.neg_()
+        values.view(widened.dtype).bitwise_and_(widened)
+        return values
+    if keep.dtype == torch.bool:
+        return values.masked_fill_(~keep, 0)
+    return values.mul_(keep.to(values.dtype) if keep.dtype != values.dtype else keep)
