@@ -1,0 +1,30 @@
+"""``benchmarks/training_step.py --quick`` runs every arm and writes what it promises (the figures are the
+benchmark's, not a test's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "training_step.py"
+
+
+def test_quick_training_step_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "training_step.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["arm"] for row in rows} == {
+        "torch.nn.utils.prune",
+        "lightprune, float masks",
+        "lightprune, bool masks",
+        "lightprune, in place (bool masks)",
+    }
+    for row in rows:
+        assert abs(row["sparsity"] - 0.9) < 1e-3, row  # every arm trains the 90% pruned model
+        assert row["ratio_median"] > 0
+    assert "| lightprune, in place (bool masks) |" in done.stdout
