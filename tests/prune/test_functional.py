@@ -439,3 +439,23 @@ def test_prepare_lines_up_optimizer_state() -> None:
         opt.step()
     for p_fresh, p_model in zip(fresh.parameters(), model.parameters(), strict=True):
         assert torch.equal(p_fresh, p_model)
+
+
+def test_global_unstructured_masks_a_tied_parameter_once_in_every_owner() -> None:
+    torch.manual_seed(0)
+    embed, head, other = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False), torch.nn.Linear(4, 4)
+    head.weight = embed.weight  # tied, as GPT-2's lm_head and wte
+    pairs = [(embed, "weight"), (head, "weight"), (other, "weight")]
+    lp.global_unstructured(pairs, pruning_method=lp.L1Unstructured, amount=0.5)
+    assert embed.weight_orig is head.weight_orig
+    assert embed.weight_mask is head.weight_mask  # one mask, shared
+    assert torch.equal(embed.weight, head.weight)
+    # counted once: half of the 40 + 16 distinct entries, ranked over the distinct entries only
+    pruned = int((embed.weight_mask == 0).sum()) + int((other.weight_mask == 0).sum())
+    assert pruned == 28
+    values = torch.cat([embed.weight_orig.detach().flatten(), other.weight_orig.detach().flatten()]).abs()
+    threshold = values.sort().values[27]
+    assert bool((embed.weight_orig.detach().abs()[embed.weight_mask == 0] <= threshold).all())
+    for module in (embed, head, other):
+        lp.remove(module, "weight")
+    assert head.weight is embed.weight  # the tie survives remove

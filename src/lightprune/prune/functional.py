@@ -167,6 +167,12 @@ def global_unstructured(
     ``CustomFromMask`` hooks it attaches keep no mask (their ``mask`` is ``None``): the mask is the buffer
     ``<name>_mask``, so repeated global pruning never holds on to the masks of earlier steps.
 
+    A Parameter registered on several modules (tied weights, e.g. an embedding and an output layer) may be given
+    under each of its owners: it is ranked once, counted once, and every owner gets the same mask tensor, so every
+    module computes with the same masked values (torch prunes each owner separately, from the same entries counted
+    twice). A tied Parameter pruned through one owner only leaves the others computing with the dense tensor: give
+    every owner.
+
     Args:
         parameters: ``(module, name)`` pairs.
         pruning_method: an unstructured ``BasePruningMethod`` subclass.
@@ -212,8 +218,13 @@ def global_unstructured(
         attachments.append(Attachment.plan(module, name, CustomFromMask(mask=torch.empty(0))))
     if not attachments:
         return
-    scores = []
+    # a Parameter registered on several modules (tied weights) is ranked once and all its owners share one mask
+    first: dict[int, Attachment] = {}
     for attachment in attachments:
+        first.setdefault(id(attachment.orig), attachment)
+    unique = list(first.values())
+    scores = []
+    for attachment in unique:
         score = importance_scores.get((attachment.module, attachment.name))
         if score is None:
             score = attachment.default_scores(method)
@@ -222,12 +233,13 @@ def global_unstructured(
 
     with torch.no_grad():
         if _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured)):
-            masks = _global_masks_fast(method, attachments, scores)
+            masks = _global_masks_fast(method, unique, scores)
         else:
-            masks = _global_masks_like_torch(method, attachments, scores)
-    for attachment, mask in zip(attachments, masks, strict=True):
-        attachment.method.mask = mask
-        attachment.mask = mask
+            masks = _global_masks_like_torch(method, unique, scores)
+    by_parameter = {id(attachment.orig): mask for attachment, mask in zip(unique, masks, strict=True)}
+    for attachment in attachments:
+        attachment.mask = by_parameter[id(attachment.orig)]
+        attachment.method.mask = attachment.mask
     commit_all(attachments)
     for attachment in attachments:
         # the mask lives on as the buffer <name>_mask; a copy held by the hook would outlive the buffer once a
