@@ -108,6 +108,7 @@ class Settings:
     gradual: tuple[float, float, float] = GRADUAL
     data_root: str = FASHION_MNIST_ROOT
     threads: int = 1
+    masking: str = "reparametrize"  # the lightprune arms' PruningCallback(masking=...)
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,12 @@ def mp_amount(sparsity: float, rounds: int = MP_ROUNDS) -> float:
 
 
 def arm_callbacks(
-    arm: str, sparsity: float, module: Any, epochs: int, gradual: tuple[float, float, float] = GRADUAL
+    arm: str,
+    sparsity: float,
+    module: Any,
+    epochs: int,
+    gradual: tuple[float, float, float] = GRADUAL,
+    masking: str = "reparametrize",
 ) -> list[Any]:
     """The pruning callback(s) of an arm (scaled to ``epochs``; the protocol's 20 give the epochs in the docs)."""
     params = pruned_weights(module)
@@ -289,17 +295,18 @@ def arm_callbacks(
         ]
     if arm == "lp_control":
         schedule = Geometric(mp_amount(sparsity, rounds), start=2, frequency=1, rounds=rounds)
-        return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global")]
+        return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global", masking=masking)]
     if arm in ("lp_gradual", "lp_gradual_layerwise"):
         start, end, frequency = gradual
         schedule = Cubic(final=sparsity, start=start, end=end, frequency=frequency)
         scope = "global" if arm == "lp_gradual" else "layerwise"
-        return [PruningCallback(schedule, parameters=params, unit="step", scope=scope)]
+        return [PruningCallback(schedule, parameters=params, unit="step", scope=scope, masking=masking)]
     if arm == "lp_one_shot":
-        return [PruningCallback(Constant(sparsity, at=one_shot_epoch), parameters=params, unit="epoch")]
+        schedule = Constant(sparsity, at=one_shot_epoch)
+        return [PruningCallback(schedule, parameters=params, unit="epoch", masking=masking)]
     if arm == "lp_one_shot_rewind":
         schedule = Constant(sparsity, at=one_shot_epoch)
-        return [PruningCallback(schedule, parameters=params, unit="epoch", rewind=1)]
+        return [PruningCallback(schedule, parameters=params, unit="epoch", rewind=1, masking=masking)]
     raise ValueError(f"arm={arm!r} is not one of {sorted(ARMS)}")
 
 
@@ -323,7 +330,7 @@ def run_one(run: Run) -> dict[str, Any]:
     pl.seed_everything(run.seed, verbose=False)
     module = LeNetModule(settings.lr)
     timer = EpochTimer()
-    callbacks = arm_callbacks(run.arm, run.sparsity, module, settings.epochs, settings.gradual)
+    callbacks = arm_callbacks(run.arm, run.sparsity, module, settings.epochs, settings.gradual, settings.masking)
     trainer = make_trainer(settings.epochs, [timer, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
     start = time.perf_counter()
@@ -356,9 +363,9 @@ def _run_in_worker(run: Run) -> dict[str, Any]:
 # Epoch time of reparametrized weights
 # ------------------------------------------------------------------------------------------------------------------
 
-TIMING_ARMS = ("dense", "lightprune", "lightprune_float", "modelpruning")
-"""The models of the epoch-time comparison: dense, lightprune's callback (bool masks, its default; float masks),
-lightning's ModelPruning."""
+TIMING_ARMS = ("dense", "lightprune", "lightprune_float", "lightprune_inplace", "modelpruning")
+"""The models of the epoch-time comparison: dense, lightprune's callback (bool masks, its default; float masks;
+in-place masking), lightning's ModelPruning."""
 
 TIMING_EPOCHS = 3
 """Each timing fit: epoch 0 dense (the optimizer state warms up as in a real run), pruned at the end of epoch 0 /
@@ -370,9 +377,11 @@ def timing_callbacks(kind: str, module: LeNetModule, sparsity: float) -> list[Ca
     params = pruned_weights(module)
     if kind == "dense":
         return []
-    if kind in ("lightprune", "lightprune_float"):
-        mask = torch.bool if kind == "lightprune" else None
-        return [PruningCallback(Constant(sparsity, at=1), parameters=params, unit="epoch", mask_dtype=mask)]
+    if kind in ("lightprune", "lightprune_float", "lightprune_inplace"):
+        mask = None if kind == "lightprune_float" else torch.bool
+        masking = "inplace" if kind == "lightprune_inplace" else "reparametrize"
+        schedule = Constant(sparsity, at=1)
+        return [PruningCallback(schedule, parameters=params, unit="epoch", mask_dtype=mask, masking=masking)]
     if kind == "modelpruning":
         from lightning.pytorch.callbacks import ModelPruning
 
@@ -518,6 +527,7 @@ def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: st
             "dense": "dense",
             "lightprune": "lightprune PruningCallback (bool masks, the default)",
             "lightprune_float": "lightprune PruningCallback (float masks)",
+            "lightprune_inplace": "lightprune PruningCallback (masking='inplace', bool masks)",
             "modelpruning": "lightning ModelPruning (torch.nn.utils.prune, float masks)",
         }
         for kind in TIMING_ARMS:
@@ -667,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         help="start,end,frequency of the gradual arms' cubic schedule, fractions of the run (default %(default)s)",
     )
     parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
+    parser.add_argument("--masking", default="reparametrize", choices=("reparametrize", "inplace"),
+                        help="PruningCallback(masking=...) of the lightprune arms")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a few minutes: subsets, 4 epochs, one seed")
     parser.add_argument("--fresh", action="store_true", help="ignore cached runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quality")
@@ -678,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         gradual=args.gradual,
         data_root=args.data_root,
         threads=args.threads,
+        masking=args.masking,
     )
     seeds, sparsities, repeats = args.seeds, args.sparsities, args.timing_repeats
     if args.quick:
