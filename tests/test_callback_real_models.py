@@ -245,6 +245,74 @@ def test_bert_prunes_exactly_and_resumes_bit_exact(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# T5: an encoder-decoder whose embedding is shared four ways (shared, encoder, decoder, lm_head)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TinyT5(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=2,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+            tie_word_embeddings=True,
+        )
+        self.model = transformers.T5ForConditionalGeneration(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids.flip(1)).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return tokens()
+
+
+def test_t5_shared_embedding_is_masked_in_all_four_owners(tmp_path: Path) -> None:
+    model = TinyT5()
+    callback = PruningCallback(Linear(final=0.5, start=0, end=6, frequency=2), make_permanent=False)
+    seen: list[bool] = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            t5 = pl_module.model
+            owners = [t5.shared, t5.encoder.embed_tokens, t5.decoder.embed_tokens, t5.lm_head]
+            masks = [owner._buffers.get("weight_mask") for owner in owners]
+            if masks[0] is not None:  # after the first event: one mask object, one Parameter, in every owner
+                seen.append(all(m is masks[0] for m in masks))
+                seen.append(all(o.weight_orig is owners[0].weight_orig for o in owners))
+
+    trainer([callback, Spy()], tmp_path).fit(model)
+    assert seen and all(seen)
+    t5 = model.model
+    assert "model.lm_head.weight" in callback.selection  # the one Linear owner of the shared embedding, once
+    assert not {"model.shared.weight", "model.encoder.embed_tokens.weight"} & set(callback.selection)
+    selected = [model.get_parameter(n.replace(".weight", ".weight_orig")) for n in callback.selection]
+    masks = [model.get_buffer(n + "_mask") for n in callback.selection]
+    assert sum(int((~m).sum()) for m in masks) == round(0.5 * sum(p.numel() for p in selected))
+    reparametrized = {k for k in t5.state_dict() if k.endswith("_orig")}
+    assert {"shared.weight_orig", "lm_head.weight_orig"} <= reparametrized
+    for qualified in [*callback.selection, "model.shared.weight", "model.encoder.embed_tokens.weight",
+                      "model.decoder.embed_tokens.weight"]:  # fmt: skip
+        module_name, name = qualified.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if name + "_orig" in module._parameters:
+            prune.remove(module, name)
+    assert t5.lm_head.weight is t5.shared.weight is t5.encoder.embed_tokens.weight is t5.decoder.embed_tokens.weight
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Layers built in configure_model
 # ----------------------------------------------------------------------------------------------------------------------
 
