@@ -282,3 +282,21 @@ def test_stray_entries_are_refused(tmp_path):
     )
     with pytest.raises(SparseFileError, match=r"'w'.*checksum"):
         load_sparse(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 700), sparsity=st.sampled_from(SPARSITIES), seed=st.integers(0, 2**16))
+def test_round_trip_across_chunk_boundaries(tmp_path_factory, n, sparsity, seed):
+    import lightprune.export.sparse_file as sparse_file
+
+    t = random_tensor((n,), torch.float16, sparsity, seed)
+    path = tmp_path_factory.mktemp("chunks") / "t.safetensors"
+    previous = sparse_file.CHUNK
+    sparse_file.CHUNK = 128  # many chunks, a short last one
+    try:
+        save_sparse({"t": t}, path)
+        out = load_sparse(path)["t"]
+    finally:
+        sparse_file.CHUNK = previous
+    assert_identical(out, t)
+    assert_identical(load_sparse(path)["t"], t)  # and read back with the default chunk size

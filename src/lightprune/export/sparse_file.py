@@ -57,9 +57,11 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_GATHER_BITS = 0x0102040810204080
+"""Byte ``j`` holds ``2 ** (7 - j)``: multiplying eight 0/1 bytes by it collects them in the top byte."""
 _UNPACK_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8).view(torch.int64).squeeze(1)
 """For each byte value, its 8 bits as 8 bytes (0 or 1) read as one int64: one gather unpacks a byte."""
+_POPCOUNT = _UNPACK_TABLE.view(torch.uint8).view(256, 8).sum(1)
 
 
 class SparseFileError(ValueError):
@@ -78,18 +80,24 @@ def _bit_view(t: Tensor) -> Tensor:
 def pack_bits(keep: Tensor) -> Tensor:
     """Pack a flat bool tensor into ``uint8``, 8 entries a byte, least significant bit first.
 
+    Eight bools (bytes 0 or 1) are read as one int64 and gathered into its top byte by one multiplication:
+    entry ``i`` of the group, at bit ``8 i``, times ``2 ** (7 - j)`` at byte ``j`` lands at bit ``56 + i`` when
+    ``i + j == 7``, and no two partial products overlap, so nothing carries into the top byte.
+
     Example:
         >>> pack_bits(torch.tensor([True, False, False, False, False, False, False, False, True]))
         tensor([1, 1], dtype=torch.uint8)
     """
-    n = keep.numel()
-    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8)
-    padded[:n] = keep.reshape(-1).view(torch.uint8)
-    rows = padded.view(-1, 8)
-    out = rows[:, 0].clone()
-    for bit in range(1, 8):  # eight vector operations over all bytes
-        out.bitwise_or_(rows[:, bit] << bit)
-    return out
+    flat = keep.reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    if n % 8:
+        padded = torch.zeros(n + 8 - n % 8, dtype=torch.uint8)
+        padded[:n] = flat
+        flat = padded
+    if not flat.is_contiguous() or flat.storage_offset() % 8:
+        flat = flat.clone()  # an int64 view needs contiguous, 8-byte aligned storage
+    groups = flat.view(torch.int64)
+    return groups.mul(_GATHER_BITS).bitwise_right_shift_(56).to(torch.uint8)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
@@ -100,6 +108,77 @@ def unpack_bits(packed: Tensor, n: int) -> Tensor:
         tensor([0, 8])
     """
     return _UNPACK_TABLE[packed.long()].view(torch.uint8)[:n].view(torch.bool)
+
+
+CHUNK = 1 << 20
+"""Entries handled at a time (a multiple of 64): scratch buffers are reused from chunk to chunk, so a large tensor
+costs no more fresh memory (and page faults) than its own output."""
+
+
+def _pack_chunks(bits: Tensor) -> tuple[Tensor, list[int]]:
+    """The packed bitmask of ``bits != 0`` (a flat integer view) and the number of set bits of each chunk."""
+    n = bits.numel()
+    packed = torch.empty(-(-n // 8), dtype=torch.uint8)
+    keep = torch.empty(CHUNK, dtype=torch.bool)
+    counts_scratch = torch.empty(CHUNK // 8, dtype=torch.int64)
+    counts = []
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        chunk_keep = keep[: stop - start]
+        torch.ne(bits[start:stop], 0, out=chunk_keep)
+        chunk_packed = packed[start // 8 : -(-stop // 8)]
+        chunk_packed.copy_(pack_bits(chunk_keep))
+        index = counts_scratch[: chunk_packed.numel()]
+        index.copy_(chunk_packed)
+        counts.append(int(_POPCOUNT.index_select(0, index).sum()))
+    return packed, counts
+
+
+def _select_chunks(bits: Tensor, packed: Tensor, counts: list[int]) -> Tensor:
+    """The entries whose bit is set, in order, chunk by chunk into one preallocated tensor."""
+    values = torch.empty(sum(counts), dtype=bits.dtype)
+    index = torch.empty(CHUNK // 8, dtype=torch.int64)
+    spread = torch.empty(CHUNK // 8, dtype=torch.int64)
+    offset = 0
+    for chunk, start in enumerate(range(0, len(counts) * CHUNK, CHUNK)):
+        stop = min(start + CHUNK, bits.numel())
+        keep = _unpack_into(packed[start // 8 : -(-stop // 8)], stop - start, index, spread)
+        values[offset : offset + counts[chunk]] = bits[start:stop][keep]
+        offset += counts[chunk]
+    return values
+
+
+def _unpack_into(packed: Tensor, n: int, index: Tensor, spread: Tensor) -> Tensor:
+    m = packed.numel()
+    index[:m].copy_(packed)
+    torch.index_select(_UNPACK_TABLE, 0, index[:m], out=spread[:m])
+    return spread[:m].view(torch.uint8)[:n].view(torch.bool)
+
+
+def _scatter_chunks(out: Tensor, packed: Tensor, values: Tensor) -> None:
+    """Fill the flat integer view ``out``: zeros where the bit is clear, the next value where it is set."""
+    n = out.numel()
+    index = torch.empty(CHUNK // 8, dtype=torch.int64)
+    spread = torch.empty(CHUNK // 8, dtype=torch.int64)
+    offset = 0
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        keep = _unpack_into(packed[start // 8 : -(-stop // 8)], stop - start, index, spread)
+        count = int(_POPCOUNT.index_select(0, index[: -(-(stop - start) // 8)]).sum())
+        chunk = out[start:stop]
+        chunk.zero_()
+        chunk.masked_scatter_(keep, values[offset : offset + count])
+        offset += count
+
+
+def popcount(packed: Tensor) -> int:
+    """Number of set bits in a ``uint8`` tensor (a table lookup per byte: far faster than summing bools).
+
+    Example:
+        >>> popcount(torch.tensor([255, 1, 0], dtype=torch.uint8))
+        9
+    """
+    return int(_POPCOUNT[packed.long()].sum())
 
 
 def _crc(name: str, dtype: str, shape: list[int], layout: str, parts: list[Tensor]) -> int:
@@ -119,14 +198,11 @@ def _encode(name: str, tensor: Tensor) -> tuple[dict[str, Tensor], dict[str, obj
     layout, stored = "dense", {name: tensor}
     n = flat.numel()
     if n * tensor.element_size() > HEADER_COST:
-        keep = _bit_view(flat) != 0
-        kept = int(keep.sum())
-        if -(-n // 8) + kept * tensor.element_size() + HEADER_COST < n * tensor.element_size():
+        packed, counts = _pack_chunks(_bit_view(flat))
+        if -(-n // 8) + sum(counts) * tensor.element_size() + HEADER_COST < n * tensor.element_size():
             layout = "bitmask"
-            stored = {
-                name + BITMASK_SUFFIX: pack_bits(keep),
-                name + VALUES_SUFFIX: _bit_view(flat)[keep].view(tensor.dtype),
-            }
+            values = _select_chunks(_bit_view(flat), packed, counts).view(tensor.dtype)
+            stored = {name + BITMASK_SUFFIX: packed, name + VALUES_SUFFIX: values}
     record = {
         "layout": layout,
         "dtype": dtype,
@@ -297,10 +373,9 @@ def _decode(path: str | os.PathLike[str], handle, keys: set[str], name: str, rec
     )
     if layout == "dense":
         return tensor
-    keep = unpack_bits(packed, n)
-    _check(int(keep.sum()) == values.numel(), path, name, "the bitmask and the number of values disagree")
-    out = torch.zeros(n, dtype=dtype)
-    _bit_view(out).masked_scatter_(keep, _bit_view(values))
+    _check(popcount(packed) == values.numel(), path, name, "the bitmask and the number of values disagree")
+    out = torch.empty(n, dtype=dtype)
+    _scatter_chunks(_bit_view(out), packed, _bit_view(values))
     return out.view(shape)
 
 
