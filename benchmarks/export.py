@@ -4,7 +4,9 @@
   (L1) at 50/90/95/99%, in float32 and bfloat16: the dense safetensors file of its pruned weights, that file
   gzipped (level 6), torch's CSR (``torch.save`` of each weight ``.to_sparse_csr()``), and ``save_sparse``; the
   information limit ``dense_bytes / (kept_values_bytes + 1 bit per entry)``; save and load times (median of
-  ``--repeats``), dense load both as safetensors returns it (memory-mapped, read lazily) and with every value read.
+  ``--repeats``): saving the same state_dict both ways (and ``save_sparse`` of the pruned module, which folds each
+  ``weight_orig``/``weight_mask`` pair first), dense load both as safetensors returns it (memory-mapped, read
+  lazily) and with every value read.
 * **compact**: the app's ``cnn_channels`` model (``SmallCNN`` on 8x8 digits, channels 16/32, ``ln_structured``
   n=2 dim=0 at 50% on both convs with their biases, classifier untouched) at batch 64: dense vs compact.
 * **sparse Linear**: Linear(4096, 4096) at batch 32, 95% unstructured (and a sweep of sparsities): dense
@@ -70,6 +72,37 @@ def _mlp(width: int, layers: int, dtype: torch.dtype) -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(dtype)
 
 
+def _sizes(state: dict[str, torch.Tensor], workdir: Path) -> dict[str, Any]:
+    """File sizes of one state_dict: dense safetensors, gzip of it, torch CSR, lightprune, information limit."""
+    dense_path, sparse_path = workdir / "sizes_dense.safetensors", workdir / "sizes_sparse.safetensors"
+    save_file(state, str(dense_path))
+    save_sparse(state, sparse_path)
+    loaded = load_sparse(sparse_path)
+    exact = loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    dense_bytes = dense_path.stat().st_size
+    gzip_bytes = len(gzip.compress(dense_path.read_bytes(), compresslevel=6))
+    buffer = io.BytesIO()
+    torch.save({k: (v.to_sparse_csr() if v.dim() == 2 else v) for k, v in state.items()}, buffer)
+    csr_bytes = buffer.getbuffer().nbytes
+    sparse_bytes = sparse_path.stat().st_size
+    payload = sum(t.numel() * t.element_size() for t in state.values())
+    limit_bytes = sum(int((t != 0).sum()) * t.element_size() + t.numel() / 8 for t in state.values())
+    return {
+        "weights": sum(t.numel() for t in state.values()),
+        "zeros": sum(int((t == 0).sum()) for t in state.values()) / max(sum(t.numel() for t in state.values()), 1),
+        "dense_bytes": dense_bytes,
+        "gzip_bytes": gzip_bytes,
+        "csr_bytes": csr_bytes,
+        "lightprune_bytes": sparse_bytes,
+        "ratio_gzip": dense_bytes / gzip_bytes,
+        "ratio_csr": dense_bytes / csr_bytes,
+        "ratio_lightprune": dense_bytes / sparse_bytes,
+        "ratio_limit": payload / limit_bytes,
+        "lightprune_over_limit": sparse_bytes / limit_bytes - 1,
+        "exact": exact,
+    }
+
+
 def files(width: int, layers: int, repeats: int, workdir: Path) -> list[dict[str, Any]]:
     rows = []
     dense_path, sparse_path = workdir / "dense.safetensors", workdir / "sparse.safetensors"
@@ -83,42 +116,33 @@ def files(width: int, layers: int, repeats: int, workdir: Path) -> list[dict[str
             times = _interleaved(
                 {
                     "save_dense": lambda state=state: save_file(state, str(dense_path)),
-                    "save_lightprune": lambda model=model: save_sparse(model, sparse_path),
+                    "save_lightprune": lambda state=state: save_sparse(state, sparse_path),
+                    "save_lightprune_module": lambda model=model: save_sparse(model, sparse_path),
                     "load_dense_lazy": lambda: load_file(str(dense_path)),
                     "load_dense_read": lambda: [t.clone() for t in load_file(str(dense_path)).values()],
                     "load_lightprune": lambda: load_sparse(sparse_path),
                 },
                 repeats,
             )
-            loaded = load_sparse(sparse_path)
-            exact = loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
-            dense_bytes = dense_path.stat().st_size
-            gzip_bytes = len(gzip.compress(dense_path.read_bytes(), compresslevel=6))
-            buffer = io.BytesIO()
-            torch.save({k: (v.to_sparse_csr() if v.dim() == 2 else v) for k, v in state.items()}, buffer)
-            csr_bytes = buffer.getbuffer().nbytes
-            sparse_bytes = sparse_path.stat().st_size
-            payload = sum(t.numel() * t.element_size() for t in state.values())
-            limit_bytes = sum(int((t != 0).sum()) * t.element_size() + t.numel() / 8 for t in state.values())
             rows.append(
                 {
                     "dtype": dtype_name,
                     "sparsity": sparsity,
-                    "weights": sum(t.numel() for t in state.values()),
-                    "dense_bytes": dense_bytes,
-                    "gzip_bytes": gzip_bytes,
-                    "csr_bytes": csr_bytes,
-                    "lightprune_bytes": sparse_bytes,
-                    "ratio_gzip": dense_bytes / gzip_bytes,
-                    "ratio_csr": dense_bytes / csr_bytes,
-                    "ratio_lightprune": dense_bytes / sparse_bytes,
-                    "ratio_limit": payload / limit_bytes,
-                    "lightprune_over_limit": sparse_bytes / limit_bytes - 1,
+                    **_sizes(state, workdir),
                     **{f"{name}_s": seconds for name, seconds in times.items()},
-                    "exact": exact,
                 }
             )
             print(f"files {dtype_name} {sparsity}: {rows[-1]['ratio_lightprune']:.2f}x", file=sys.stderr)
+    return rows
+
+
+def checkpoint_files(path: Path, workdir: Path) -> list[dict[str, Any]]:
+    """Sizes for a trained, pruned state_dict (``torch.load``-able, e.g. the experiment app's ``model.pt``)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+        rows.append({"checkpoint": str(path), "dtype": dtype_name, **_sizes(cast, workdir)})
     return rows
 
 
@@ -188,7 +212,8 @@ def _mb(n: int) -> str:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| dtype | sparsity | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
-        "| lightprune over limit | save dense / lp | load dense (lazy / read) / lp | exact |",
+        "| lightprune over limit | save dense / lp (state_dict; pruned module) | load dense (lazy / read) / lp "
+        "| exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["files"]:
@@ -197,10 +222,24 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['ratio_csr']:.2f}x | **{r['ratio_lightprune']:.2f}x** | {r['ratio_limit']:.2f}x "
             f"| {r['lightprune_over_limit']:+.3%} "
             f"| {r['save_dense_s'] * 1e3:.0f} / {r['save_lightprune_s'] * 1e3:.0f} ms "
-            f"({r['save_lightprune_s'] / r['save_dense_s']:.2f}x) | {r['load_dense_lazy_s'] * 1e3:.1f} / "
+            f"({r['save_lightprune_s'] / r['save_dense_s']:.2f}x; {r['save_lightprune_module_s'] * 1e3:.0f} ms) "
+            f"| {r['load_dense_lazy_s'] * 1e3:.1f} / "
             f"{r['load_dense_read_s'] * 1e3:.0f} / {r['load_lightprune_s'] * 1e3:.0f} ms "
             f"({r['load_lightprune_s'] / r['load_dense_read_s']:.2f}x of read) | {r['exact']} |"
         )
+    if result["checkpoints"]:
+        lines += [
+            "",
+            "| checkpoint | dtype | zeros | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
+            "| exact |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["checkpoints"]:
+            lines.append(
+                f"| {r['checkpoint']} | {r['dtype']} | {r['zeros']:.1%} | {_mb(r['dense_bytes'])} "
+                f"| {r['ratio_gzip']:.2f}x | {r['ratio_csr']:.2f}x | **{r['ratio_lightprune']:.2f}x** "
+                f"| {r['ratio_limit']:.2f}x | {r['exact']} |"
+            )
     c = result["cnn_channels"]
     lines += [
         "",
@@ -229,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every timing")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default: 5 files, 300 latency)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        help="also measure file sizes of this pruned state_dict (e.g. an experiment run's model.pt); repeatable",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/export_cpu.json"))
     args = parser.parse_args(argv)
     if args.device != "cpu":
@@ -241,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             file_rows = files(width, layers, file_repeats, Path(tmp))
+            checkpoint_rows = [row for path in args.checkpoint for row in checkpoint_files(path, Path(tmp))]
         cnn = cnn_channels(64, latency_repeats)
         linear_width = 512 if args.quick else 4096
         sweep = (0.95,) if args.quick else (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -259,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "quick": args.quick,
         "files": file_rows,
+        "checkpoints": checkpoint_rows,
         "cnn_channels": cnn,
         "sparse_linear": linear_rows,
     }

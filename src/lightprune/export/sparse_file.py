@@ -134,16 +134,13 @@ def _pack_chunks(bits: Tensor) -> tuple[Tensor, list[int]]:
     return packed, counts
 
 
-def _select_chunks(bits: Tensor, packed: Tensor, counts: list[int]) -> Tensor:
-    """The entries whose bit is set, in order, chunk by chunk into one preallocated tensor."""
+def _select_chunks(bits: Tensor, counts: list[int]) -> Tensor:
+    """The entries of the flat integer view ``bits`` that are not zero, in order, chunk by chunk into one tensor."""
     values = torch.empty(sum(counts), dtype=bits.dtype)
-    index = torch.empty(CHUNK // 8, dtype=torch.int64)
-    spread = torch.empty(CHUNK // 8, dtype=torch.int64)
     offset = 0
-    for chunk, start in enumerate(range(0, len(counts) * CHUNK, CHUNK)):
-        stop = min(start + CHUNK, bits.numel())
-        keep = _unpack_into(packed[start // 8 : -(-stop // 8)], stop - start, index, spread)
-        values[offset : offset + counts[chunk]] = bits[start:stop][keep]
+    for chunk, start in enumerate(range(0, bits.numel(), CHUNK)):
+        part = bits[start : start + CHUNK]
+        torch.index_select(part, 0, part.nonzero().squeeze(1), out=values[offset : offset + counts[chunk]])
         offset += counts[chunk]
     return values
 
@@ -201,7 +198,7 @@ def _encode(name: str, tensor: Tensor) -> tuple[dict[str, Tensor], dict[str, obj
         packed, counts = _pack_chunks(_bit_view(flat))
         if -(-n // 8) + sum(counts) * tensor.element_size() + HEADER_COST < n * tensor.element_size():
             layout = "bitmask"
-            values = _select_chunks(_bit_view(flat), packed, counts).view(tensor.dtype)
+            values = _select_chunks(_bit_view(flat), counts).view(tensor.dtype)
             stored = {name + BITMASK_SUFFIX: packed, name + VALUES_SUFFIX: values}
     record = {
         "layout": layout,
