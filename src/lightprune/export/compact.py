@@ -12,8 +12,9 @@ Conv input), it is either
 
 Channel sets follow elementwise activations, dropout, BatchNorm (its entries are removed too), pooling, flatten,
 residual additions (the channels of the two operands are merged: a channel goes only if it can go from both) and
-concatenation along the channel dimension. Any other operation keeps every channel that reaches it, so the result
-is always exact; it is checked on the example inputs before it is returned.
+concatenation along the channel dimension. Any other operation keeps every channel that reaches it (with a warning
+naming the operation where that keeps pruned channels), so the result is always exact; it is checked on the example
+inputs before it is returned.
 
 Input channels of a layer fed by something that must keep them (the model input, an unsupported operation) whose
 weight slice is all zero are dropped by an ``index_select`` in front of the layer, so such layers shrink as well.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -254,6 +256,7 @@ class _Analysis:
         self.gm = gm
         self.parent: list[int] = []
         self.pinned: list[bool] = []
+        self.reason: dict[int, str] = {}  # why a class was kept, where an unsupported operation kept it
         self.info: dict[fx.Node, _Channels | None] = {}
         self.sites: dict[str, _Site] = {}
         self.norms: dict[str, list[int]] = {}
@@ -282,10 +285,15 @@ class _Analysis:
         if ra != rb:
             self.parent[rb] = ra
             self.pinned[ra] = self.pinned[ra] or self.pinned[rb]
+            if rb in self.reason:
+                self.reason.setdefault(ra, self.reason.pop(rb))
 
-    def pin(self, ids: Sequence[int]) -> None:
+    def pin(self, ids: Sequence[int], reason: str | None = None) -> None:
         for i in ids:
-            self.pinned[self.find(i)] = True
+            root = self.find(i)
+            self.pinned[root] = True
+            if reason is not None:
+                self.reason.setdefault(root, reason)
 
     def removed(self, i: int) -> bool:
         return not self.pinned[self.find(i)]
@@ -302,10 +310,13 @@ class _Analysis:
         return meta.dtype if meta is not None and hasattr(meta, "dtype") else torch.float32
 
     def pin_all_inputs(self, node: fx.Node) -> None:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        reason = None if node.op == "output" else f"node {node.name!r} ({node.op} {target})"
+
         def visit(arg: fx.Node) -> fx.Node:
             channels = self.info.get(arg)
             if channels is not None:
-                self.pin(channels.ids)
+                self.pin(channels.ids, reason)
             return arg
 
         fx.node.map_arg((node.args, node.kwargs), visit)
@@ -532,6 +543,18 @@ class _Analysis:
             torch.cat([p.const for p in parts]),
             torch.cat([p.is_const for p in parts]),
         )
+
+    def kept_pruned_channels(self) -> dict[tuple[str, str], int]:
+        """``{(layer, reason): count}`` of zero-weight output channels kept by an unsupported operation."""
+        kept: dict[tuple[str, str], int] = {}
+        for target, site in self.sites.items():
+            weight = site.module.weight.detach()
+            zero_rows = (weight != 0).reshape(weight.shape[0], -1).any(1).logical_not().tolist()
+            for channel, zero in zip(site.out_ids, zero_rows, strict=True):
+                reason = self.reason.get(self.find(channel))
+                if zero and reason is not None:
+                    kept[target, reason] = kept.get((target, reason), 0) + 1
+        return kept
 
     def keep_one_channel_per_layer(self) -> None:
         """A layer needs at least one channel: where all would go, keep the first."""
@@ -779,6 +802,12 @@ def compact(model: nn.Module, example_inputs: Tensor | Sequence[Any], *, rtol: f
     analysis = _Analysis(gm)
     analysis.run()
     analysis.keep_one_channel_per_layer()
+    for (layer, reason), count in analysis.kept_pruned_channels().items():
+        warnings.warn(
+            f"compact kept {count} pruned output channel{'s' if count > 1 else ''} of {layer!r}: they reach {reason}, "
+            "which compact does not follow channels through (the result is exact, only larger)",
+            stacklevel=2,
+        )
     reference_out = _outputs(reference, inputs)
     _rewrite(gm, analysis)
     compact_out = _outputs(gm, inputs)
