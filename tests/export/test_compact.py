@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
@@ -352,3 +354,90 @@ def test_compact_model_is_independent_and_deep_copies():
             p.add_(1.0)
     assert_same_function(compact(model, torch.randn(2, 20)), model, (torch.randn(4, 20),))
     copy.deepcopy(small)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes(dtype):
+    torch.manual_seed(11)
+    model = _randomize(ConvBN()).to(dtype)
+    prune.ln_structured(model.conv1, "weight", amount=0.5, n=2, dim=0)
+    prune.ln_structured(model.conv2, "weight", amount=0.5, n=2, dim=0)
+    small = compact(model, torch.randn(2, 3, 8, 8, dtype=dtype))
+    assert weights(small)["conv2.weight"] == (6, 8, 3, 3)
+    assert small.get_submodule("conv2").weight.dtype == dtype
+    assert_same_function(
+        small, model, (torch.randn(4, 3, 8, 8, dtype=dtype),), rtol=1e-12 if dtype == torch.float64 else 0.05
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# random architectures and masks
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class RandomNet(nn.Module):
+    """conv stem -> blocks (conv [-> BN] -> activation, optionally residual or concatenated) -> pool -> two Linears."""
+
+    def __init__(self, plan: dict):
+        super().__init__()
+        self.plan = plan
+        width = plan["widths"][0]
+        self.stem = nn.Conv2d(2, width, 3, padding=plan["paddings"][0], padding_mode=plan["padding_mode"])
+        self.convs, self.norms, self.extras = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+        for i, out in enumerate(plan["widths"][1:]):
+            kind = plan["kinds"][i]
+            if kind == "residual":
+                out = width
+            self.convs.append(nn.Conv2d(width, out, 3, padding=1, bias=plan["biases"][i]))
+            self.norms.append(nn.BatchNorm2d(out) if plan["norms"][i] else nn.Identity())
+            if kind == "concat":
+                self.extras.append(nn.Conv2d(width, 3, 1))
+                out += 3
+            else:
+                self.extras.append(nn.Identity())
+            width = out
+        self.fc1 = nn.Linear(width * 4, 12)
+        self.fc2 = nn.Linear(12, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x)) if self.plan["tanh"] else torch.relu(self.stem(x))
+        for conv, norm, extra, kind in zip(self.convs, self.norms, self.extras, self.plan["kinds"], strict=False):
+            y = nn.functional.silu(norm(conv(x)))
+            if kind == "residual":
+                x = x + y
+            elif kind == "concat":
+                x = torch.cat([y, extra(x)], dim=1)
+            else:
+                x = y
+        x = nn.functional.adaptive_max_pool2d(x, 2)
+        return self.fc2(nn.functional.gelu(self.fc1(x.flatten(1))))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    blocks=st.integers(1, 3),
+    data=st.data(),
+)
+def test_random_architectures_compact_exactly(blocks, data):
+    plan = {
+        "widths": [data.draw(st.integers(2, 8)) for _ in range(blocks + 1)],
+        "kinds": [data.draw(st.sampled_from(["plain", "residual", "concat"])) for _ in range(blocks)],
+        "biases": [data.draw(st.booleans()) for _ in range(blocks)],
+        "norms": [data.draw(st.booleans()) for _ in range(blocks)],
+        "paddings": [data.draw(st.integers(0, 1))],
+        "padding_mode": data.draw(st.sampled_from(["zeros", "replicate"])),
+        "tanh": data.draw(st.booleans()),
+    }
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    model = _randomize(RandomNet(plan))
+    layers = [model.stem, *model.convs, model.fc1]
+    for layer in layers:
+        dim = data.draw(st.sampled_from([0, 0, 1]))
+        channels = layer.weight.shape[dim]
+        pruned = data.draw(st.lists(st.integers(0, channels - 1), max_size=channels, unique=True))
+        mask = torch.ones_like(layer.weight)
+        mask.index_fill_(dim, torch.tensor(pruned, dtype=torch.long), 0.0)
+        prune.custom_from_mask(layer, "weight", mask)
+    small = compact(model, torch.randn(2, 2, 6, 6))
+    assert sum(p.numel() for p in small.parameters()) <= sum(p.numel() for p in model.parameters())
+    assert_same_function(small, model, (torch.randn(5, 2, 6, 6) * 2,))
