@@ -34,7 +34,12 @@ def apply_mask(orig: Tensor, mask: Tensor) -> Tensor:
 
 
 def pruned_pairs(keys: list[str]) -> dict[str, tuple[str, str]]:
-    """``{plain key: (orig key, mask key)}`` for every ``*_orig`` key whose ``*_mask`` partner is present."""
+    """``{plain key: (orig key, mask key)}`` for every ``*_orig`` key whose ``*_mask`` partner is present.
+
+    Example:
+        >>> pruned_pairs(["fc.weight_orig", "fc.weight_mask", "fc.bias", "attn_mask"])
+        {'fc.weight': ('fc.weight_orig', 'fc.weight_mask')}
+    """
     present = set(keys)
     pairs = {}
     for key in keys:
