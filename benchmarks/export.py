@@ -1,0 +1,320 @@
+"""lightprune.export against dense: file sizes, save/load times, compact and sparse-Linear latency, in one run.
+
+* **Files**: a model of 4 x Linear(2048, 2048) with biases (16.8M weights), pruned by ``global_unstructured``
+  (L1) at 50/90/95/99%, in float32 and bfloat16: the dense safetensors file of its pruned weights, that file
+  gzipped (level 6), torch's CSR (``torch.save`` of each weight ``.to_sparse_csr()``), and ``save_sparse``; the
+  information limit ``dense_bytes / (kept_values_bytes + 1 bit per entry)``; save and load times (median of
+  ``--repeats``): saving the same state_dict both ways (and ``save_sparse`` of the pruned module, which folds each
+  ``weight_orig``/``weight_mask`` pair first), dense load both as safetensors returns it (memory-mapped, read
+  lazily) and with every value read.
+* **compact**: the app's ``cnn_channels`` model (``SmallCNN`` on 8x8 digits, channels 16/32, ``ln_structured``
+  n=2 dim=0 at 50% on both convs with their biases, classifier untouched) at batch 64: dense vs compact.
+* **sparse Linear**: Linear(4096, 4096) at batch 32, 95% unstructured (and a sweep of sparsities): dense
+  ``nn.Linear`` vs ``to_sparse_linear``'s CSR layer.
+
+Every time is a median of interleaved repeats (dense and lightprune in turn, round after round) on ``--threads``
+torch threads (1 by default: on a shared 2-core machine two OpenMP threads stall whenever the other core is busy,
+and one thread gives repeatable ratios).
+
+Usage:
+    python benchmarks/export.py                 # the full run (a few minutes on 2 cores)
+    python benchmarks/export.py --quick         # tiny sizes, few repeats: seconds
+    python benchmarks/export.py --device cuda   # not implemented: CPU figures only
+
+Writes a Markdown table to stdout and JSON to ``--out`` (default ``benchmarks/results/export_cpu.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lightprune import prune
+from lightprune.experiment.models import SmallCNN, theoretical_speedup
+from lightprune.export import compact, compare_latency, load_sparse, save_sparse, to_sparse_linear
+from lightprune.export._pruned import effective_state_dict
+
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+SPARSITIES = (0.5, 0.9, 0.95, 0.99)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _interleaved(calls: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median seconds of each call, run in turn round after round (one untimed round first)."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for round_index in range(repeats + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_index:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _mlp(width: int, layers: int, dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(dtype)
+
+
+def _sizes(state: dict[str, torch.Tensor], workdir: Path) -> dict[str, Any]:
+    """File sizes of one state_dict: dense safetensors, gzip of it, torch CSR, lightprune, information limit."""
+    dense_path, sparse_path = workdir / "sizes_dense.safetensors", workdir / "sizes_sparse.safetensors"
+    save_file(state, str(dense_path))
+    save_sparse(state, sparse_path)
+    loaded = load_sparse(sparse_path)
+    exact = loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    dense_bytes = dense_path.stat().st_size
+    gzip_bytes = len(gzip.compress(dense_path.read_bytes(), compresslevel=6))
+    buffer = io.BytesIO()
+    torch.save({k: (v.to_sparse_csr() if v.dim() == 2 else v) for k, v in state.items()}, buffer)
+    csr_bytes = buffer.getbuffer().nbytes
+    sparse_bytes = sparse_path.stat().st_size
+    payload = sum(t.numel() * t.element_size() for t in state.values())
+    limit_bytes = sum(int((t != 0).sum()) * t.element_size() + t.numel() / 8 for t in state.values())
+    return {
+        "weights": sum(t.numel() for t in state.values()),
+        "zeros": sum(int((t == 0).sum()) for t in state.values()) / max(sum(t.numel() for t in state.values()), 1),
+        "dense_bytes": dense_bytes,
+        "gzip_bytes": gzip_bytes,
+        "csr_bytes": csr_bytes,
+        "lightprune_bytes": sparse_bytes,
+        "ratio_gzip": dense_bytes / gzip_bytes,
+        "ratio_csr": dense_bytes / csr_bytes,
+        "ratio_lightprune": dense_bytes / sparse_bytes,
+        "ratio_limit": payload / limit_bytes,
+        "lightprune_over_limit": sparse_bytes / limit_bytes - 1,
+        "exact": exact,
+    }
+
+
+def files(width: int, layers: int, repeats: int, workdir: Path) -> list[dict[str, Any]]:
+    rows = []
+    dense_path, sparse_path = workdir / "dense.safetensors", workdir / "sparse.safetensors"
+    for dtype_name, dtype in DTYPES.items():
+        for sparsity in SPARSITIES:
+            model = _mlp(width, layers, dtype)
+            prune.global_unstructured(
+                [(m, "weight") for m in model], pruning_method=prune.L1Unstructured, amount=sparsity
+            )
+            state = {k: v.contiguous() for k, v in effective_state_dict(model).items()}
+            times = _interleaved(
+                {
+                    "save_dense": lambda state=state: save_file(state, str(dense_path)),
+                    "save_lightprune": lambda state=state: save_sparse(state, sparse_path),
+                    "save_lightprune_module": lambda model=model: save_sparse(model, sparse_path),
+                    "load_dense_lazy": lambda: load_file(str(dense_path)),
+                    "load_dense_read": lambda: [t.clone() for t in load_file(str(dense_path)).values()],
+                    "load_lightprune": lambda: load_sparse(sparse_path),
+                },
+                repeats,
+            )
+            rows.append(
+                {
+                    "dtype": dtype_name,
+                    "sparsity": sparsity,
+                    **_sizes(state, workdir),
+                    **{f"{name}_s": seconds for name, seconds in times.items()},
+                }
+            )
+            print(f"files {dtype_name} {sparsity}: {rows[-1]['ratio_lightprune']:.2f}x", file=sys.stderr)
+    return rows
+
+
+def checkpoint_files(path: Path, workdir: Path) -> list[dict[str, Any]]:
+    """Sizes for a trained, pruned state_dict (``torch.load``-able, e.g. the experiment app's ``model.pt``)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+        rows.append({"checkpoint": str(path), "dtype": dtype_name, **_sizes(cast, workdir)})
+    return rows
+
+
+def cnn_channels(batch: int, repeats: int) -> dict[str, Any]:
+    """The app's cnn_channels experiment at its final 50% of conv channels, dense against compact."""
+    torch.manual_seed(0)
+    dense = SmallCNN(in_channels=1, image_size=8, channels=(16, 32), num_classes=10).eval()
+    pruned = SmallCNN(in_channels=1, image_size=8, channels=(16, 32), num_classes=10)
+    pruned.load_state_dict(dense.state_dict())
+    for conv in (pruned.conv1, pruned.conv2):
+        prune.ln_structured(conv, "weight", amount=0.5, n=2, dim=0)
+        prune.custom_from_mask(conv, "bias", conv.weight_mask.flatten(1).any(1).to(conv.bias.dtype))
+    pruned.eval()
+    x = torch.randn(batch, 1, 8, 8)
+    small = compact(pruned, x)
+    with torch.no_grad():
+        want, got = pruned(x), small(x)
+    error = float((want - got).abs().max() / want.abs().max())
+    times = compare_latency({"dense": dense, "masked": pruned, "compact": small}, x, repeats=repeats, warmup=20)
+    return {
+        "batch": batch,
+        "params_dense": sum(p.numel() for p in dense.parameters()),
+        "params_compact": sum(p.numel() for p in small.parameters()),
+        "theoretical_speedup": theoretical_speedup(pruned, (1, 8, 8)),
+        "dense_s": times["dense"].median,
+        "masked_s": times["masked"].median,
+        "compact_s": times["compact"].median,
+        "speedup": times["dense"].median / times["compact"].median,
+        "max_relative_error": error,
+    }
+
+
+def sparse_linear(width: int, batch: int, sparsities: tuple[float, ...], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for sparsity in sparsities:
+        torch.manual_seed(0)
+        layer = nn.Linear(width, width)
+        prune.l1_unstructured(layer, "weight", amount=sparsity)
+        x = torch.randn(batch, width)
+        fast, decisions = to_sparse_linear(layer, x, min_sparsity=0.0, repeats=max(3, repeats // 3), margin=0.0)
+        dense = nn.Linear(width, width)
+        dense.load_state_dict(effective_state_dict(layer))
+        dense.eval()
+        times = compare_latency({"dense": dense, "csr": fast}, x, repeats=repeats, warmup=3)
+        with torch.no_grad():
+            want, got = dense(x), fast(x)
+        rows.append(
+            {
+                "width": width,
+                "batch": batch,
+                "sparsity": sparsity,
+                "dense_s": times["dense"].median,
+                "csr_s": times["csr"].median,
+                "speedup": times["dense"].median / times["csr"].median,
+                "to_sparse_linear_would_convert": decisions[0].dense_s >= decisions[0].sparse_s,
+                "max_relative_error": float((want - got).abs().max() / want.abs().max()),
+            }
+        )
+        print(f"sparse linear {sparsity}: {rows[-1]['speedup']:.2f}x", file=sys.stderr)
+    return rows
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| dtype | sparsity | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
+        "| lightprune over limit | save dense / lp (state_dict; pruned module) | load dense (lazy / read) / lp "
+        "| exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["files"]:
+        lines.append(
+            f"| {r['dtype']} | {r['sparsity']:.0%} | {_mb(r['dense_bytes'])} | {r['ratio_gzip']:.2f}x "
+            f"| {r['ratio_csr']:.2f}x | **{r['ratio_lightprune']:.2f}x** | {r['ratio_limit']:.2f}x "
+            f"| {r['lightprune_over_limit']:+.3%} "
+            f"| {r['save_dense_s'] * 1e3:.0f} / {r['save_lightprune_s'] * 1e3:.0f} ms "
+            f"({r['save_lightprune_s'] / r['save_dense_s']:.2f}x; {r['save_lightprune_module_s'] * 1e3:.0f} ms) "
+            f"| {r['load_dense_lazy_s'] * 1e3:.1f} / "
+            f"{r['load_dense_read_s'] * 1e3:.0f} / {r['load_lightprune_s'] * 1e3:.0f} ms "
+            f"({r['load_lightprune_s'] / r['load_dense_read_s']:.2f}x of read) | {r['exact']} |"
+        )
+    if result["checkpoints"]:
+        lines += [
+            "",
+            "| checkpoint | dtype | zeros | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
+            "| exact |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["checkpoints"]:
+            lines.append(
+                f"| {r['checkpoint']} | {r['dtype']} | {r['zeros']:.1%} | {_mb(r['dense_bytes'])} "
+                f"| {r['ratio_gzip']:.2f}x | {r['ratio_csr']:.2f}x | **{r['ratio_lightprune']:.2f}x** "
+                f"| {r['ratio_limit']:.2f}x | {r['exact']} |"
+            )
+    c = result["cnn_channels"]
+    lines += [
+        "",
+        "| model | batch | params | latency (median) | speed-up vs dense | theoretical |",
+        "|---|---|---|---|---|---|",
+        f"| cnn_channels dense | {c['batch']} | {c['params_dense']:,} | {c['dense_s'] * 1e6:.0f} us | 1.00x | |",
+        f"| cnn_channels masked (reparametrized) | {c['batch']} | {c['params_dense']:,} | {c['masked_s'] * 1e6:.0f} us "
+        f"| {c['dense_s'] / c['masked_s']:.2f}x | |",
+        f"| cnn_channels compact | {c['batch']} | {c['params_compact']:,} | {c['compact_s'] * 1e6:.0f} us "
+        f"| **{c['speedup']:.2f}x** | {c['theoretical_speedup']:.2f}x |",
+        "",
+        "| Linear | batch | sparsity | dense | CSR | speed-up | to_sparse_linear converts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["sparse_linear"]:
+        lines.append(
+            f"| {r['width']}x{r['width']} | {r['batch']} | {r['sparsity']:.0%} | {r['dense_s'] * 1e3:.2f} ms "
+            f"| {r['csr_s'] * 1e3:.2f} ms | **{r['speedup']:.2f}x** | {r['to_sparse_linear_would_convert']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (smoke test)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every timing")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default: 5 files, 300 latency)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        help="also measure file sizes of this pruned state_dict (e.g. an experiment run's model.pt); repeatable",
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/export_cpu.json"))
+    args = parser.parse_args(argv)
+    if args.device != "cpu":
+        parser.error("only --device cpu is implemented; CUDA rows are not measured yet")
+    width, layers = (256, 2) if args.quick else (2048, 4)
+    file_repeats = args.repeats or (1 if args.quick else 5)
+    latency_repeats = args.repeats or (5 if args.quick else 300)
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            file_rows = files(width, layers, file_repeats, Path(tmp))
+            checkpoint_rows = [row for path in args.checkpoint for row in checkpoint_files(path, Path(tmp))]
+        cnn = cnn_channels(64, latency_repeats)
+        linear_width = 512 if args.quick else 4096
+        sweep = (0.95,) if args.quick else (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+        linear_rows = sparse_linear(linear_width, 32, sweep, max(3, latency_repeats // 10))
+    finally:
+        torch.set_num_threads(default_threads)
+    result = {
+        "command": " ".join(["python", "benchmarks/export.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": args.threads,
+        },
+        "quick": args.quick,
+        "files": file_rows,
+        "checkpoints": checkpoint_rows,
+        "cnn_channels": cnn,
+        "sparse_linear": linear_rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

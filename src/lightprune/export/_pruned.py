@@ -1,0 +1,93 @@
+"""Effective tensors of pruned modules: ``name_orig`` and ``name_mask`` folded into the plain ``name``.
+
+Both lightprune's and ``torch.nn.utils.prune``'s reparametrization keep the dense original as the Parameter
+``name_orig`` and the mask as the buffer ``name_mask``; the module computes ``name`` from the two. The export
+functions read the pair and store the tensor the model computes with, pruned entries as exact ``+0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from lightprune import prune
+
+ORIG_SUFFIX = "_orig"
+MASK_SUFFIX = "_mask"
+
+
+def apply_mask(orig: Tensor, mask: Tensor) -> Tensor:
+    """``orig * mask`` where the mask keeps an entry and an exact ``+0`` where it prunes it (even over NaN or inf).
+
+    Example:
+        >>> apply_mask(torch.tensor([-1.0, float("nan"), 3.0]), torch.tensor([0.0, 0.0, 1.0]))
+        tensor([0., 0., 3.])
+    """
+    orig = orig.detach()
+    mask = mask.detach()
+    if mask.dtype == torch.bool:
+        return torch.where(mask, orig, torch.zeros((), dtype=orig.dtype, device=orig.device))
+    keep = mask != 0
+    return torch.where(keep, orig * mask.to(orig.dtype), torch.zeros((), dtype=orig.dtype, device=orig.device))
+
+
+def pruned_pairs(keys: list[str]) -> dict[str, tuple[str, str]]:
+    """``{plain key: (orig key, mask key)}`` for every ``*_orig`` key whose ``*_mask`` partner is present.
+
+    Example:
+        >>> pruned_pairs(["fc.weight_orig", "fc.weight_mask", "fc.bias", "attn_mask"])
+        {'fc.weight': ('fc.weight_orig', 'fc.weight_mask')}
+    """
+    present = set(keys)
+    pairs = {}
+    for key in keys:
+        if key.endswith(ORIG_SUFFIX):
+            plain = key[: -len(ORIG_SUFFIX)]
+            if plain + MASK_SUFFIX in present and plain not in present:
+                pairs[plain] = (key, plain + MASK_SUFFIX)
+    return pairs
+
+
+def _pruned_module_prefixes(module: nn.Module) -> set[str]:
+    return {name + "." if name else "" for name, sub in module.named_modules() if prune.is_pruned(sub)}
+
+
+def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors a model computes with: each ``name_orig``/``name_mask`` pair becomes ``name``, in key order.
+
+    For a module, pairs count only inside submodules that carry a pruning hook (lightprune's or torch's), so a
+    buffer that happens to be called ``attn_mask`` stays what it is. For a state_dict, every ``x_orig`` with an
+    ``x_mask`` partner is a pair.
+
+    Example:
+        >>> layer = prune.l1_unstructured(nn.Linear(3, 1, bias=False), "weight", amount=2)
+        >>> sorted(layer.state_dict()), list(effective_state_dict(layer))
+        (['weight_mask', 'weight_orig'], ['weight'])
+    """
+    if isinstance(obj, nn.Module):
+        state = obj.state_dict(keep_vars=False)
+        prefixes = _pruned_module_prefixes(obj)
+        pairs = {
+            plain: keys
+            for plain, keys in pruned_pairs(list(state)).items()
+            if plain[: plain.rfind(".") + 1] in prefixes
+        }
+    elif isinstance(obj, Mapping):
+        state = dict(obj)
+        pairs = pruned_pairs(list(state))
+    else:
+        raise TypeError(f"expected an nn.Module or a state_dict (a mapping of names to tensors), got {type(obj)!r}")
+    partner = {keys[1]: plain for plain, keys in pairs.items()}
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if key in partner:
+            continue
+        if key.endswith(ORIG_SUFFIX) and key[: -len(ORIG_SUFFIX)] in pairs:
+            plain = key[: -len(ORIG_SUFFIX)]
+            orig_key, mask_key = pairs[plain]
+            out[plain] = apply_mask(state[orig_key], state[mask_key])
+        else:
+            out[key] = value
+    return out

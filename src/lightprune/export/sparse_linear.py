@@ -1,0 +1,180 @@
+"""Unstructured-sparse Linear layers on torch's sparse CSR kernels, where that measures faster than dense."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightprune.export._pruned import effective_state_dict
+from lightprune.export.latency import compare_latency
+
+__all__ = ["LayerDecision", "SparseLinear", "to_sparse_linear"]
+
+
+def _to_csr(weight: Tensor) -> Tensor:
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        return weight.detach().to_sparse_csr()
+
+
+class SparseLinear(nn.Module):
+    """``nn.Linear`` for inference with its weight in torch's sparse CSR layout: cost follows the nonzeros.
+
+    The weight and bias are buffers (not trained). Inputs of any leading shape work, as with ``nn.Linear``.
+
+    Args:
+        weight: Dense ``(out_features, in_features)`` weight; its zeros are dropped.
+        bias: Optional ``(out_features,)`` bias.
+
+    Example:
+        >>> layer = nn.Linear(8, 4)
+        >>> with torch.no_grad():
+        ...     layer.weight[:, 2:] = 0
+        >>> sparse = SparseLinear.from_linear(layer)
+        >>> sparse, sparse.weight.layout
+        (SparseLinear(in_features=8, out_features=4, nnz=8), torch.sparse_csr)
+        >>> x = torch.randn(3, 5, 8)
+        >>> torch.allclose(sparse(x), layer(x), atol=1e-6)
+        True
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", _to_csr(weight))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> SparseLinear:
+        """From an ``nn.Linear``, pruned (its effective weight is used) or not."""
+        state = effective_state_dict(linear)
+        return cls(state["weight"], state.get("bias"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ weight.T + bias`` as ``(weight @ x.T).T`` on the CSR kernel."""
+        flat = x.reshape(-1, self.in_features)
+        if self.bias is None:
+            out = torch.mm(self.weight, flat.t())
+        else:
+            out = torch.addmm(self.bias.unsqueeze(1), self.weight, flat.t())
+        return out.t().reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.weight._nnz()}"
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What :func:`to_sparse_linear` measured for one Linear layer and whether it converted it.
+
+    Attributes:
+        name: Qualified module name.
+        sparsity: Fraction of zero weights.
+        dense_s: Median seconds of the dense layer on the layer's own example input.
+        sparse_s: Median seconds of the CSR layer (None when not timed: sparsity below ``min_sparsity``).
+        converted: Whether the layer was replaced by :class:`SparseLinear`.
+    """
+
+    name: str
+    sparsity: float
+    dense_s: float | None
+    sparse_s: float | None
+    converted: bool
+
+
+def to_sparse_linear(
+    model: nn.Module,
+    example_inputs: Tensor | Sequence[Any],
+    *,
+    min_sparsity: float = 0.5,
+    repeats: int = 10,
+    margin: float = 1.0,
+) -> tuple[nn.Module, list[LayerDecision]]:
+    """Copy a model, replacing each unstructured-sparse ``nn.Linear`` by :class:`SparseLinear` where it is faster.
+
+    Each ``nn.Linear`` whose weight is at least ``min_sparsity`` zeros is timed both ways on the input it receives
+    when the model runs ``example_inputs`` (interleaved repeats, see :func:`~lightprune.export.compare_latency`),
+    and converted only when the CSR median beats the dense median by ``margin``. On a 2-core x86 CPU the crossover
+    for a Linear(4096, 4096) at batch 32 lies between 70% and 80% zeros (see BENCHMARKS.md); measuring per layer
+    keeps small layers, where the sparse kernel's overhead dominates, dense.
+
+    Args:
+        model: The model, plain or pruned with the reparametrization (left untouched).
+        example_inputs: One tensor or a tuple of positional inputs, shaped like real inference inputs (the batch
+            size matters).
+        min_sparsity: Layers with fewer zeros are kept dense without timing.
+        repeats: Timed calls per layer and variant.
+        margin: Required speed-up: convert when ``dense_s / sparse_s >= margin``.
+
+    Returns:
+        ``(model copy in eval mode, one LayerDecision per nn.Linear)``.
+
+    Raises:
+        ValueError: ``min_sparsity`` outside [0, 1] or ``margin`` not positive.
+
+    Example:
+        >>> from lightprune import prune
+        >>> net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        >>> _ = prune.l1_unstructured(net[0], "weight", amount=0.99)
+        >>> fast, decisions = to_sparse_linear(net, torch.randn(32, 512), repeats=5, margin=0.0)
+        >>> [(d.name, round(d.sparsity, 2), d.converted) for d in decisions]
+        [('0', 0.99, True), ('2', 0.0, False)]
+        >>> x = torch.randn(4, 512)
+        >>> torch.allclose(fast(x), net.eval()(x), atol=1e-5)
+        True
+    """
+    if not 0.0 <= min_sparsity <= 1.0:
+        raise ValueError(f"min_sparsity must be in [0, 1], got {min_sparsity}")
+    if not margin >= 0.0:
+        raise ValueError(f"margin must be at least 0, got {margin}")
+    try:
+        result = copy.deepcopy(model).eval()
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"cannot copy the model ({err}); models pruned with torch.nn.utils.prune copy after prune.remove"
+        ) from err
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear}
+    seen: dict[str, Tensor] = {}
+
+    def capture(name: str):
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if name not in seen and args and isinstance(args[0], Tensor):
+                seen[name] = args[0].detach().clone()
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(capture(name)) for name, m in linears.items()]
+    try:
+        with torch.no_grad():
+            result(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    decisions = []
+    for name, linear in linears.items():
+        weight = effective_state_dict(linear)["weight"]
+        sparsity = float((weight == 0).sum()) / max(weight.numel(), 1)
+        if name not in seen or sparsity < min_sparsity or weight.numel() == 0:
+            decisions.append(LayerDecision(name, sparsity, None, None, False))
+            continue
+        sparse = SparseLinear.from_linear(linear)
+        dense = nn.Linear(linear.in_features, linear.out_features, bias=sparse.bias is not None)
+        dense.load_state_dict({"weight": weight, **({"bias": sparse.bias} if sparse.bias is not None else {})})
+        times = compare_latency({"dense": dense.eval(), "sparse": sparse}, seen[name], repeats=repeats, warmup=2)
+        converted = times["dense"].median >= margin * times["sparse"].median
+        decisions.append(LayerDecision(name, sparsity, times["dense"].median, times["sparse"].median, converted))
+        if converted and not name:
+            result = sparse  # the model is itself one Linear
+        elif converted:
+            *owner, leaf = name.split(".")
+            setattr(result.get_submodule(".".join(owner)), leaf, sparse)
+    return result, decisions

@@ -1,0 +1,302 @@
+"""save_sparse / load_sparse: exact round trips, the smaller layout, pruned modules, and files that must be refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn.utils import prune as torch_prune
+
+from lightprune import prune
+from lightprune.export import SparseFileError, load_sparse, save_sparse, stored_layouts
+from lightprune.export.sparse_file import BITMASK_SUFFIX, VALUES_SUFFIX, pack_bits, unpack_bits
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
+SPARSITIES = [0.0, 0.5, 0.9, 0.999, 1.0]
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def assert_identical(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(bits(a.contiguous()), bits(b.contiguous())), "bit patterns differ"
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, sparsity: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        t = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    else:
+        t = torch.randint(-128, 128, shape, generator=g, dtype=torch.int16).to(dtype)
+    n = t.numel()
+    pruned = torch.randperm(n, generator=g)[: round(sparsity * n)]
+    t.view(-1)[pruned] = 0
+    return t
+
+
+shapes = st.lists(st.integers(0, 33), min_size=0, max_size=4).map(tuple)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=shapes,
+    sparsity=st.sampled_from(SPARSITIES),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_is_bit_exact(tmp_path_factory, dtype, shape, sparsity, seed):
+    t = random_tensor(shape, dtype, sparsity, seed)
+    path = tmp_path_factory.mktemp("rt") / "t.safetensors"
+    save_sparse({"t": t, "scalar": torch.tensor(1.5, dtype=torch.float64)}, path)
+    out = load_sparse(path)
+    assert list(out) == ["t", "scalar"]
+    assert_identical(out["t"], t)
+    assert_identical(out["scalar"], torch.tensor(1.5, dtype=torch.float64))
+    kept = int((bits(t) != 0).sum())
+    # whichever layout is smaller: a bitmask only when it saves bytes
+    if stored_layouts(path)["t"] == "bitmask":
+        assert math.ceil(t.numel() / 8) + kept * t.element_size() < t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_large_round_trip_and_size_near_the_information_limit(tmp_path, dtype, sparsity):
+    t = random_tensor((256, 384), dtype, sparsity, seed=7)
+    path = tmp_path / "t.safetensors"
+    save_sparse({"w": t}, path)
+    assert_identical(load_sparse(path)["w"], t)
+    n, size = t.numel(), t.element_size()
+    kept = int((bits(t) != 0).sum())
+    payload = min(n * size, math.ceil(n / 8) + kept * size)
+    header = path.stat().st_size - payload
+    assert 0 < header < 400, header  # the file is the smaller layout plus a small header
+    assert stored_layouts(path)["w"] == ("bitmask" if payload < n * size else "dense")
+
+
+def test_special_values_survive(tmp_path):
+    t = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 0.0, 0.0] * 64)
+    nan_payload = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    t[3] = nan_payload
+    save_sparse({"t": t, "b": t != 0}, tmp_path / "s.safetensors")
+    out = load_sparse(tmp_path / "s.safetensors")
+    assert_identical(out["t"], t)
+    assert torch.equal(out["b"], t != 0) and out["b"].dtype == torch.bool
+
+
+def test_pack_bits_matches_the_documented_bit_order():
+    keep = torch.rand(1001) < 0.3
+    packed = pack_bits(keep)
+    assert packed.numel() == 126
+    expected = [sum(int(keep[8 * j + i]) << i for i in range(8) if 8 * j + i < 1001) for j in range(126)]
+    assert packed.tolist() == expected
+    assert torch.equal(unpack_bits(packed, 1001), keep)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 10), nn.BatchNorm1d(10))
+
+
+@pytest.mark.parametrize("engine", ["lightprune", "torch", "lightprune-bool"])
+def test_pruned_module_saves_the_pruned_weights(tmp_path, engine):
+    model = _mlp()
+    p = torch_prune if engine == "torch" else prune
+    if engine == "lightprune-bool":
+        with prune.mask_dtype(torch.bool):
+            prune.l1_unstructured(model[0], "weight", amount=0.9)
+            prune.ln_structured(model[2], "weight", amount=0.5, n=2, dim=0)
+    else:
+        p.l1_unstructured(model[0], "weight", amount=0.9)
+        p.ln_structured(model[2], "weight", amount=0.5, n=2, dim=0)
+    model(torch.randn(4, 40))
+    save_sparse(model, tmp_path / "m.safetensors")
+    state = load_sparse(tmp_path / "m.safetensors")
+    plain = _mlp()
+    plain.load_state_dict(state)  # strict: exactly the keys of an unpruned model
+    assert set(state) == set(plain.state_dict())
+    for mod in (0, 2):
+        assert torch.equal(state[f"{mod}.weight"], model[mod].weight.detach())
+    assert int((state["0.weight"] == 0).sum()) == 1080
+    model.eval(), plain.eval()
+    x = torch.randn(5, 40)
+    assert torch.equal(plain(x), model(x))
+    # the same from the state_dict
+    save_sparse(model.state_dict(), tmp_path / "sd.safetensors")
+    assert load_sparse(tmp_path / "sd.safetensors").keys() == state.keys()
+
+
+def test_buffer_named_mask_in_an_unpruned_module_is_kept(tmp_path):
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn_orig = nn.Parameter(torch.ones(3))
+            self.register_buffer("attn_mask", torch.zeros(3))
+
+    save_sparse(Attn(), tmp_path / "a.safetensors")
+    assert sorted(load_sparse(tmp_path / "a.safetensors")) == ["attn_mask", "attn_orig"]
+
+
+def test_float_mask_zeros_are_positive_zeros(tmp_path):
+    layer = nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        layer.weight[:, :32] = -1.0
+        layer.weight[0, 0] = float("nan")
+    prune.custom_from_mask(layer, "weight", (torch.arange(64) >= 32).float().expand(8, 64))
+    save_sparse(layer, tmp_path / "l.safetensors")
+    w = load_sparse(tmp_path / "l.safetensors")["weight"]
+    assert torch.equal(bits(w[:, :32]), torch.zeros(8, 32, dtype=torch.int32))
+    assert stored_layouts(tmp_path / "l.safetensors")["weight"] == "bitmask"
+
+
+def test_bad_inputs_name_the_key(tmp_path):
+    with pytest.raises(TypeError, match=r"'step'"):
+        save_sparse({"w": torch.ones(3), "step": 3}, tmp_path / "x.safetensors")
+    with pytest.raises(TypeError, match=r"'c'.*complex"):
+        save_sparse({"c": torch.ones(3, dtype=torch.complex64)}, tmp_path / "x.safetensors")
+    with pytest.raises(TypeError, match=r"nn.Module or a state_dict"):
+        save_sparse([torch.ones(3)], tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match=r"collides"):
+        save_sparse({"w": torch.zeros(1000), "w" + VALUES_SUFFIX: torch.ones(2)}, tmp_path / "x.safetensors")
+
+
+def test_shared_tensors_are_saved(tmp_path):
+    w = torch.randn(10, 10)
+    save_sparse({"a": w, "b": w, "c": w[0]}, tmp_path / "x.safetensors")
+    out = load_sparse(tmp_path / "x.safetensors")
+    assert torch.equal(out["a"], w) and torch.equal(out["b"], w) and torch.equal(out["c"], w[0])
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# files that must be refused
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    t = random_tensor((64, 64), torch.float32, 0.9, seed=1)
+    path = tmp_path / "m.safetensors"
+    save_sparse({"layer.bias": torch.randn(64), "layer.weight": t}, path)
+    assert stored_layouts(path) == {"layer.bias": "dense", "layer.weight": "bitmask"}
+    return path
+
+
+def _data_start(path: Path) -> int:
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def _entry_offsets(path: Path, key: str) -> tuple[int, int]:
+    raw = path.read_bytes()
+    header = json.loads(raw[8 : _data_start(path)])
+    start, end = header[key]["data_offsets"]
+    return _data_start(path) + start, _data_start(path) + end
+
+
+@pytest.mark.parametrize(
+    ("key", "tensor"),
+    [
+        ("layer.weight" + VALUES_SUFFIX, "layer.weight"),
+        ("layer.weight" + BITMASK_SUFFIX, "layer.weight"),
+        ("layer.bias", "layer.bias"),
+    ],
+)
+def test_one_flipped_bit_is_caught_and_named(saved, key, tensor):
+    start, end = _entry_offsets(saved, key)
+    raw = bytearray(saved.read_bytes())
+    raw[(start + end) // 2] ^= 0x10
+    saved.write_bytes(bytes(raw))
+    with pytest.raises(SparseFileError, match=f"'{tensor}'.*checksum"):
+        load_sparse(saved)
+
+
+def test_tampered_layout_metadata_is_caught(saved):
+    raw = saved.read_bytes()
+    header_bytes = raw[8 : _data_start(saved)]
+    header = json.loads(header_bytes)
+    table = json.loads(header["__metadata__"]["lightprune.sparse"])
+    table["tensors"]["layer.weight"]["shape"] = [32, 128]  # same count, other shape: only the checksum sees it
+    header["__metadata__"]["lightprune.sparse"] = json.dumps(table)
+    new_header = json.dumps(header).encode()
+    new_header += b" " * (-len(new_header) % 8)
+    saved.write_bytes(struct.pack("<Q", len(new_header)) + new_header + raw[_data_start(saved) :])
+    with pytest.raises(SparseFileError, match=r"'layer.weight'.*checksum"):
+        load_sparse(saved)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.999, 0.6, 0.3])
+def test_truncated_file_names_the_tensor(saved, keep_fraction):
+    raw = saved.read_bytes()
+    cut = max(_data_start(saved) + 1, int(len(raw) * keep_fraction))
+    saved.write_bytes(raw[:cut])
+    with pytest.raises(SparseFileError, match=r"truncated: tensor 'layer.(weight|bias)'"):
+        load_sparse(saved)
+
+
+def test_truncated_inside_the_header(saved):
+    saved.write_bytes(saved.read_bytes()[:40])
+    with pytest.raises(SparseFileError, match=r"truncated"):
+        load_sparse(saved)
+
+
+def test_foreign_files_are_refused(tmp_path):
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.ones(3)}, str(plain))
+    with pytest.raises(SparseFileError, match=r"without lightprune's 'lightprune.sparse' metadata"):
+        load_sparse(plain)
+    pickled = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(3)}, pickled)
+    with pytest.raises(SparseFileError, match=r"not a safetensors file"):
+        load_sparse(pickled)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    with pytest.raises(SparseFileError, match=r"too short"):
+        load_sparse(empty)
+    other_version = tmp_path / "v2.safetensors"
+    save_file({"w": torch.ones(3)}, str(other_version), metadata={"lightprune.sparse": '{"version": 2, "tensors": {}}'})
+    with pytest.raises(SparseFileError, match=r"version 2"):
+        load_sparse(other_version)
+    with pytest.raises(FileNotFoundError):
+        load_sparse(tmp_path / "missing.safetensors")
+
+
+def test_stray_entries_are_refused(tmp_path):
+    path = tmp_path / "s.safetensors"
+    save_file(
+        {"w": torch.ones(3), "extra": torch.ones(1)},
+        str(path),
+        metadata={
+            "lightprune.sparse": json.dumps(
+                {"version": 1, "tensors": {"w": {"layout": "dense", "dtype": "float32", "shape": [3], "crc32": 0}}}
+            )
+        },
+    )
+    with pytest.raises(SparseFileError, match=r"'w'.*checksum"):
+        load_sparse(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 700), sparsity=st.sampled_from(SPARSITIES), seed=st.integers(0, 2**16))
+def test_round_trip_across_chunk_boundaries(tmp_path_factory, n, sparsity, seed):
+    import lightprune.export.sparse_file as sparse_file
+
+    t = random_tensor((n,), torch.float16, sparsity, seed)
+    path = tmp_path_factory.mktemp("chunks") / "t.safetensors"
+    previous = sparse_file.CHUNK
+    sparse_file.CHUNK = 128  # many chunks, a short last one
+    try:
+        save_sparse({"t": t}, path)
+        out = load_sparse(path)["t"]
+    finally:
+        sparse_file.CHUNK = previous
+    assert_identical(out, t)
+    assert_identical(load_sparse(path)["t"], t)  # and read back with the default chunk size

@@ -1,0 +1,98 @@
+"""SparseLinear and to_sparse_linear: the same outputs as the dense layers, conversions decided by measurement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightprune import prune
+from lightprune.export import Latency, SparseLinear, compare_latency, measure_latency, to_sparse_linear
+
+pytestmark = pytest.mark.usefixtures("one_thread_for_module")
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 64), (2, 3, 64), (64,)])
+def test_sparse_linear_matches_dense(bias, shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48, bias=bias)
+    prune.l1_unstructured(layer, "weight", amount=0.9)
+    sparse = SparseLinear.from_linear(layer)
+    assert sparse.weight.layout == torch.sparse_csr and sparse.weight._nnz() == 64 * 48 - round(0.9 * 64 * 48)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert_close(sparse(x), layer(x))
+
+
+def test_sparse_linear_refuses_non_matrices():
+    with pytest.raises(ValueError, match=r"2-D.*\(3,\)"):
+        SparseLinear(torch.ones(3))
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
+    prune.l1_unstructured(net[0], "weight", amount=0.99)
+    prune.l1_unstructured(net[2], "weight", amount=0.3)
+    return net
+
+
+def test_to_sparse_linear_converts_by_measurement_and_keeps_outputs():
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(16, 256)
+    # margin 0: every timed layer converts; an impossible margin: none does
+    fast, decisions = to_sparse_linear(net, x, min_sparsity=0.2, repeats=3, margin=0.0)
+    assert [d.name for d in decisions] == ["0", "2", "4"]
+    assert [d.converted for d in decisions] == [True, True, False]
+    assert decisions[2].dense_s is None and decisions[2].sparsity == 0.0
+    assert all(d.dense_s > 0 and d.sparse_s > 0 for d in decisions[:2])
+    assert isinstance(fast[0], SparseLinear) and isinstance(fast[2], SparseLinear) and type(fast[4]) is nn.Linear
+    net.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 256)
+            assert_close(fast(x), net(x))
+    slow, decisions = to_sparse_linear(net, x, min_sparsity=0.2, repeats=3, margin=1e9)
+    assert not any(d.converted for d in decisions) and not any(isinstance(m, SparseLinear) for m in slow.modules())
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_to_sparse_linear_decision_follows_the_timings():
+    fast, decisions = to_sparse_linear(_net(), torch.randn(16, 256), min_sparsity=0.9, repeats=3)
+    (first,) = [d for d in decisions if d.name == "0"]
+    assert first.converted == (first.dense_s >= first.sparse_s)
+    assert isinstance(fast[0], SparseLinear) == first.converted
+
+
+def test_to_sparse_linear_on_a_single_layer_and_bad_arguments():
+    layer = nn.Linear(128, 128)
+    prune.l1_unstructured(layer, "weight", amount=0.99)
+    fast, decisions = to_sparse_linear(layer, torch.randn(4, 128), repeats=2, margin=0.0)
+    assert isinstance(fast, SparseLinear) and decisions[0].name == ""
+    with pytest.raises(ValueError, match=r"min_sparsity.*1.5"):
+        to_sparse_linear(layer, torch.randn(4, 128), min_sparsity=1.5)
+    with pytest.raises(ValueError, match=r"margin.*-1"):
+        to_sparse_linear(layer, torch.randn(4, 128), margin=-1)
+
+
+def test_latency_helpers():
+    calls = []
+    result = compare_latency(
+        {"a": lambda x: calls.append("a"), "b": lambda x: calls.append("b")}, torch.zeros(1), repeats=4, warmup=1
+    )
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]  # rotated order, warm-up included
+    assert list(result) == ["a", "b"] and result["a"].repeats == 4
+    stats = Latency.of([0.4, 0.1, 0.2, 0.3])
+    assert stats.q1 <= stats.median == 0.25 <= stats.q3
+    assert measure_latency(nn.Identity(), torch.zeros(2), repeats=2).repeats == 2
+    with pytest.raises(ValueError, match=r"repeats.*0"):
+        measure_latency(nn.Identity(), torch.zeros(2), repeats=0)
+    with pytest.raises(ValueError, match=r"warmup.*-1"):
+        compare_latency({}, torch.zeros(2), warmup=-1)
