@@ -47,7 +47,7 @@ DENSE_SHADE = "0.93"
 
 _ACC_COLUMN = re.compile(r"^(train|val|test)/acc(_step|_epoch)?$")
 _LAYER_PREFIX = "pruning/sparsity/"
-_EVENT_LINES_UP_TO = 12
+_EVENT_LINES_UP_TO = 5
 """Up to this many pruning events are also drawn as lines across the accuracy panel."""
 
 
@@ -176,10 +176,25 @@ def _short_names(keys: Sequence[str]) -> dict[str, str]:
     return names
 
 
+_SAME_CURVE_TOLERANCE = 0.004
+"""Curves closer than this everywhere (under a pixel at the figure's size) would hide each other: they share a line."""
+
+
+def _curve_gap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Largest difference between two curves logged at the same steps (``inf`` when their steps differ)."""
+    if len(a) != len(b) or any(sa != sb for (sa, _), (sb, _) in zip(a, b, strict=True)):
+        return math.inf
+    return max((abs(va - vb) for (_, va), (_, vb) in zip(a, b, strict=True)), default=0.0)
+
+
 def _same_curve(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> bool:
-    return len(a) == len(b) and all(
-        sa == sb and math.isclose(va, vb, abs_tol=1e-9) for (sa, va), (sb, vb) in zip(a, b, strict=True)
-    )
+    return _curve_gap(a, b) <= _SAME_CURVE_TOLERANCE
+
+
+def _group_label(names: Sequence[str], series: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """``fc1.weight`` for one layer; ``fc1.weight = fc2.weight`` (``≈`` when not exactly equal) for a shared line."""
+    exact = all(_curve_gap(series[keys[0]], series[key]) <= 1e-9 for key in keys[1:])
+    return f" {'=' if exact else '≈'} ".join(names)
 
 
 def _draw_phases(axes: Sequence[Any], phases: Sequence[tuple[str, float, float]], pruned: bool) -> None:
@@ -214,9 +229,11 @@ def _draw_sparsity(ax: Any, series: Mapping[str, list[tuple[float, float]]], eve
     # layers whose curve equals the total's, or another layer's, share one line and one legend entry
     groups: list[list[str]] = []
     on_total = []
+    exact = True
     for key in layer_keys:
         if total is not None and _same_curve(series[key], total):
             on_total.append(names[key])
+            exact = exact and _curve_gap(series[key], total) <= 1e-9
             continue
         for group in groups:
             if _same_curve(series[group[0]], series[key]):
@@ -233,13 +250,13 @@ def _draw_sparsity(ax: Any, series: Mapping[str, list[tuple[float, float]]], eve
             color=LAYER_COLORS[index % len(LAYER_COLORS)],
             linestyle=LAYER_STYLES[(index // len(LAYER_COLORS)) % len(LAYER_STYLES)],
             linewidth=1.2,
-            label=" = ".join(names[key] for key in group) if labelled else None,
+            label=_group_label([names[key] for key in group], series, group) if labelled else None,
             zorder=3,
             **_lone_point(steps),
         )
     if total is not None:
         steps, values = zip(*total, strict=True)
-        label = "total" + (f" (= {', '.join(on_total)})" if on_total else "")
+        label = "total" + (f" ({'=' if exact else '≈'} {', '.join(on_total)})" if on_total else "")
         ax.plot(steps, values, color=TOTAL_COLOR, linewidth=2.2, label=label, zorder=2, **_lone_point(steps))
     if "pruning/target" in series:
         steps, values = zip(*series["pruning/target"], strict=True)
@@ -271,8 +288,9 @@ def _draw_accuracy(
 ) -> None:
     if len(events) <= _EVENT_LINES_UP_TO:
         for step in events:
-            ax.axvline(step, color=TARGET_COLOR, linestyle=":", linewidth=1.0, alpha=0.7, zorder=1, gid="event-line")
-    keys = sorted(k for k in series if _ACC_COLUMN.match(k))
+            ax.axvline(step, color=TARGET_COLOR, linestyle=":", linewidth=1.2, zorder=1.5, gid="event-line")
+    order = {"train": 0, "val": 1, "test": 2}
+    keys = sorted((k for k in series if _ACC_COLUMN.match(k)), key=lambda k: (order[k.split("/")[0]], k))
     for key in keys:
         steps, values = zip(*series[key], strict=True)
         kind = key.split("/")[0]
@@ -297,12 +315,14 @@ def _draw_accuracy(
                 ax.annotate(
                     f"{100 * value:.1f}%",
                     (step, value),
-                    xytext=(-6, -12),
+                    xytext=(-7, 6),
                     textcoords="offset points",
                     ha="right",
+                    va="bottom",
                     fontsize="small",
                     color="black",
                     zorder=6,
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
                 )
     if keys:
         if events and len(events) <= _EVENT_LINES_UP_TO:
@@ -345,9 +365,11 @@ def draw_training_curves(metrics_csv: str | Path, title: str | None = None) -> A
         axes = [ax_acc]
     _draw_phases(axes, phases, pruned)
     _draw_accuracy(ax_acc, series, events, phases)
+    last = max((step for points in series.values() for step, _ in points), default=0.0)
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.margins(x=0.01)
+        if last > 0:
+            ax.set_xlim(-0.01 * last, 1.025 * last)  # room for the last test point's marker
     if title is None:
         title = "Sparsity and accuracy over training" if pruned else "Accuracy over training (no pruning)"
     fig.suptitle(title)
@@ -498,6 +520,7 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
 
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.subplots()
+    ax.set_xscale("log")
     drawn = [arm for arm in arms if arm.points]
     if not drawn:
         _note(ax, "no run has both sparsity and final accuracy")
@@ -505,17 +528,21 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
         return fig
     all_sparsities = [s for arm in drawn for s, _ in arm.points]
     floor = 10 ** math.floor(math.log10(max(1e-4, min(_kept(s, 1e-4) for s in all_sparsities)) / 2))
+    lo = min(_kept(s, floor) for s in all_sparsities)
+    ax.set_xlim(1.25, lo / 1.6)  # decreasing: sparsity grows to the right
     from matplotlib import colormaps
 
     palette = colormaps["tab10"].colors
     dense_means = [_mean_std(arm.dense)[0] for arm in drawn if arm.dense]
     shared_dense = bool(dense_means) and max(dense_means) - min(dense_means) < 1e-9
+    seeds = _has_seeds(drawn)
     for index, arm in enumerate(drawn):
         color = palette[index % len(palette)]
+        nudge = 1.025 ** (index - (len(drawn) - 1) / 2) if seeds else 1.0  # error bars of arms side by side
         xs, ys, errs = [], [], []
         for sparsity, accs in arm.points:
             mean, std = _mean_std(accs)
-            xs.append(_kept(sparsity, floor))
+            xs.append(_kept(sparsity, floor) * nudge)
             ys.append(100 * mean)
             errs.append(100 * std)
         several = any(len(accs) > 1 for _, accs in arm.points)
@@ -540,21 +567,17 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
             ax.axhspan(100 * (mean - std), 100 * (mean + std), color="0.3", alpha=0.12, linewidth=0)
     elif dense_means:
         ax.plot([], [], color="0.3", linestyle=":", label="dense (dotted, in the arm's colour)")
-    ax.set_xscale("log")
-    ax.invert_xaxis()  # sparsity grows to the right
-    lo = min(_kept(s, floor) for s in all_sparsities)
     ticks = [t for t in (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 1e-4) if t >= lo / 1.5]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{100 * x:g}%\n({100 * (1 - x):g}%)"))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlim(1.25, lo / 1.6)
     ax.set_xlabel("weights kept (sparsity), log scale")
-    ax.set_ylabel("final test accuracy (%)" + (", mean ± std over seeds" if _has_seeds(drawn) else ""))
+    ax.set_ylabel("final test accuracy (%)" + (", mean ± std over seeds" if seeds else ""))
     ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
+    ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("dense"))  # arms first, then dense
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small", loc="lower left")
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small", loc="best")
     return fig
 
 
@@ -572,7 +595,8 @@ def plot_accuracy_vs_sparsity(
     sparsity. Where an arm has several runs at a sparsity (seeds), the point is their mean and the error bar their
     standard deviation. The dense accuracy is a dashed reference line (its band: the standard deviation over
     seeds); when the arms' dense accuracies differ (they vary the model or data), each arm gets a dotted line in
-    its colour. A run at 100% sparsity is drawn at the left edge (half the smallest kept fraction).
+    its colour. With error bars, the arms' points are nudged apart by 2.5% along the axis so that the bars do not
+    overlap. A run at 100% sparsity is drawn at the left edge (half the smallest kept fraction).
 
     Args:
         arms: The lines to draw (see :class:`Arm`).
