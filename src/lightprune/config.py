@@ -269,16 +269,19 @@ def _schema_keys(schema: type = ExperimentConfig, prefix: str = "") -> list[str]
 
 
 def _closest_key(key: str) -> str:
-    """`` (did you mean X?)`` for the schema key closest to ``key``, or nothing if none is close."""
+    """`` (did you mean X?)`` for the schema key closest to ``key``, or nothing if none is close.
+
+    The key's last part is compared with the names of its group, then with every name (the right name in the wrong
+    group).
+    """
     known = _schema_keys()
-    leaf = key.rpartition(".")[2]
-    same_group = [k for k in known if k.rpartition(".")[0] == key.rpartition(".")[0]]
-    match = difflib.get_close_matches(key, same_group, n=1, cutoff=0.6) or difflib.get_close_matches(
-        key, known, n=1, cutoff=0.6
-    )
-    if not match:
-        match = [k for k in known if k.rpartition(".")[2] == leaf]  # right name, wrong group
-    return f" (did you mean {match[0]}?)" if match else ""
+    group, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
+    match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    if match:
+        return f" (did you mean {siblings[match[0]]}?)"
+    elsewhere = [k for k in known if k.rpartition(".")[2] == leaf]
+    return f" (did you mean {elsewhere[0]}?)" if elsewhere else ""
 
 
 def unknown_key_message(key: str) -> str:
