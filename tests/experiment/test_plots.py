@@ -122,7 +122,7 @@ def test_layer_sparsity_of_a_structured_run_says_channels_kept() -> None:
 
 def test_layer_sparsity_of_a_dense_run_says_nothing_was_pruned() -> None:
     fig = draw_layer_sparsity({"layer_sparsity": {"fc1.weight": 0.0, "fc2.weight": 0.0}, "total_sparsity": 0.0})
-    assert "no weight pruned" in [text.get_text() for text in fig.axes[0].texts]
+    assert "no weight pruned: every layer is dense" in [text.get_text() for text in fig.axes[0].texts]
 
 
 def test_accuracy_vs_sparsity_one_line_per_arm_with_error_bars_and_dense_reference() -> None:

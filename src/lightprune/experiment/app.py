@@ -374,6 +374,11 @@ def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
     plain = OmegaConf.to_container(cfg, resolve=True)
     key = dense_key(plain)  # type: ignore[arg-type]
     cache = DenseCache(cfg.cache.dir)
+    try:
+        cache.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        log.warning("dense-phase cache unusable (%s): training the dense phase without it (cache.dir)", err)
+        return (*train(), "trained")
     with cache.lock(key):
         entry = None if cfg.cache.retrain else cache.load(key)
         if entry is not None:

@@ -451,12 +451,12 @@ def draw_layer_sparsity(summary: Any) -> Any:
         ax.set_xlim(0, 1.45 if channels else 1.12)
         ax.set_xticks([0, 0.25, 0.5, 0.75, 1.0])
         if not any(values):
-            ax.text(0.5, 1.02, "no weight pruned", transform=ax.transAxes, ha="center", va="bottom", color="0.4")
+            _note(ax, "no weight pruned: every layer is dense")
     else:
         _note(ax, "no per-layer sparsity in the summary")
     ax.set_xlabel("sparsity (fraction of the layer's weights that are zero)")
     total = data.get("total_sparsity")
-    ax.set_title("Per-layer sparsity" + (f" (total {100 * total:.1f}%)" if total is not None else ""), pad=14)
+    ax.set_title("Per-layer sparsity" + (f" (total {100 * total:.1f}%)" if total is not None else ""))
     return fig
 
 
