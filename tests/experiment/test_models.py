@@ -30,6 +30,7 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpe
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_networks_import_without_lightning():
     """The app checks a config against the networks' parameter names before it imports Lightning."""
     import subprocess

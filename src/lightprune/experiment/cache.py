@@ -52,10 +52,11 @@ def default_cache_dir() -> Path:
 
     Example:
         >>> import os
+        >>> saved = os.environ.get(CACHE_ENV)
         >>> os.environ[CACHE_ENV] = "/tmp/lp-cache"
-        >>> default_cache_dir()
-        PosixPath('/tmp/lp-cache')
-        >>> del os.environ[CACHE_ENV]
+        >>> default_cache_dir().as_posix()
+        '/tmp/lp-cache'
+        >>> _ = os.environ.pop(CACHE_ENV) if saved is None else os.environ.update({CACHE_ENV: saved})
     """
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
