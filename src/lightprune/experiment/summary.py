@@ -329,6 +329,9 @@ def format_summary_table(summary: RunSummary) -> str:
         wall time               12.5 s
         layer sparsity:
           fc1.weight            95.00%
+        >>> s = RunSummary(layer_sparsity={"conv1.weight": 0.5}, layer_channels={"conv1.weight": [8, 16]})
+        >>> print(format_summary_table(s).splitlines()[-1])
+          conv1.weight          50.00%  (8 of 16 channels kept)
     """
     wall = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f} s"
     rows = [
@@ -343,5 +346,8 @@ def format_summary_table(summary: RunSummary) -> str:
     lines = [f"{label:<{width}}{value}" for label, value in rows]
     if summary.layer_sparsity:
         lines.append("layer sparsity:")
-        lines += [f"{'  ' + name:<{width}}{_pct(value)}" for name, value in summary.layer_sparsity.items()]
+        for name, value in summary.layer_sparsity.items():
+            channels = summary.layer_channels.get(name)
+            kept = f"  ({channels[0]} of {channels[1]} channels kept)" if channels else ""
+            lines.append(f"{'  ' + name:<{width}}{_pct(value)}{kept}")
     return "\n".join(lines)
