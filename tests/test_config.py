@@ -13,12 +13,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from lightprune.config import (
+    CacheConfig,
+    ConfigError,
     DataConfig,
     ExperimentConfig,
     ModelConfig,
     PruningConfig,
     TrainerConfig,
+    config_warnings,
     register_configs,
+    unknown_keys,
     validate_config,
 )
 from lightprune.experiment.app import config_dir
@@ -204,3 +208,43 @@ def test_default_composition_and_run_name() -> None:
     )
     assert cfg.name == "gmp_cubic-global-s0.9"
     assert compose_app("pruning=ln_structured").pruning.exclude_classifier is True
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "+pruning.final_sparsty=0.5",
+            "pruning.final_sparsty: not a config key (did you mean pruning.final_sparsity?)",
+        ),
+        ("+trainer.epochs=3", "trainer.epochs: not a config key (did you mean trainer.max_epochs?)"),
+        ("+lr=0.1", "lr: not a config key (did you mean model.lr?)"),  # the right name in the wrong group
+        ("+pruning.zzz=1", "pruning.zzz: not a config key"),
+    ],
+)
+def test_keys_added_with_plus_are_rejected_naming_the_closest_known_key(override: str, expected: str) -> None:
+    cfg = compose_app(override)  # Hydra lets + add a key to the schema's config ...
+    assert unknown_keys(cfg) == [expected.split(":")[0]]
+    with pytest.raises(ConfigError) as info:  # ... validation does not
+        validate_config(cfg)
+    assert str(info.value).splitlines()[1].strip() == expected
+
+
+def test_a_config_from_the_schema_has_no_unknown_keys() -> None:
+    assert unknown_keys(compose_app("experiment=cnn_channels")) == []
+    assert unknown_keys(OmegaConf.structured(ExperimentConfig)) == []
+
+
+def test_removing_every_weight_is_valid_but_warned() -> None:
+    cfg = compose_app("pruning=one_shot", "pruning.final_sparsity=1.0")
+    validate_config(cfg)
+    (message,) = config_warnings(cfg)
+    assert message.startswith("pruning.final_sparsity=1.0 removes every selected weight")
+    assert config_warnings(compose_app("pruning=one_shot", "pruning.final_sparsity=0.99")) == []
+    assert config_warnings(compose_app("pruning=none", "pruning.final_sparsity=1.0")) == []  # nothing is pruned
+
+
+def test_the_cache_group_composes_with_its_defaults() -> None:
+    cfg = compose_app("cache.retrain=true")
+    assert (cfg.cache.dense, cfg.cache.dir, cfg.cache.retrain) == (True, None, True)
+    assert OmegaConf.get_type(cfg.cache) is CacheConfig

@@ -21,8 +21,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from lightprune import config as config_module
-from lightprune.config import ExperimentConfig, register_configs
+from lightprune.config import ConfigError, ExperimentConfig, register_configs
 from lightprune.experiment.app import config_dir, run_experiment
+from lightprune.experiment.cache import CACHE_ENV
 
 TINY = ["experiment=smoke", "data.batch_size=256"]
 
@@ -86,6 +87,9 @@ KEYS: dict[str, Key] = {
     "seed": Key(["abc", "0.5"], ["-1", str(2**32)]),
     "save_model": Key(["maybe"], []),
     "plots": Key(["maybe"], []),
+    "cache.dense": Key(["maybe"], []),
+    "cache.dir": Key(["[1]"], []),
+    "cache.retrain": Key(["maybe"], []),
 }
 
 
@@ -114,6 +118,12 @@ def make_config(*overrides: str) -> DictConfig:
     return compose("config", overrides=list(overrides))
 
 
+@pytest.fixture(autouse=True)
+def _dense_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app's dense-phase cache in the test's directory, never ~/.cache."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     def fit(*args: object, **kwargs: object) -> None:
@@ -134,7 +144,8 @@ def test_the_listed_contexts_are_valid(no_training: None, tmp_path: Path) -> Non
         with pytest.raises(AssertionError, match=r"Trainer\.fit ran|nowhere"):
             try:
                 run_experiment(make_config(*overrides), tmp_path / "run")
-            except FileNotFoundError as err:  # data=idx got past validation to loading the files
+            except ConfigError as err:  # data=idx got past validation of values to looking for the files
+                assert "data.root='/nowhere': /nowhere is not a directory" in str(err)
                 raise AssertionError(str(err)) from err
 
 

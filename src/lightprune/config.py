@@ -17,20 +17,25 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
+    "CacheConfig",
+    "ConfigError",
     "DataConfig",
     "ExperimentConfig",
     "ModelConfig",
     "PruningConfig",
     "TrainerConfig",
+    "config_warnings",
     "register_configs",
+    "unknown_keys",
     "validate_config",
 ]
 
@@ -186,6 +191,26 @@ class TrainerConfig:
 
 
 @dataclass
+class CacheConfig:
+    """Reuse of the dense phase across runs and sweeps.
+
+    The dense phase depends only on the data, the model, the seed, the dense phase's trainer settings and the code
+    (lightprune's app and the torch / Lightning versions): runs that share all of them (a sweep over pruning
+    settings) train it once and load it afterwards, with the same weights, logs, dense accuracy and random state.
+
+    Attributes:
+        dense: look the dense phase up in the cache, and store it there after training it.
+        dir: cache directory; ``None``: ``$LIGHTPRUNE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightprune``, else
+            ``~/.cache/lightprune``.
+        retrain: train the dense phase even when it is cached, and replace the cached one.
+    """
+
+    dense: bool = True
+    dir: str | None = None
+    retrain: bool = False
+
+
+@dataclass
 class ExperimentConfig:
     """A whole prune-finetune experiment.
 
@@ -200,6 +225,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     name: str = "experiment"
     seed: int = 0
     save_model: bool = True
@@ -219,6 +245,102 @@ def register_configs() -> None:
 
     store = ConfigStore.instance()
     store.store(name="experiment_schema", node=ExperimentConfig)
+
+
+class ConfigError(ValueError):
+    """A problem with the experiment config, fixed by changing the config: the app prints the message alone.
+
+    Example:
+        >>> isinstance(ConfigError("data.root: not found"), ValueError)
+        True
+    """
+
+
+def _schema_keys(schema: type = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Every full key of the schema, groups included (``data``, ``data.root``, ...)."""
+    keys = []
+    for item in fields(schema):
+        key = prefix + item.name
+        keys.append(key)
+        default = item.default_factory() if callable(item.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(default):
+            keys += _schema_keys(type(default), key + ".")
+    return keys
+
+
+def _closest_key(key: str) -> str:
+    """`` (did you mean X?)`` for the schema key closest to ``key``, or nothing if none is close.
+
+    The key's last part is compared with the names of its group, then with every name (the right name in the wrong
+    group).
+    """
+    known = _schema_keys()
+    group, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
+    match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    if match:
+        return f" (did you mean {siblings[match[0]]}?)"
+    elsewhere = [k for k in known if k.rpartition(".")[2] == leaf]
+    return f" (did you mean {elsewhere[0]}?)" if elsewhere else ""
+
+
+def unknown_key_message(key: str) -> str:
+    """The message for a key the schema does not have, naming the closest known key.
+
+    Example:
+        >>> unknown_key_message("pruning.final_sparsty")
+        'pruning.final_sparsty: not a config key (did you mean pruning.final_sparsity?)'
+    """
+    return f"{key}: not a config key{_closest_key(key)}"
+
+
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Full keys of ``cfg`` that the schema (:class:`ExperimentConfig`) does not have.
+
+    Hydra lets ``+key=value`` add a key to a config built from the schema; the app would store it and ignore it, so
+    :func:`validate_config` rejects it.
+
+    Example:
+        >>> from omegaconf import open_dict
+        >>> cfg = OmegaConf.structured(ExperimentConfig)
+        >>> with open_dict(cfg.pruning):
+        ...     cfg.pruning.final_sparsty = 0.5
+        >>> unknown_keys(cfg)
+        ['pruning.final_sparsty']
+    """
+    known = set(_schema_keys())
+    found = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key in node:
+            full = f"{prefix}{key}"
+            if full not in known:
+                found.append(full)
+            elif OmegaConf.is_dict(node._get_node(key)):
+                walk(node[key], full + ".")
+
+    walk(cfg, "")
+    return found
+
+
+def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
+    """Settings that are valid but probably not meant: one message each (the app logs them as warnings).
+
+    Example:
+        >>> cfg = OmegaConf.structured(ExperimentConfig)
+        >>> cfg.pruning.final_sparsity = 1.0
+        >>> config_warnings(cfg)
+        ['pruning.final_sparsity=1.0 removes every selected weight: the pruned layers will output only their biases']
+    """
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    messages = []
+    if cfg.pruning.preset != "none" and cfg.pruning.final_sparsity >= 1.0:
+        messages.append(
+            f"pruning.final_sparsity={cfg.pruning.final_sparsity} removes every selected weight: "
+            "the pruned layers will output only their biases"
+        )
+    return messages
 
 
 def _check(problems: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -246,7 +368,8 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     types cannot express. It reads the config only: nothing is built or trained.
 
     Raises:
-        ValueError: naming each bad key, its value and what is allowed.
+        ConfigError: a ``ValueError`` naming each bad key, its value and what is allowed, and each key the schema
+            does not have (added with Hydra's ``+key=value``) with the closest known key.
 
     Example:
         >>> cfg = OmegaConf.structured(ExperimentConfig)
@@ -254,12 +377,12 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         >>> validate_config(cfg)
         Traceback (most recent call last):
         ...
-        ValueError: invalid experiment config:
+        lightprune.config.ConfigError: invalid experiment config:
           pruning.final_sparsity=1.5: must be in [0, 1]
     """
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    problems: list[str] = []
+    problems: list[str] = [unknown_key_message(key) for key in unknown_keys(cfg)]
     data, model, pruning, trainer = cfg.data, cfg.model, cfg.pruning, cfg.trainer
     _check(problems, data.name in DATASETS, "data.name", data.name, f"one of {DATASETS}")
     root = None if OmegaConf.is_missing(data, "root") else data.root
@@ -386,4 +509,4 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     )
     _check(problems, 0 <= cfg.seed <= MAX_SEED, "seed", cfg.seed, f"must be in [0, {MAX_SEED}]")
     if problems:
-        raise ValueError("invalid experiment config:\n  " + "\n  ".join(problems))
+        raise ConfigError("invalid experiment config:\n  " + "\n  ".join(problems))

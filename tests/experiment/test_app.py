@@ -9,7 +9,9 @@ run take a second or two; subprocess tests pay a few seconds of imports each and
 from __future__ import annotations
 
 import csv
+import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +26,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 import lightprune.experiment.app as app
-from lightprune.config import register_configs
+from lightprune.config import ConfigError, register_configs
+from lightprune.experiment import cache as dense_cache
+from lightprune.experiment import load_run
 from lightprune.experiment.app import config_dir, main, run_experiment
 from lightprune.experiment.data import write_idx
 from lightprune.experiment.report import RunSummary
@@ -128,10 +132,12 @@ def assert_exact_sparsity(summary: RunSummary, target: float) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_default_preset_gmp_cubic_end_to_end(tmp_path: Path) -> None:
+def test_default_preset_gmp_cubic_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()
-    summary = run_experiment(make_config(*TINY), tmp_path)
+    summary = run_experiment(make_config(*TINY), tmp_path, overrides=TINY)
     assert RunSummary.load(tmp_path / "summary.json") == summary
+    assert summary.overrides == TINY and summary.run_dir == str(tmp_path.resolve())
+    assert (summary.input_shape, summary.num_classes, summary.dense_cache) == ([1, 8, 8], 10, "stored")
     check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
     assert_exact_sparsity(summary, 0.9)
     assert summary.total_weights == 64 * 300 + 300 * 100 + 100 * 10
@@ -141,6 +147,16 @@ def test_default_preset_gmp_cubic_end_to_end(tmp_path: Path) -> None:
     targets = sorted({float(row["pruning/target"]) for row in rows if row.get("pruning/target")})
     assert len(targets) > 3 and targets[-1] == pytest.approx(0.9)
     assert torch.get_num_threads() == threads  # the smoke preset's trainer.num_threads=1 is undone after the run
+
+    # the documented one-liner rebuilds the pruned model from the run directory
+    model = load_run(tmp_path)
+    state_dict = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in state_dict.items())
+    assert not model.training and model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    capsys.readouterr()
+    assert main(["load", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("LeNet300100(") and "fc2.weight" in printed and "load_run(" in printed
 
 
 @pytest.mark.slow
@@ -180,6 +196,7 @@ def test_ln_structured_prunes_channels_and_keeps_the_classifier(tmp_path: Path) 
     summary = run_experiment(make_config(*TINY, "pruning=ln_structured", "model=small_cnn"), tmp_path)
     check_run_dir(tmp_path, ["dense", "prune"], pruned=True)
     assert summary.layer_sparsity == {"model.conv1.weight": 0.5, "model.conv2.weight": 0.5}
+    assert summary.layer_channels == {"model.conv1.weight": [8, 16], "model.conv2.weight": [16, 32]}
     state_dict = torch.load(tmp_path / "model.pt", weights_only=True)
     for layer, channels in (("conv1", 16), ("conv2", 32)):
         weight, bias = state_dict[f"{layer}.weight"], state_dict[f"{layer}.bias"]
@@ -321,6 +338,128 @@ def test_a_late_one_shot_is_valid_whatever_end_says(no_training: None, tmp_path:
         run_experiment(make_config(*TINY, "pruning=one_shot", "pruning.start=0.8"), tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("pruning.final_sparsity=1.5", "invalid experiment config: pruning.final_sparsity=1.5: must be in [0, 1]"),
+        (
+            "+pruning.final_sparsty=0.5",  # what Hydra's own hint for the typo below suggests
+            "invalid experiment config: pruning.final_sparsty: not a config key (did you mean pruning.final_sparsity?)",
+        ),
+        (
+            "pruning.final_sparsty=0.5",
+            "invalid experiment config: pruning.final_sparsty: not a config key (did you mean pruning.final_sparsity?)",
+        ),
+        ("+trainer.max_epoch=3", "trainer.max_epoch: not a config key (did you mean trainer.max_epochs?)"),
+        (
+            "pruning=not_a_preset",
+            "Could not find 'pruning/not_a_preset'; Available options in 'pruning': gmp_cubic, iterative_rounds, "
+            "ln_structured, none, one_shot",
+        ),
+        ("pruning.final_sparsity=abc", "Value 'abc' of type 'str' could not be converted to Float"),
+        ("data=mnist", "(the default for data=mnist) is not a directory; set data.root=<directory holding"),
+        ("pruning.include=[nothing]", "pruning.include / pruning.exclude: no parameter of the model matches"),
+    ],
+)
+def test_config_errors_print_one_line_and_exit_2(
+    no_training: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, message: str
+) -> None:
+    assert main([*TINY, override, f"hydra.run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lightprune-experiment: ") and message in err, err
+    assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
+
+
+def test_config_error_with_debug_raises_with_traceback(
+    no_training: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTPRUNE_DEBUG", "1")
+    with pytest.raises(ConfigError, match=r"pruning\.final_sparsity=1\.5"):
+        main([*TINY, "pruning.final_sparsity=1.5", f"hydra.run.dir={tmp_path}"])
+
+
+def test_missing_data_directory_names_data_root(no_training: None, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        run_experiment(make_config(*TINY, "data=fashion_mnist", f"data.root={tmp_path}"), tmp_path / "run")
+    assert f"data.root='{tmp_path}': {tmp_path} lacks train-images-idx3-ubyte" in str(info.value)
+    assert "set data.root=<directory holding" in str(info.value)
+
+
+def test_removing_every_weight_warns(no_training: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING), pytest.raises(AssertionError, match=r"Trainer\.fit ran"):
+        run_experiment(make_config(*TINY, "pruning=one_shot", "pruning.final_sparsity=1.0"), tmp_path)
+    assert "pruning.final_sparsity=1.0 removes every selected weight" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(AssertionError, match=r"Trainer\.fit ran"):
+        run_experiment(make_config(*TINY, "pruning=one_shot", "pruning.final_sparsity=0.99"), tmp_path)
+    assert "removes every" not in caplog.text
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The dense-phase cache
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def key_of(*overrides: str) -> str:
+    from omegaconf import OmegaConf
+
+    return dense_cache.dense_key(OmegaConf.to_container(make_config(*overrides), resolve=True))
+
+
+def test_dense_key_changes_with_what_determines_the_dense_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = key_of()
+    for same in ("pruning=one_shot", "pruning.final_sparsity=0.5", "trainer.max_epochs=3", "name=x", "plots=false"):
+        assert key_of(same) == base, same
+    assert key_of("trainer.enable_progress_bar=false") == base
+    for different in (
+        "seed=1",
+        "data.seed=1",
+        "data.batch_size=32",
+        "model.lr=0.01",
+        "model=small_cnn",
+        "trainer.dense_epochs=3",
+        "trainer.num_threads=2",
+    ):
+        assert key_of(different) != base, different
+    monkeypatch.setattr(dense_cache, "_version", lambda package: "other")  # another torch, Lightning, ...
+    assert key_of() != base
+
+
+def fit_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts ``Trainer.fit`` calls by their ``max_epochs`` (the dense phase's is 1 under ``TINY``)."""
+    calls: list[int] = []
+    fit = pl.Trainer.fit
+
+    def counting(self: pl.Trainer, *args: object, **kwargs: object) -> object:
+        calls.append(self.max_epochs)
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(pl.Trainer, "fit", counting)
+    return calls
+
+
+def test_a_cached_dense_phase_gives_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fit_counter(monkeypatch)
+    overrides = [*TINY, "pruning=one_shot"]
+    plain = run_experiment(make_config(*overrides, "cache.dense=false"), tmp_path / "plain")
+    stored = run_experiment(make_config(*overrides), tmp_path / "stored")
+    loaded = run_experiment(make_config(*overrides), tmp_path / "loaded")
+    assert calls == [1, 2, 1, 2, 2]  # the third run trained no dense phase
+    assert (plain.dense_cache, stored.dense_cache, loaded.dense_cache) == ("trained", "stored", "loaded")
+    models = [(tmp_path / run / "model.pt").read_bytes() for run in ("plain", "stored", "loaded")]
+    assert models[0] == models[1] == models[2]
+    for field in ("dense_test_acc", "final_test_acc", "layer_sparsity"):
+        assert getattr(plain, field) == getattr(stored, field) == getattr(loaded, field), field
+    dense_logs = [(tmp_path / run / "logs" / "dense" / "metrics.csv").read_text() for run in ("stored", "loaded")]
+    assert dense_logs[0] == dense_logs[1]
+    assert read_csv(tmp_path / "loaded" / "logs" / "all_phases.csv")[0]["phase"] == "dense"
+
+    retrained = run_experiment(make_config(*overrides, "cache.retrain=true"), tmp_path / "retrained")
+    assert retrained.dense_cache == "stored" and calls[-2:] == [1, 2]
+    assert (tmp_path / "retrained" / "model.pt").read_bytes() == models[0]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Report over runs
 # --------------------------------------------------------------------------------------------------------------------
@@ -385,25 +524,74 @@ def test_python_m_run(tmp_path: Path) -> None:
     assert (tmp_path / ".hydra" / "overrides.yaml").is_file()
     assert not any(line.startswith("INFO: ") for line in result.stderr.splitlines()), "Lightning logs printed twice"
     assert "Trainer.fit" in (tmp_path / "app.log").read_text()
+    output = result.stdout + result.stderr
+    for noise in ("LeafSpec", "litlogger", "💡", "v_num"):
+        assert noise not in output, noise
+    assert RunSummary.load(tmp_path / "summary.json").overrides == TINY  # the task's overrides, not hydra.*
 
 
 @pytest.mark.slow
 def test_command_line_config_error(tmp_path: Path) -> None:
     result = run_cli(PYTHON_M, *TINY, "pruning.final_sparsity=1.5", f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 1
-    assert "pruning.final_sparsity=1.5: must be in [0, 1]" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "lightprune-experiment: invalid experiment config: pruning.final_sparsity=1.5: must be in [0, 1]"
+    ]
     assert not (tmp_path / "logs").exists() and not (tmp_path / "summary.json").exists()
+    assert "pruning.final_sparsity=1.5: must be in [0, 1]" in (tmp_path / "app.log").read_text()  # for `report`
+    debug = subprocess.run(
+        [*PYTHON_M, *TINY, "pruning.final_sparsity=1.5", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LIGHTPRUNE_DEBUG": "1"},
+    )
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
 
 
 @pytest.mark.slow
-def test_console_script_multirun_then_report(tmp_path: Path) -> None:
+def test_config_errors_are_found_before_lightning_is_imported(tmp_path: Path) -> None:
+    code = (
+        "import sys; from lightprune.experiment.app import main; "
+        "codes = [main([a, 'hydra.run.dir=' + sys.argv[1]]) for a in sys.argv[2:]]; "
+        "print(codes, 'lightning.pytorch' in sys.modules)"
+    )
+    errors = ["pruning.final_sparsity=2", "data=mnist", "pruning.include=[nothing]", "+pruning.final_sparsty=0.5"]
+    result = run_cli([sys.executable, "-c", code], str(tmp_path / "run"), *errors)
+    assert result.stdout.strip() == "[2, 2, 2, 2] False", result.stderr
+
+
+@pytest.mark.slow
+def test_console_script_multirun_then_report_and_a_parallel_sweep_gives_the_same_runs(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     command = [SCRIPT] if SCRIPT else PYTHON_M
-    result = run_cli(command, "-m", "pruning.final_sparsity=0.5,0.8", *TINY, f"hydra.sweep.dir={sweep_dir}")
+    sweep = ["-m", "pruning.final_sparsity=0.5,0.8", *TINY]
+    result = run_cli(command, *sweep, "cache.dense=false", f"hydra.sweep.dir={sweep_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = sorted(sweep_dir.glob("*/summary.json"))
     assert len(summaries) == 2
     for path in summaries:
         assert (path.parent / ".hydra" / "overrides.yaml").is_file()
         check_run_dir(path.parent, ["dense", "prune"], pruned=True)
+        assert RunSummary.load(path).dense_cache == "trained"
     check_report(sweep_dir, runs=2, sparsities=["0.5", "0.8", "50.0%", "80.0%"])
+
+    # the README's parallel sweep: Hydra's joblib launcher, dense phase from the cache: the same runs
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    parallel_dir = tmp_path / "parallel"
+    launcher = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    result = run_cli(command, *sweep, *launcher, "cache.dense=true", f"hydra.sweep.dir={parallel_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for path in summaries:
+        twin = parallel_dir / path.parent.name
+        assert (twin / "model.pt").read_bytes() == (path.parent / "model.pt").read_bytes()
+        sequential, parallel = RunSummary.load(path), RunSummary.load(twin / "summary.json")
+        assert (parallel.dense_test_acc, parallel.final_test_acc) == (
+            sequential.dense_test_acc,
+            sequential.final_test_acc,
+        )
+        assert parallel.layer_sparsity == sequential.layer_sparsity
+    assert sorted(RunSummary.load(p / "summary.json").dense_cache for p in parallel_dir.glob("[0-9]*")) == [
+        "loaded",
+        "stored",
+    ]  # the second job waited for the first's dense phase instead of training its own

@@ -22,9 +22,23 @@ from lightprune.experiment.models import (
     theoretical_speedup,
 )
 
+# Lightning's own use of a torch API that torch deprecated; nothing the tests can change
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\)")
+
 # --------------------------------------------------------------------------------------------------------------------
 # Architectures
 # --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_networks_import_without_lightning():
+    """The app checks a config against the networks' parameter names before it imports Lightning."""
+    import subprocess
+    import sys
+
+    code = "import sys, lightprune.experiment.models, lightprune.experiment.checks; print('lightning' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_lenet300100_parameter_counts_and_names():

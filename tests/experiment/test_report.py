@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +15,12 @@ from lightprune.experiment.report import (
     RunSummary,
     collect_runs,
     format_summary_table,
+    group_arms,
     plot_layer_sparsity,
     plot_training_curves,
     read_metrics_csv,
     report_main,
+    scan_runs,
     sparsity_by_layer,
     summarize,
     write_report,
@@ -290,3 +293,67 @@ def test_report_main(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert report_main([str(tmp_path / "empty")]) == 1
     assert "no summary.json" in capsys.readouterr().err
+
+
+def test_runs_without_a_summary_are_listed_as_skipped_with_their_logged_reason(tmp_path):
+    sweep = make_multirun(tmp_path)
+    (sweep / "2" / "app.log").write_text(
+        "[2024-01-01 12:00:00,000][lightprune.experiment.app][INFO] - starting\n"
+        "[2024-01-01 12:00:01,000][lightprune.experiment.app][ERROR] - invalid experiment config: data.root=None: ...\n"
+    )
+    (sweep / "3" / ".hydra").mkdir(parents=True)  # killed before it logged anything
+    runs, skipped = scan_runs(sweep)
+    assert len(runs) == 3
+    assert [(Path(s.run_dir).name, s.reason) for s in skipped] == [
+        ("2", "invalid experiment config: data.root=None: ..."),
+        ("3", "no summary.json and no error in its log (the run was stopped, or is still running)"),
+    ]
+    markdown = write_report(sweep)
+    assert "Skipped 2 run(s) without a summary.json:" in markdown
+    assert "- 2: invalid experiment config: data.root=None: ..." in markdown
+
+
+def test_a_corrupt_summary_is_named_in_one_line(tmp_path, capsys):
+    sweep = make_multirun(tmp_path)
+    (sweep / "1" / "summary.json").write_text('{"final_test_acc": 0.9,')  # cut off mid-write
+    with pytest.raises(ValueError, match=r"1/summary\.json: not a valid run summary"):
+        collect_runs(sweep)
+    assert report_main([str(sweep)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(sweep / "1" / "summary.json") in err
+    (sweep / "1" / "summary.json").write_text("[1, 2]")  # JSON, but no summary
+    with pytest.raises(ValueError, match=r"1/summary\.json: not a valid run summary \(a run summary must be"):
+        collect_runs(sweep)
+
+
+def test_seed_sweep_gets_mean_and_std_per_arm(tmp_path):
+    accuracies = {("global", 0): 0.90, ("global", 1): 0.92, ("layerwise", 0): 0.80, ("layerwise", 1): 0.84}
+    for job, ((scope, seed), acc) in enumerate(accuracies.items()):
+        run = tmp_path / str(job)
+        (run / ".hydra").mkdir(parents=True)
+        overrides = f"- pruning.scope={scope}\n- seed={seed}\n- pruning.final_sparsity=0.9\n"
+        (run / ".hydra" / "overrides.yaml").write_text(overrides)
+        RunSummary(total_sparsity=0.9, final_test_acc=acc, dense_test_acc=0.95 + 0.01 * seed).to_json(
+            run / "summary.json"
+        )
+    markdown = write_report(tmp_path)
+    assert "| pruning.scope | sparsity | runs | dense acc | final acc |" in markdown
+    assert "| global | 90.0% | 2 | 95.50 ± 0.71% | 91.00 ± 1.41% |" in markdown
+    assert "| layerwise | 90.0% | 2 | 95.50 ± 0.71% | 82.00 ± 2.83% |" in markdown
+    arms = group_arms(collect_runs(tmp_path))
+    assert [(arm.label, arm.points) for arm in arms] == [
+        ("pruning.scope=global", [(0.9, [0.9, 0.92])]),
+        ("pruning.scope=layerwise", [(0.9, [0.8, 0.84])]),
+    ]
+
+
+def test_no_seed_table_without_repeated_runs(tmp_path):
+    assert "Mean ± standard deviation" not in write_report(make_multirun(tmp_path))
+
+
+def test_overrides_stored_in_the_summary_are_used_when_the_run_has_no_hydra_dir(tmp_path):
+    RunSummary(total_sparsity=0.5, final_test_acc=0.9, overrides=["seed=3"], run_dir="/elsewhere").to_json(
+        tmp_path / "moved" / "summary.json"
+    )
+    (run,) = collect_runs(tmp_path)
+    assert run.overrides == ["seed=3"] and run.run_dir == str(tmp_path / "moved")

@@ -9,10 +9,16 @@ fine-tunes it with :class:`lightprune.PruningCallback`, and writes into Hydra's 
 * ``summary.json``: dense and final test accuracy, per-layer and total sparsity, compression ratio, theoretical
   speed-up, wall time and the config;
 * ``training_curves.png`` (sparsity and accuracy over steps) and ``layer_sparsity.png``;
-* ``model.pt``: the final pruned model's state_dict (plain parameters holding zeros).
+* ``model.pt``: the final pruned model's state_dict (plain parameters holding zeros); rebuild the model with
+  :func:`lightprune.experiment.load_run`.
 
-``lightprune-experiment report <multirun dir>`` gathers a sweep (``-m``) into one Markdown table and one
-accuracy-versus-sparsity plot.
+The dense phase is cached (:mod:`lightprune.experiment.cache`): runs that share it (a sweep over pruning settings)
+train it once. ``lightprune-experiment report <multirun dir>`` gathers a sweep (``-m``) into one Markdown table and
+one accuracy-versus-sparsity plot; ``lightprune-experiment load <run dir>`` rebuilds a run's model.
+
+A config error (a bad value or choice, an unknown key, missing data files, a selection that selects nothing) is
+printed as its message alone and the app exits with status 2, before Lightning is imported;
+``LIGHTPRUNE_DEBUG=1`` (or Hydra's ``HYDRA_FULL_ERROR=1``) shows the traceback.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from __future__ import annotations
 import contextlib
 import csv
 import logging
-import re
+import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,9 +38,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lightprune.config import register_configs, validate_config
+from lightprune.config import ConfigError, config_warnings, register_configs, unknown_key_message, validate_config
+from lightprune.experiment.checks import exclude_patterns, model_kwargs, preflight
 
-__all__ = ["build_callback", "config_dir", "main", "run_experiment"]
+__all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "run_experiment"]
+
+DEBUG_ENV = "LIGHTPRUNE_DEBUG"
+"""Set to 1 to see the traceback of a config error (the app prints its message alone otherwise)."""
+
+CONFIG_ERROR_STATUS = 2
+"""Exit status of a config error (1: any other failure)."""
 
 log = logging.getLogger(__name__)
 
@@ -71,24 +85,6 @@ def _schedule(cfg: DictConfig, rounds_target: float | None = None) -> Any:
         end=float(p.end),
         frequency=float(p.frequency),
     )
-
-
-def _classifier_weight(module: nn.Module) -> str:
-    """Qualified name of the weight of ``module``'s last ``nn.Linear`` (the classifier head)."""
-    linears = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
-    if not linears:
-        raise ValueError("pruning.exclude_classifier=true, but the model has no nn.Linear layer")
-    return f"{linears[-1]}.weight" if linears[-1] else "weight"
-
-
-def _exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | None:
-    """``cfg.pruning.exclude``, plus the classifier's weight when ``cfg.pruning.exclude_classifier`` is set."""
-    exclude = list(cfg.pruning.exclude) if cfg.pruning.exclude else []
-    if cfg.pruning.exclude_classifier:
-        if module is None:
-            raise ValueError("pruning.exclude_classifier=true needs the model: pass build_callback(cfg, module=...)")
-        exclude.append(re.escape(_classifier_weight(module)))
-    return exclude or None
 
 
 def build_callback(
@@ -133,7 +129,7 @@ def build_callback(
         scope=p.scope,
         unit=p.unit,
         include=list(p.include) if p.include else None,
-        exclude=_exclude_patterns(cfg, module),
+        exclude=exclude_patterns(cfg, module),
         prune_channel_bias=p.prune_channel_bias,
         rewind=rewind,
         make_permanent=make_permanent,
@@ -157,7 +153,7 @@ def _check_selection(callback: Any, module: nn.Module) -> None:
             parameter_names=callback.parameter_names,
         )
     except ValueError as err:
-        raise ValueError(f"pruning.include / pruning.exclude: {err}") from err
+        raise ConfigError(f"pruning.include / pruning.exclude: {err}") from err
 
 
 def _datamodule(cfg: DictConfig) -> Any:
@@ -190,7 +186,7 @@ def _trainer(cfg: DictConfig, output_dir: Path, phase: str, max_epochs: int, cal
     import lightning.pytorch as pl
 
     t = cfg.trainer
-    return pl.Trainer(
+    trainer = pl.Trainer(
         max_epochs=max_epochs,
         accelerator=t.accelerator,
         devices=t.devices,
@@ -206,6 +202,24 @@ def _trainer(cfg: DictConfig, output_dir: Path, phase: str, max_epochs: int, cal
         default_root_dir=output_dir,
         num_sanity_val_steps=0,
     )
+    _hide_version(trainer)
+    return trainer
+
+
+def _hide_version(trainer: Any) -> None:
+    """Drop the logger version from the progress bar: ours is the phase's name, which Lightning cuts to its last four
+    letters (``v_num=ense`` for ``dense``)."""
+    bar = trainer.progress_bar_callback
+    if bar is None:
+        return
+    get_metrics = bar.get_metrics
+
+    def without_version(trainer: Any, pl_module: Any) -> dict[str, Any]:
+        items = get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+    bar.get_metrics = without_version
 
 
 def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
@@ -259,7 +273,7 @@ def _plan(cfg: DictConfig, module: nn.Module, rewind: Any) -> list[tuple[str, fl
         else:
             plan = [("prune", None, build_callback(cfg, module=module, rewind=rewind))]
     except ValueError as err:  # the callback's own checks, e.g. of a method given by import path
-        raise ValueError(f"invalid pruning config (pruning.*): {err}") from err
+        raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
     if plan[0][2] is not None:
         _check_selection(plan[0][2], module)
     return plan
@@ -294,46 +308,114 @@ def _lay_end_to_end(output_dir: Path, phases: Sequence[tuple[str, int]], out_csv
     return out_csv
 
 
-def run_experiment(cfg: DictConfig, output_dir: str | Path) -> Any:
+class _DropLightningTips(logging.Filter):
+    """Lightning's advertising tips (``💡 Tip: ... litlogger``), printed once per Trainer, say nothing about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡")
+
+
+_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+@contextlib.contextmanager
+def _quiet_third_party() -> Iterator[None]:
+    """Silence what third-party libraries print that tells the app's user nothing (restored afterwards)."""
+    tip_filter = _DropLightningTips()
+    loggers = [logging.getLogger(name) for name in _RANK_ZERO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(tip_filter)
+    try:
+        with warnings.catch_warnings():
+            # Lightning's own use of a torch API torch deprecated (lightning/pytorch/utilities/_pytree.py)
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=Warning)
+            # the data are tensors in memory: worker processes would only slow loading down
+            warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(tip_filter)
+
+
+def run_experiment(cfg: DictConfig, output_dir: str | Path, *, overrides: Sequence[str] | None = None) -> Any:
     """Run the whole experiment described by ``cfg`` and write its outputs into ``output_dir``.
 
+    Args:
+        cfg: the experiment config (composed from ``conf/`` or built from :class:`~lightprune.config.ExperimentConfig`).
+        output_dir: the run directory.
+        overrides: the command-line overrides the config was composed with, stored in ``summary.json``.
+
     Returns:
-        The :class:`~lightprune.experiment.report.RunSummary` written to ``summary.json``.
+        The :class:`~lightprune.experiment.summary.RunSummary` written to ``summary.json``.
 
     Raises:
-        ValueError: the config is invalid (every problem is listed), or the pruning method or selection does not
-            fit the model; nothing has been trained or written then.
+        ConfigError: the config is invalid (every problem is listed), the data files are missing, or the pruning
+            method or selection does not fit the model; nothing has been trained or written then.
     """
     validate_config(cfg)
-    with _torch_threads(cfg.trainer.num_threads):
-        return _run(cfg, Path(output_dir))
+    preflight(cfg)
+    for message in config_warnings(cfg):
+        log.warning(message)
+    with _torch_threads(cfg.trainer.num_threads), _quiet_third_party():
+        return _run(cfg, Path(output_dir), list(overrides or []))
 
 
-def _run(cfg: DictConfig, output_dir: Path) -> Any:
+def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any) -> tuple[float, int, str]:
+    """Train and test the dense model, or load both from the cache; returns ``(test accuracy, steps, how)``."""
+    from lightprune.experiment.cache import DenseCache, dense_key, rng_state, set_rng_state
+
+    def train() -> tuple[float, int]:
+        dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
+        dense.fit(module, datamodule=datamodule)
+        return _test_accuracy(dense, module, datamodule), dense.global_step
+
+    if not cfg.cache.dense:
+        return (*train(), "trained")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    key = dense_key(plain)  # type: ignore[arg-type]
+    cache = DenseCache(cfg.cache.dir)
+    try:
+        cache.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        log.warning("dense-phase cache unusable (%s): training the dense phase without it (cache.dir)", err)
+        return (*train(), "trained")
+    with cache.lock(key):
+        entry = None if cfg.cache.retrain else cache.load(key)
+        if entry is not None:
+            module.load_state_dict(entry.state_dict)
+            set_rng_state(entry.rng)
+            entry.copy_logs(output_dir)
+            log.info("dense phase loaded from the cache: %s", entry.path)
+            return float(entry.info["dense_test_acc"]), int(entry.info["global_step"]), "loaded"
+        accuracy, steps = train()
+        info = {"dense_test_acc": accuracy, "global_step": steps, "key": key}
+        entry = cache.store(key, module.state_dict(), rng_state(), info, output_dir)
+        log.info("dense phase stored in the cache: %s", entry.path)
+        return accuracy, steps, "stored"
+
+
+def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import lightning.pytorch as pl
 
     from lightprune.callback import PruningCallback
-    from lightprune.experiment.models import Classifier, make_model
-    from lightprune.experiment.report import format_summary_table, plot_layer_sparsity, plot_training_curves, summarize
+    from lightprune.experiment.classifier import Classifier
+    from lightprune.experiment.models import make_model
+    from lightprune.experiment.plots import plot_layer_sparsity, plot_training_curves
+    from lightprune.experiment.summary import format_summary_table, summarize
 
     started = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _datamodule(cfg)
-    model_kwargs: dict[str, Any] = (
-        {"hidden": tuple(cfg.model.hidden)}
-        if cfg.model.name == "lenet300100"
-        else {"channels": tuple(cfg.model.channels)}
-    )
-    network = make_model(cfg.model.name, datamodule.dims, datamodule.num_classes, **model_kwargs)
+    network = make_model(cfg.model.name, datamodule.dims, datamodule.num_classes, **model_kwargs(cfg.model))
     module = Classifier(network, lr=cfg.model.lr, optimizer=cfg.model.optimizer, weight_decay=cfg.model.weight_decay)
     initial_weights = PruningCallback.snapshot_weights(module)
     plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
-    dense.fit(module, datamodule=datamodule)
-    phases = [("dense", dense.global_step)]
-    dense_acc = _test_accuracy(dense, module, datamodule)
+    dense_started = time.perf_counter()
+    dense_acc, dense_steps, dense_how = _dense_phase(cfg, output_dir, module, datamodule)
+    dense_time = time.perf_counter() - dense_started
+    phases = [("dense", dense_steps)]
 
     metrics: dict[str, float] = {}
     final_acc = dense_acc
@@ -346,6 +428,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> Any:
             metrics[f"{phase}/test_acc"] = final_acc
             metrics[f"{phase}/sparsity"] = target
     last_callback = plan[-1][2]
+    structured = last_callback is not None and cfg.pruning.method in ("ln_structured", "random_structured")
 
     summary = summarize(
         module,
@@ -356,18 +439,35 @@ def _run(cfg: DictConfig, output_dir: Path) -> Any:
         wall_time_s=time.perf_counter() - started,
         config=OmegaConf.to_container(cfg, resolve=True),
         metrics=metrics,
+        channel_dim=cfg.pruning.dim if structured else None,
+        num_classes=datamodule.num_classes,
     )
+    summary.overrides = overrides
+    summary.run_dir = str(output_dir.resolve())
+    summary.dense_cache = dense_how
+    summary.dense_time_s = dense_time
     summary.to_json(output_dir / "summary.json")
     if cfg.save_model:
         torch.save(module.model.state_dict(), output_dir / "model.pt")
     curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
     if cfg.plots:
         if curves_csv is not None:
-            plot_training_curves(curves_csv, output_dir / "training_curves.png")
+            plot_training_curves(curves_csv, output_dir / "training_curves.png", title=_plot_title(cfg))
         plot_layer_sparsity(summary, output_dir / "layer_sparsity.png")
     print(format_summary_table(summary))
     print(f"outputs: {output_dir}")
     return summary
+
+
+def _plot_title(cfg: DictConfig) -> str:
+    """What a reader of ``training_curves.png`` needs to know about the run, in one line."""
+    p = cfg.pruning
+    if p.preset == "none" or p.final_sparsity == 0:
+        what = "no pruning"
+    else:
+        when = f"{p.rounds} rounds" if p.preset == "iterative_rounds" else f"{p.schedule} schedule"
+        what = f"{p.method}, {p.scope}, {when}, to {100 * p.final_sparsity:g}% sparsity"
+    return f"{cfg.model.name} on {cfg.data.name}: {what} (seed {cfg.seed})"
 
 
 def _route_lightning_logs_to_hydra() -> None:
@@ -383,36 +483,134 @@ def _route_lightning_logs_to_hydra() -> None:
         logger.propagate = True
 
 
+def _debug() -> bool:
+    """Show tracebacks: ``LIGHTPRUNE_DEBUG=1``, or Hydra's own ``HYDRA_FULL_ERROR=1``."""
+    return any(os.environ.get(name, "") not in ("", "0") for name in (DEBUG_ENV, "HYDRA_FULL_ERROR"))
+
+
+def _log_to_file(message: str) -> None:
+    """Write an error into the job's log file only (``report`` gives it as the reason a run has no summary)."""
+    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def _hydra_main(argv: Sequence[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     register_configs()
+    failed: list[ConfigError] = []
+    debug = _debug()  # before HYDRA_FULL_ERROR is set below
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
     def _run_job(cfg: DictConfig) -> None:
-        validate_config(cfg)  # before importing Lightning: a config error is reported in a moment
-        if logging.getLogger().handlers:
-            _route_lightning_logs_to_hydra()
-        run_experiment(cfg, HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
+        try:
+            validate_config(cfg)  # before importing Lightning: a config error is reported in a moment
+            preflight(cfg)
+            if logging.getLogger().handlers:
+                _route_lightning_logs_to_hydra()
+            run_experiment(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+        except Exception as err:
+            _log_to_file(" ".join((_one_line(err) or f"{type(err).__name__}: {err}").split()))
+            if isinstance(err, ConfigError) and hydra_cfg.mode == RunMode.RUN and not debug:
+                failed.append(err)  # reported by main() alone, without Hydra's "Error executing job" line
+                return
+            raise
 
-    saved = sys.argv
-    sys.argv = [saved[0], *argv]
+    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    sys.argv = [saved_argv[0], *argv]
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing a partial traceback; main() reports
     try:
         _run_job()
     finally:
-        sys.argv = saved
+        sys.argv = saved_argv
+        if saved_full_error is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
+    if failed:
+        raise failed[0]
     return 0
 
 
+def _config_key_error(err: BaseException) -> str | None:
+    """For an unknown key Hydra could not override, the key and the closest known one (not Hydra's ``+key`` hint,
+    which would add the misspelt key)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = err.__cause__
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and getattr(cause, "full_key", None):
+        return unknown_key_message(str(cause.full_key))
+    return None
+
+
+def _one_line(err: BaseException) -> str | None:
+    """A config error as one line (a few for several problems), or ``None`` when ``err`` is no config error.
+
+    Config errors: :class:`~lightprune.config.ConfigError` and what Hydra and OmegaConf raise while composing the
+    config (unknown keys, wrong types, unknown config group options, override syntax).
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(err, ConfigError):
+        header, *problems = str(err).splitlines()
+        return f"{header} {problems[0].strip()}" if len(problems) == 1 else str(err)
+    if not isinstance(err, HydraException | OmegaConfBaseException):
+        return None
+    key_error = _config_key_error(err)
+    if key_error is not None:
+        return f"invalid experiment config: {key_error}"
+    text = str(err)
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        text += "\n" + str(err.__cause__)
+    parts: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Config search path"):  # Hydra's internals, not the user's config
+            break
+        if not stripped or stripped.startswith(("To append", "full_key:", "object_type=", "reference_type=")):
+            continue
+        if line.startswith("\t") and parts and parts[-1].endswith((":", ",")):  # Hydra's list of available options
+            parts[-1] = f"{parts[-1]} {stripped},"
+            continue
+        parts.append(stripped)
+    return "; ".join(part.rstrip(",") for part in parts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point: ``lightprune-experiment [hydra overrides]`` or ``lightprune-experiment report DIR``."""
+    """Console entry point: ``lightprune-experiment [hydra overrides]``, ``lightprune-experiment report DIR`` or
+    ``lightprune-experiment load RUN_DIR``.
+
+    Returns:
+        The exit status: 0, or 2 for a config error (printed as its message alone; ``LIGHTPRUNE_DEBUG=1`` raises it
+        with its traceback). Other errors propagate.
+
+    Example:
+        >>> main(["report", "/nonexistent/multirun"])  # the message goes to stderr
+        1
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "report":
         from lightprune.experiment.report import report_main
 
         return report_main(args[1:])
-    return _hydra_main(args)
+    if args and args[0] == "load":
+        from lightprune.experiment.load import load_main
+
+        return load_main(args[1:])
+    try:
+        return _hydra_main(args)
+    except Exception as err:
+        message = None if _debug() else _one_line(err)
+        if message is None:
+            raise
+        print(f"lightprune-experiment: {message}", file=sys.stderr)
+        return CONFIG_ERROR_STATUS
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, MNIST_ROOT, _find_idx_file
+
 __all__ = [
     "DATASET_NAMES",
     "FASHION_MNIST_CLASSES",
@@ -42,20 +44,6 @@ __all__ = [
     "split_indices",
     "write_idx",
 ]
-
-FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
-"""Where Debian's ``dataset-fashion-mnist`` package installs the four ``*-ubyte.gz`` files."""
-
-MNIST_ROOT = "/usr/share/datasets/mnist"
-"""Default MNIST directory (same layout as Fashion-MNIST; no Debian package ships it, so pass ``root``)."""
-
-IDX_FILES = {
-    "train_images": "train-images-idx3-ubyte",
-    "train_labels": "train-labels-idx1-ubyte",
-    "test_images": "t10k-images-idx3-ubyte",
-    "test_labels": "t10k-labels-idx1-ubyte",
-}
-"""The four standard file names of an MNIST-layout directory (each may also end in ``.gz``)."""
 
 FASHION_MNIST_CLASSES = (
     "T-shirt/top",
@@ -482,20 +470,6 @@ def write_idx(path: str | Path, tensor: Tensor, compress: bool | None = None) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(payload)
     return path
-
-
-def _find_idx_file(root: Path, stem: str) -> Path | None:
-    """Finds one standard IDX file under ``root`` (or ``root/raw``), with or without ``.gz``.
-
-    Also accepts the dotted spelling some mirrors use (``train-images.idx3-ubyte``).
-    """
-    dotted = stem.replace("-idx", ".idx")
-    for folder in (root, root / "raw"):
-        for name in (stem, f"{stem}.gz", dotted, f"{dotted}.gz"):
-            candidate = folder / name
-            if candidate.is_file():
-                return candidate
-    return None
 
 
 def _images_to_float(images: Tensor) -> Tensor:

@@ -1,514 +1,79 @@
-"""Run summaries, plots and multirun reports for the experiment app.
+"""Multirun reports of the experiment app, and the names the app's outputs were first published under.
 
-* :class:`RunSummary` / :func:`summarize` - what one run writes as ``summary.json``: accuracies, per-layer and total
-  sparsity, compression, theoretical speed-up, wall time and the config.
-* :func:`format_summary_table` - a short text table for the terminal at the end of a run.
-* :func:`plot_training_curves` - sparsity and accuracy over training steps from Lightning's ``metrics.csv``.
-* :func:`plot_layer_sparsity` - a bar chart of per-layer sparsity.
-* :func:`collect_runs`, :func:`write_report`, :func:`report_main` - one Markdown table and one accuracy-versus-sparsity
-  plot over every run of a Hydra multirun directory (``lightprune-experiment report <dir>``).
+* :func:`collect_runs` / :func:`scan_runs` - every run's ``summary.json`` under a Hydra multirun directory (and the
+  runs that wrote none, with the reason their log gives).
+* :func:`group_arms` - runs grouped into arms: every setting but sparsity and seed.
+* :func:`write_report`, :func:`report_main` - one Markdown table (per run, and per arm and sparsity: mean ± std over
+  seeds) and one accuracy-versus-sparsity plot (``lightprune-experiment report <dir>``).
 
-Plots are drawn on ``matplotlib.figure.Figure`` objects directly (no ``pyplot``), so no display is needed, no global
-backend is switched and no figure is left open.
+Summaries live in :mod:`lightprune.experiment.summary` and plots in :mod:`lightprune.experiment.plots`; their public
+names are importable from here too.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
 import json
-import math
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from lightprune.experiment.models import flops_by_layer
+from lightprune.experiment.plots import (
+    Arm,
+    plot_accuracy_vs_sparsity,
+    plot_layer_sparsity,
+    plot_training_curves,
+    read_metrics_csv,
+)
+from lightprune.experiment.summary import (
+    SUMMARY_FILE,
+    RunSummary,
+    _pct,
+    _times,
+    format_summary_table,
+    sparsity_by_layer,
+    summarize,
+)
 
 __all__ = [
+    "SEED_KEYS",
+    "SPARSITY_KEYS",
     "RunSummary",
+    "SkippedRun",
     "collect_runs",
     "format_summary_table",
+    "group_arms",
     "plot_layer_sparsity",
     "plot_training_curves",
     "read_metrics_csv",
     "report_main",
+    "scan_runs",
     "sparsity_by_layer",
     "summarize",
     "write_report",
 ]
 
-SUMMARY_FILE = "summary.json"
-"""File name :func:`collect_runs` looks for."""
+SEED_KEYS = ("seed", "data.seed", "pruning.seed")
+"""Overrides that only repeat a run with other random numbers: runs differing in these are averaged."""
 
-Selection = Iterable[tuple[nn.Module, str] | tuple[str, nn.Module, str] | str] | None
+SPARSITY_KEYS = ("pruning.final_sparsity",)
+"""Overrides that move a run along the sparsity axis of an arm."""
 
 
 @dataclass
-class RunSummary:
-    """The result of one prune-finetune run, as written to ``summary.json``.
-
-    Fractions (accuracy, sparsity) are in [0, 1]. Sparsity, weight counts and compression are over the pruned
-    selection; FLOPs and speed-up over all Linear/Conv layers (see :func:`summarize`). In JSON, non-finite numbers
-    (the compression of a fully pruned selection) are written as ``null``.
+class SkippedRun:
+    """A run directory (it holds ``.hydra/``) without a ``summary.json``: the run failed or is still going.
 
     Attributes:
-        dense_test_acc: Test accuracy before pruning.
-        final_test_acc: Test accuracy at the end of the run.
-        total_sparsity: Fraction of zeros over the selected weights.
-        compression_ratio: Selected weights / nonzero selected weights.
-        theoretical_speedup: Dense FLOPs / nonzero FLOPs.
-        layer_sparsity: Qualified parameter name -> fraction of zeros.
-        total_weights: Number of selected weights.
-        nonzero_weights: Number of nonzero selected weights.
-        dense_flops: Multiply-accumulates of one input with all weights.
-        nonzero_flops: Multiply-accumulates of one input with the nonzero weights.
-        wall_time_s: Wall-clock time of the run in seconds.
-        config: The run's configuration (plain containers).
-        metrics: Any further final metrics (e.g. ``{"val/acc": 0.97}``).
-        overrides: Hydra overrides of the run (filled in by :func:`collect_runs`, not written by the app).
-        run_dir: Directory the summary was read from (filled in by :func:`collect_runs`).
-
-    Example:
-        >>> s = RunSummary(dense_test_acc=0.98, final_test_acc=0.97, total_sparsity=0.9, compression_ratio=10.0)
-        >>> RunSummary.from_json(s.to_json()) == s
-        True
+        run_dir: The directory.
+        reason: The last error its log recorded, or what is missing.
     """
 
-    dense_test_acc: float | None = None
-    final_test_acc: float | None = None
-    total_sparsity: float | None = None
-    compression_ratio: float | None = None
-    theoretical_speedup: float | None = None
-    layer_sparsity: dict[str, float] = field(default_factory=dict)
-    total_weights: int | None = None
-    nonzero_weights: int | None = None
-    dense_flops: int | None = None
-    nonzero_flops: int | None = None
-    wall_time_s: float | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    overrides: list[str] = field(default_factory=list)
-    run_dir: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (non-finite floats become ``None``).
-
-        Example:
-            >>> RunSummary(compression_ratio=math.inf).to_dict()["compression_ratio"] is None
-            True
-        """
-        return _finite(dataclasses.asdict(self))
-
-    def to_json(self, path: str | Path | None = None) -> str:
-        """Serializes to indented, strict JSON; also writes it to ``path`` when given.
-
-        Example:
-            >>> print(RunSummary(final_test_acc=0.5).to_json().splitlines()[2])
-              "final_test_acc": 0.5,
-        """
-        text = json.dumps(self.to_dict(), indent=2, default=str, allow_nan=False) + "\n"
-        if path is not None:
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text: str) -> RunSummary:
-        """Parses :meth:`to_json` output; unknown keys (from newer versions) are ignored.
-
-        Example:
-            >>> RunSummary.from_json('{"total_sparsity": 0.5, "future_key": 1}').total_sparsity
-            0.5
-        """
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"a run summary must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
-
-    @classmethod
-    def load(cls, path: str | Path) -> RunSummary:
-        """Reads a ``summary.json`` file (``run_dir`` is left as stored)."""
-        return cls.from_json(Path(path).read_text())
-
-
-def _finite(value: Any) -> Any:
-    """Recursively replaces non-finite floats by ``None`` (strict JSON has no inf/nan)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
-
-
-def _plain_config(config: Any) -> dict[str, Any]:
-    """Turns an OmegaConf config (resolved) or any mapping into plain containers."""
-    if config is None:
-        return {}
-    if type(config).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
-    return dict(config)
-
-
-def _resolve_selection(model: nn.Module, parameters: Selection) -> list[tuple[str, nn.Module, str]]:
-    """``(qualified name, module, parameter name)`` for each selected parameter.
-
-    ``None`` selects the ``weight`` of every Linear and Conv layer.
-    """
-    if parameters is None:
-        return [
-            (f"{name}.weight" if name else "weight", module, "weight")
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear | nn.modules.conv._ConvNd)
-        ]
-    names = {id(module): name for name, module in model.named_modules()}
-    selection = []
-    for entry in parameters:
-        if isinstance(entry, str):
-            module_name, _, param_name = entry.rpartition(".")
-            module = model.get_submodule(module_name)
-            qualified = entry
-        elif len(entry) == 3:  # (qualified name, module, name), as lightprune.selection.select_parameters gives
-            qualified, module, param_name = entry
-        else:
-            module, param_name = entry
-            if id(module) not in names:
-                raise ValueError(f"selected module {type(module).__name__} (parameter {param_name!r}) is not in model")
-            qualified = f"{names[id(module)]}.{param_name}" if names[id(module)] else param_name
-        if not isinstance(getattr(module, param_name, None), torch.Tensor):
-            raise ValueError(f"{qualified}: {type(module).__name__} has no tensor attribute {param_name!r}")
-        selection.append((qualified, module, param_name))
-    return selection
-
-
-def sparsity_by_layer(model: nn.Module, parameters: Selection = None) -> dict[str, float]:
-    """Fraction of zeros of each selected effective weight, by qualified name.
-
-    Args:
-        model: The model.
-        parameters: ``(module, name)`` pairs as for ``prune.global_unstructured``, ``(qualified name, module,
-            name)`` triples as ``lightprune.selection.select_parameters`` returns, or qualified names such as
-            ``"fc1.weight"``; default: the ``weight`` of every Linear and Conv layer. The effective tensor
-            (``getattr(module, name)``) is read, which is ``orig * mask`` under torch-style pruning.
-
-    Returns:
-        ``{qualified name: fraction of zeros}`` in selection order.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 2))
-        >>> with torch.no_grad():
-        ...     _ = model[0].weight[0].zero_()
-        >>> sparsity_by_layer(model)
-        {'0.weight': 0.5, '2.weight': 0.0}
-    """
-    result = {}
-    for name, module, param_name in _resolve_selection(model, parameters):
-        tensor = getattr(module, param_name)
-        result[name] = float((tensor == 0).sum()) / tensor.numel() if tensor.numel() else 0.0
-    return result
-
-
-def summarize(
-    model: nn.Module,
-    *,
-    input_shape: Sequence[int] | None = None,
-    parameters: Selection = None,
-    dense_test_acc: float | None = None,
-    final_test_acc: float | None = None,
-    wall_time_s: float | None = None,
-    config: Any = None,
-    metrics: Mapping[str, float] | None = None,
-) -> RunSummary:
-    """Builds the run summary from the (pruned) model and plain values.
-
-    Sparsity, weight counts and compression are computed over the selection (the pruned parameters); FLOPs and the
-    theoretical speed-up over every Linear and Conv layer of the model (see
-    :func:`~lightprune.experiment.models.flops_by_layer`), so unpruned layers count at full cost.
-
-    Args:
-        model: The model at the end of the run (plain or reparametrized; effective weights are read).
-        input_shape: Shape of one example without batch dimension (``datamodule.dims``); ``None`` skips FLOPs.
-        parameters: The pruned selection, as in :func:`sparsity_by_layer`; default every Linear/Conv ``weight``.
-        dense_test_acc: Test accuracy before pruning, in [0, 1].
-        final_test_acc: Test accuracy at the end, in [0, 1].
-        wall_time_s: Wall-clock time of the run.
-        config: The run's config (an OmegaConf ``DictConfig`` is resolved to plain containers).
-        metrics: Further final metrics (tensors are turned into floats).
-
-    Returns:
-        The summary; write it with ``summary.to_json(run_dir / "summary.json")``.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.ReLU(), nn.Linear(4, 2, bias=False))
-        >>> with torch.no_grad():
-        ...     _ = model[0].weight[:3].zero_()
-        >>> s = summarize(model, input_shape=(4,), parameters=[(model[0], "weight")], final_test_acc=0.9)
-        >>> s.layer_sparsity, s.total_sparsity, s.compression_ratio, s.theoretical_speedup
-        ({'0.weight': 0.75}, 0.75, 4.0, 2.0)
-    """
-    selection = _resolve_selection(model, parameters)
-    layer_sparsity = {}
-    total = nonzero = 0
-    for name, module, param_name in selection:
-        tensor = getattr(module, param_name)
-        count = int(torch.count_nonzero(tensor))
-        layer_sparsity[name] = (tensor.numel() - count) / tensor.numel() if tensor.numel() else 0.0  # zeros / size
-        total += tensor.numel()
-        nonzero += count
-    dense = sparse = speedup = None
-    if input_shape is not None:
-        counts = flops_by_layer(model, input_shape).values()
-        dense = sum(d for d, _ in counts)
-        sparse = sum(n for _, n in counts)
-        speedup = dense / sparse if sparse else math.inf
-    return RunSummary(
-        dense_test_acc=_as_float(dense_test_acc),
-        final_test_acc=_as_float(final_test_acc),
-        total_sparsity=1.0 - nonzero / total if total else 0.0,
-        compression_ratio=total / nonzero if nonzero else math.inf,
-        theoretical_speedup=speedup,
-        layer_sparsity=layer_sparsity,
-        total_weights=total,
-        nonzero_weights=nonzero,
-        dense_flops=dense,
-        nonzero_flops=sparse,
-        wall_time_s=_as_float(wall_time_s),
-        config=_plain_config(config),
-        metrics={key: float(value) for key, value in (metrics or {}).items()},
-    )
-
-
-def _as_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Text
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _pct(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{100 * value:.{digits}f}%"
-
-
-def _times(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return "inf" if math.isinf(value) else f"{value:.2f}x"
-
-
-def format_summary_table(summary: RunSummary) -> str:
-    """A short two-column text table of a run for the terminal, then the per-layer sparsity.
-
-    Example:
-        >>> s = RunSummary(dense_test_acc=0.98, final_test_acc=0.975, total_sparsity=0.9, compression_ratio=10.0,
-        ...                theoretical_speedup=8.0, layer_sparsity={"fc1.weight": 0.95}, wall_time_s=12.5)
-        >>> print(format_summary_table(s))
-        dense test acc          98.00%
-        final test acc          97.50%
-        sparsity (selection)    90.00%
-        compression             10.00x
-        theoretical speed-up    8.00x
-        wall time               12.5 s
-        layer sparsity:
-          fc1.weight            95.00%
-    """
-    wall = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f} s"
-    rows = [
-        ("dense test acc", _pct(summary.dense_test_acc)),
-        ("final test acc", _pct(summary.final_test_acc)),
-        ("sparsity (selection)", _pct(summary.total_sparsity)),
-        ("compression", _times(summary.compression_ratio)),
-        ("theoretical speed-up", _times(summary.theoretical_speedup)),
-        ("wall time", wall),
-    ]
-    width = max([len(label) for label, _ in rows] + [len(name) + 2 for name in summary.layer_sparsity]) + 2
-    lines = [f"{label:<{width}}{value}" for label, value in rows]
-    if summary.layer_sparsity:
-        lines.append("layer sparsity:")
-        lines += [f"{'  ' + name:<{width}}{_pct(value)}" for name, value in summary.layer_sparsity.items()]
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def read_metrics_csv(metrics_csv: str | Path) -> dict[str, list[tuple[float, float]]]:
-    """Reads Lightning ``CSVLogger``'s ``metrics.csv`` into ``{column: [(step, value), ...]}``.
-
-    Empty cells (a key not logged at that row) are skipped; a file without a ``step`` column uses the row index.
-    Each series is sorted by step (loggers interleave rows a step or two apart). When the step falls back to at most
-    half of the largest step so far (a second ``Trainer``, e.g. for fine-tuning, logging to the same logger), the
-    later rows are shifted by that largest step (the new phase's step 0 is the old phase's last step), so phases are
-    laid end to end.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     path = Path(tmp) / "metrics.csv"
-        ...     _ = path.write_text("epoch,step,train/loss,val/acc\\n0,9,0.5,\\n0,9,,0.8\\n")
-        ...     read_metrics_csv(path)
-        {'epoch': [(9.0, 0.0), (9.0, 0.0)], 'train/loss': [(9.0, 0.5)], 'val/acc': [(9.0, 0.8)]}
-    """
-    series: dict[str, list[tuple[float, float]]] = {}
-    offset = previous = phase_largest = largest = 0.0
-    with Path(metrics_csv).open(newline="") as handle:
-        for index, row in enumerate(csv.DictReader(handle)):
-            step_text = row.get("step") or ""
-            raw_step = float(step_text) if step_text else float(index)
-            if raw_step < previous - 2 and raw_step <= phase_largest / 2:  # a new phase, not logging jitter
-                offset = largest
-                phase_largest = 0.0
-            previous = raw_step
-            phase_largest = max(phase_largest, raw_step)
-            step = raw_step + offset
-            largest = max(largest, step)
-            for key, text in row.items():
-                if key in (None, "step") or not text:
-                    continue
-                try:
-                    value = float(text)
-                except ValueError:
-                    continue
-                series.setdefault(key, []).append((step, value))
-    for points in series.values():
-        points.sort(key=lambda point: point[0])  # stable: rows of one step keep their order
-    return series
-
-
-_ACC_COLUMN = re.compile(r"^(train|val|test)/acc(_step|_epoch)?$")
-
-
-def _note(ax: Any, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
-
-
-def _lone_point(steps: Sequence[float]) -> dict[str, Any]:
-    """A marker for a series of a single point, which a line alone would not show."""
-    return {"marker": "o", "markersize": 4} if len(steps) == 1 else {}
-
-
-def plot_training_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
-    """Draws sparsity (top) and accuracy (bottom) over training steps from a ``metrics.csv``.
-
-    Sparsity uses the pruning callback's columns ``pruning/sparsity/total`` (thick), ``pruning/target`` (dashed red) and
-    ``pruning/sparsity/<param>`` (thin); accuracy uses ``train/acc``, ``val/acc`` and ``test/acc`` (also with
-    ``_step``/``_epoch`` suffixes). Missing columns are left out; an empty panel says so.
-
-    Args:
-        metrics_csv: Lightning ``CSVLogger``'s ``metrics.csv``.
-        out_png: Output PNG path (parent directories are created).
-
-    Returns:
-        ``out_png`` as a ``Path``.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     csv_path = Path(tmp) / "metrics.csv"
-        ...     _ = csv_path.write_text("step,train/acc,pruning/sparsity/total\\n0,0.5,0.0\\n10,0.9,0.5\\n")
-        ...     plot_training_curves(csv_path, Path(tmp) / "curves.png").read_bytes()[:4]
-        b'\\x89PNG'
-    """
-    from matplotlib.figure import Figure
-
-    series = read_metrics_csv(metrics_csv)
-    fig = Figure(figsize=(8, 6), layout="constrained")
-    ax_sparsity, ax_acc = fig.subplots(2, 1, sharex=True)
-
-    layer_keys = [k for k in series if k.startswith("pruning/sparsity/") and k != "pruning/sparsity/total"]
-    for key in layer_keys:
-        steps, values = zip(*series[key], strict=True)
-        label = key.removeprefix("pruning/sparsity/") if len(layer_keys) <= 10 else None
-        ax_sparsity.plot(steps, values, linewidth=0.8, alpha=0.6, label=label, **_lone_point(steps))
-    if "pruning/sparsity/total" in series:
-        steps, values = zip(*series["pruning/sparsity/total"], strict=True)
-        ax_sparsity.plot(steps, values, color="black", linewidth=2, label="total", **_lone_point(steps))
-    if "pruning/target" in series:
-        steps, values = zip(*series["pruning/target"], strict=True)
-        target_style = {"color": "tab:red", "linestyle": "--", "linewidth": 1.2, "zorder": 3, **_lone_point(steps)}
-        ax_sparsity.plot(steps, values, label="target", **target_style)
-    if ax_sparsity.lines:
-        ax_sparsity.set_ylim(-0.02, 1.02)
-        ax_sparsity.legend(fontsize="small", loc="best")
-    else:
-        _note(ax_sparsity, "no pruning/* columns in metrics.csv")
-    ax_sparsity.set_ylabel("sparsity")
-    ax_sparsity.set_title("Sparsity and accuracy over training")
-    ax_sparsity.grid(alpha=0.3)
-
-    for key in sorted(k for k in series if _ACC_COLUMN.match(k)):
-        steps, values = zip(*series[key], strict=True)
-        style = {"linewidth": 0.8, "alpha": 0.5} if key.startswith("train") else {"marker": "o", "markersize": 3}
-        ax_acc.plot(steps, values, label=key, **style)
-    if ax_acc.lines:
-        ax_acc.legend(fontsize="small", loc="best")
-    else:
-        _note(ax_acc, "no accuracy columns in metrics.csv")
-    ax_acc.set_ylabel("accuracy")
-    ax_acc.set_xlabel("step")
-    ax_acc.grid(alpha=0.3)
-    return _save(fig, out_png)
-
-
-def _save(fig: Any, out_png: str | Path) -> Path:
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    return out_png
-
-
-def plot_layer_sparsity(summary: RunSummary | Mapping[str, Any], out_png: str | Path) -> Path:
-    """Horizontal bar chart of the per-layer sparsity of a run (a :class:`RunSummary` or its dict).
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     s = RunSummary(layer_sparsity={"fc1.weight": 0.9, "fc2.weight": 0.5}, total_sparsity=0.8)
-        ...     plot_layer_sparsity(s, Path(tmp) / "layers.png").stat().st_size > 0
-        True
-    """
-    from matplotlib.figure import Figure
-
-    data = summary.to_dict() if isinstance(summary, RunSummary) else dict(summary)
-    layers: dict[str, float] = data.get("layer_sparsity") or {}
-    names = list(layers)
-    fig = Figure(figsize=(7, 1.5 + 0.35 * max(len(names), 1)), layout="constrained")
-    ax = fig.subplots()
-    if names:
-        positions = range(len(names))
-        values = [layers[name] for name in names]
-        ax.barh(positions, values, color="tab:blue")
-        ax.set_yticks(list(positions), names, fontsize="small")
-        ax.invert_yaxis()  # first layer on top
-        for position, value in zip(positions, values, strict=True):
-            ax.text(min(value, 1.0) + 0.01, position, f"{100 * value:.1f}%", va="center", fontsize="small")
-        ax.set_xlim(0, 1.12)
-    else:
-        _note(ax, "no per-layer sparsity in the summary")
-    ax.set_xlabel("sparsity (fraction of zero weights)")
-    total = data.get("total_sparsity")
-    ax.set_title("Per-layer sparsity" + (f" (total {100 * total:.1f}%)" if total is not None else ""))
-    return _save(fig, out_png)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Multirun report
-# --------------------------------------------------------------------------------------------------------------------
+    run_dir: str
+    reason: str
 
 
 def _natural_key(path: Path) -> list[Any]:
@@ -516,8 +81,8 @@ def _natural_key(path: Path) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.as_posix())]
 
 
-def _read_overrides(run_dir: Path, stop: Path) -> list[str]:
-    """The run's ``.hydra/overrides.yaml``, looked up from ``run_dir`` towards ``stop``; ``[]`` if none."""
+def _read_overrides(run_dir: Path, stop: Path) -> list[str] | None:
+    """The run's ``.hydra/overrides.yaml``, looked up from ``run_dir`` towards ``stop``; ``None`` if none."""
     import yaml
 
     for folder in (run_dir, *run_dir.parents):
@@ -527,14 +92,67 @@ def _read_overrides(run_dir: Path, stop: Path) -> list[str]:
             return [str(item) for item in loaded]
         if folder == stop:
             break
-    return []
+    return None
+
+
+def _failure_reason(run_dir: Path) -> str:
+    """The last ``[ERROR]`` line of the run's Hydra log (``*.log``), else what is missing."""
+    for log in sorted(run_dir.glob("*.log")):
+        errors = [line for line in log.read_text(errors="replace").splitlines() if "[ERROR]" in line]
+        if errors:
+            return errors[-1].split("] - ", 1)[-1].strip()
+    return f"no {SUMMARY_FILE} and no error in its log (the run was stopped, or is still running)"
+
+
+def scan_runs(multirun_dir: str | Path) -> tuple[list[RunSummary], list[SkippedRun]]:
+    """Every ``summary.json`` under a multirun directory, and the run directories without one.
+
+    Like :func:`collect_runs`, and also lists each Hydra job directory (one holding ``.hydra/``) that has no
+    ``summary.json``, with the reason from its log when it has one.
+
+    Raises:
+        FileNotFoundError: ``multirun_dir`` does not exist.
+        ValueError: a ``summary.json`` is not valid JSON or not a summary; the message names the file.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     _ = RunSummary(total_sparsity=0.5).to_json(Path(tmp) / "0" / "summary.json")
+        ...     (Path(tmp) / "1" / ".hydra").mkdir(parents=True)
+        ...     _ = (Path(tmp) / "1" / "app.log").write_text("[t][app][ERROR] - data.root: not found\\n")
+        ...     runs, skipped = scan_runs(tmp)
+        >>> len(runs), skipped[0].reason
+        (1, 'data.root: not found')
+    """
+    root = Path(multirun_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"multirun directory not found: {root}")
+    runs = []
+    for path in sorted(root.rglob(SUMMARY_FILE), key=_natural_key):
+        try:
+            summary = RunSummary.load(path)
+        except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{path}: not a valid run summary ({str(err).splitlines()[0]})") from err
+        summary.run_dir = str(path.parent)
+        overrides = _read_overrides(path.parent, root)
+        if overrides is not None or not summary.overrides:
+            summary.overrides = overrides or []
+        runs.append(summary)
+    finished = {Path(run.run_dir) for run in runs if run.run_dir is not None}
+    skipped = []
+    for hydra_dir in sorted(root.rglob(".hydra"), key=_natural_key):
+        job_dir = hydra_dir.parent
+        if hydra_dir.is_dir() and not any(run_dir.is_relative_to(job_dir) for run_dir in finished):
+            skipped.append(SkippedRun(str(job_dir), _failure_reason(job_dir)))
+    return runs, skipped
 
 
 def collect_runs(multirun_dir: str | Path) -> list[RunSummary]:
     """Reads every ``summary.json`` under a Hydra multirun directory, in natural path order.
 
-    Each summary gets ``run_dir`` (its directory) and ``overrides`` (from the run's ``.hydra/overrides.yaml``,
-    found in the run directory or the nearest parent inside ``multirun_dir``).
+    Each summary gets ``run_dir`` (the directory it was read from) and ``overrides`` (from the run's
+    ``.hydra/overrides.yaml``, found in the run directory or the nearest parent inside ``multirun_dir``; else the
+    overrides the app stored in the summary).
 
     Args:
         multirun_dir: The sweep directory (e.g. ``multirun/2024-01-01/12-00-00``) or any parent of run directories.
@@ -544,6 +162,7 @@ def collect_runs(multirun_dir: str | Path) -> list[RunSummary]:
 
     Raises:
         FileNotFoundError: ``multirun_dir`` does not exist.
+        ValueError: a ``summary.json`` is corrupt (the message names it).
 
     Example:
         >>> import tempfile
@@ -552,16 +171,7 @@ def collect_runs(multirun_dir: str | Path) -> list[RunSummary]:
         ...     [run.total_sparsity for run in collect_runs(tmp)]
         [0.5]
     """
-    root = Path(multirun_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"multirun directory not found: {root}")
-    runs = []
-    for path in sorted(root.rglob(SUMMARY_FILE), key=_natural_key):
-        summary = RunSummary.load(path)
-        summary.run_dir = str(path.parent)
-        summary.overrides = _read_overrides(path.parent, root)
-        runs.append(summary)
-    return runs
+    return scan_runs(multirun_dir)[0]
 
 
 def _override_pairs(overrides: Sequence[str]) -> dict[str, str]:
@@ -574,24 +184,105 @@ def _override_pairs(overrides: Sequence[str]) -> dict[str, str]:
     return pairs
 
 
-def _run_label(run: RunSummary, root: Path) -> str:
-    if run.run_dir is None:
-        return "-"
+def _arm_pairs(run: RunSummary) -> dict[str, str]:
+    return {k: v for k, v in _override_pairs(run.overrides).items() if k not in SEED_KEYS + SPARSITY_KEYS}
+
+
+def group_arms(runs: Sequence[RunSummary]) -> list[Arm]:
+    """Groups runs into arms (the same overrides but for :data:`SEED_KEYS` and :data:`SPARSITY_KEYS`), then by
+    measured sparsity; an arm's label names the overrides that differ between arms.
+
+    Runs without a final accuracy or sparsity are left out.
+
+    Example:
+        >>> runs = [
+        ...     RunSummary(total_sparsity=s, final_test_acc=a, dense_test_acc=0.95, overrides=[f"seed={seed}", scope])
+        ...     for s, a, seed, scope in [(0.5, 0.9, 0, "pruning.scope=global"), (0.5, 0.92, 1, "pruning.scope=global"),
+        ...                               (0.5, 0.8, 0, "pruning.scope=layerwise")]
+        ... ]
+        >>> [(arm.label, arm.points) for arm in group_arms(runs)]
+        [('pruning.scope=global', [(0.5, [0.9, 0.92])]), ('pruning.scope=layerwise', [(0.5, [0.8])])]
+    """
+    usable = [run for run in runs if run.total_sparsity is not None and run.final_test_acc is not None]
+    pairs = [_arm_pairs(run) for run in usable]
+    keys = [k for k in dict.fromkeys(k for p in pairs for k in p) if len({p.get(k) for p in pairs}) > 1]
+    arms: dict[str, Arm] = {}
+    by_sparsity: dict[str, dict[float, list[float]]] = {}
+    for run, run_pairs in zip(usable, pairs, strict=True):
+        label = " ".join(f"{k}={run_pairs[k]}" for k in keys if k in run_pairs)
+        arm = arms.setdefault(label, Arm(label))
+        if run.dense_test_acc is not None:
+            arm.dense.append(run.dense_test_acc)
+        by_sparsity.setdefault(label, {}).setdefault(round(run.total_sparsity, 9), []).append(run.final_test_acc)
+    for label, arm in arms.items():
+        arm.points = sorted(by_sparsity[label].items())
+    return list(arms.values())
+
+
+def _relative(path: Path, root: Path) -> str:
     try:
-        return Path(run.run_dir).relative_to(root).as_posix() or "."
+        return path.relative_to(root).as_posix() or "."
     except ValueError:
-        return run.run_dir
+        return str(path)
+
+
+def _run_label(run: RunSummary, root: Path) -> str:
+    return "-" if run.run_dir is None else _relative(Path(run.run_dir), root)
 
 
 def _md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out_png: str | Path | None = None) -> str:
-    """Writes a Markdown table (one row per run) and an accuracy-versus-sparsity plot for a multirun directory.
+def _mean_std_pct(values: Sequence[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    mean = sum(present) / len(present)
+    if len(present) == 1:
+        return f"{100 * mean:.2f}%"
+    std = (sum((v - mean) ** 2 for v in present) / (len(present) - 1)) ** 0.5
+    return f"{100 * mean:.2f} ± {100 * std:.2f}%"
 
-    Columns: the run directory, one column per overridden key (from ``.hydra/overrides.yaml``), sparsity, dense and
-    final test accuracy, compression and theoretical speed-up.
+
+def _seed_table(runs: Sequence[RunSummary]) -> list[str]:
+    """Markdown rows of the per-arm, per-sparsity mean ± std table; empty when no arm repeats a sparsity."""
+    usable = [run for run in runs if run.total_sparsity is not None]
+    groups: dict[tuple[str, float], list[RunSummary]] = {}
+    pairs = [_arm_pairs(run) for run in usable]
+    keys = [k for k in dict.fromkeys(k for p in pairs for k in p) if len({p.get(k) for p in pairs}) > 1]
+    for run, run_pairs in zip(usable, pairs, strict=True):
+        arm = tuple(run_pairs.get(k, "") for k in keys)
+        groups.setdefault((arm, round(run.total_sparsity, 9)), []).append(run)
+    if all(len(group) == 1 for group in groups.values()):
+        return []
+    header = [*keys, "sparsity", "runs", "dense acc", "final acc"]
+    lines = [
+        "Mean ± standard deviation over the runs of each arm and sparsity (seeds):",
+        "",
+        "| " + " | ".join(_md_cell(h) for h in header) + " |",
+        "|" + "|".join("---" if i < len(keys) else "---:" for i in range(len(header))) + "|",
+    ]
+    for (arm, sparsity), group in groups.items():
+        cells = [
+            *arm,
+            _pct(sparsity, 1),
+            str(len(group)),
+            _mean_std_pct([run.dense_test_acc for run in group]),
+            _mean_std_pct([run.final_test_acc for run in group]),
+        ]
+        lines.append("| " + " | ".join(_md_cell(cell) for cell in cells) + " |")
+    return [*lines, ""]
+
+
+def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out_png: str | Path | None = None) -> str:
+    """Writes a Markdown report and an accuracy-versus-sparsity plot for a multirun directory.
+
+    The table has one row per run: the run directory, one column per overridden key (from ``.hydra/overrides.yaml``),
+    sparsity, dense and final test accuracy, compression and theoretical speed-up. When runs repeat an arm at the
+    same sparsity (a seed sweep), a second table gives each arm's mean ± standard deviation. Runs without a summary
+    are listed as skipped, with the reason from their log. The plot (see
+    :func:`~lightprune.experiment.plots.plot_accuracy_vs_sparsity`) draws one line per arm.
 
     Args:
         multirun_dir: The sweep directory.
@@ -603,6 +294,7 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
 
     Raises:
         FileNotFoundError: The directory does not exist or holds no ``summary.json``.
+        ValueError: A ``summary.json`` is corrupt (the message names it).
 
     Example:
         >>> import tempfile
@@ -620,9 +312,10 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
         | 1 | 0.9 | 90.0% | - | 90.00% | - | - |
     """
     root = Path(multirun_dir)
-    runs = collect_runs(root)
+    runs, skipped = scan_runs(root)
     if not runs:
-        raise FileNotFoundError(f"no {SUMMARY_FILE} found under {root}")
+        why = f"; {len(skipped)} run(s) without one, e.g. {skipped[0].run_dir}: {skipped[0].reason}" if skipped else ""
+        raise FileNotFoundError(f"no {SUMMARY_FILE} found under {root}{why}")
     out_md = Path(out_md) if out_md is not None else root / "report.md"
     out_png = Path(out_png) if out_png is not None else root / "accuracy_vs_sparsity.png"
 
@@ -650,59 +343,29 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
             _times(run.theoretical_speedup),
         ]
         lines.append("| " + " | ".join(_md_cell(cell) for cell in cells) + " |")
-    _plot_accuracy_vs_sparsity(runs, root, out_png)
+    lines.append("")
+    lines += _seed_table(runs)
+    if skipped:
+        lines += [f"Skipped {len(skipped)} run(s) without a {SUMMARY_FILE}:", ""]
+        lines += [f"- {_md_cell(_relative(Path(s.run_dir), root))}: {_md_cell(s.reason)}" for s in skipped]
+        lines.append("")
+    plot_accuracy_vs_sparsity(group_arms(runs), out_png)
     try:
         link = out_png.resolve().relative_to(out_md.resolve().parent).as_posix()
     except ValueError:
         link = out_png.resolve().as_posix()
-    lines += ["", f"![accuracy versus sparsity]({link})", ""]
+    lines += [f"![accuracy versus sparsity]({link})", ""]
     markdown = "\n".join(lines)
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(markdown)
     return markdown
 
 
-def _plot_accuracy_vs_sparsity(runs: Sequence[RunSummary], root: Path, out_png: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 5), layout="constrained")
-    ax = fig.subplots()
-    points = [(run, run.total_sparsity, run.final_test_acc) for run in runs]
-    points = [(run, x, y) for run, x, y in points if x is not None and y is not None]
-    if points:
-        ax.scatter([100 * x for _, x, _ in points], [100 * y for _, _, y in points], label="final", zorder=3)
-        if len(points) <= 15:
-            pairs = [_override_pairs(run.overrides) for run, _, _ in points]
-            varying = {key for p in pairs for key in p if len({q.get(key) for q in pairs}) > 1}
-            for (run, x, y), run_pairs in zip(points, pairs, strict=True):
-                label = " ".join(f"{k}={v}" for k, v in run_pairs.items() if k in varying) or _run_label(run, root)
-                right = x > 0.6  # keep labels of high-sparsity points inside the axes
-                ax.annotate(
-                    label,
-                    (100 * x, 100 * y),
-                    fontsize="x-small",
-                    xytext=(-4 if right else 4, 4),
-                    textcoords="offset points",
-                    ha="right" if right else "left",
-                )
-        dense = [run.dense_test_acc for run in runs if run.dense_test_acc is not None]
-        if dense:
-            ax.scatter([0.0] * len(dense), [100 * d for d in dense], marker="x", color="grey", label="dense")
-        ax.legend(fontsize="small")
-    else:
-        _note(ax, "no run has both sparsity and final accuracy")
-    ax.set_xlim(-3, 103)
-    ax.set_xlabel("sparsity of pruned weights (%)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Accuracy versus sparsity")
-    ax.grid(alpha=0.3)
-    return _save(fig, out_png)
-
-
 def report_main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``lightprune-experiment report <multirun_dir> [--out-md F] [--out-png F]``.
 
-    Prints the Markdown report and returns the exit status (1 when no run was found).
+    Prints the Markdown report and returns the exit status (1, with a one-line message, when no run was found or a
+    summary is corrupt).
 
     Example:
         >>> report_main(["/nonexistent/multirun"])
@@ -718,7 +381,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         markdown = write_report(args.multirun_dir, out_md=args.out_md, out_png=args.out_png)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError, json.JSONDecodeError) as err:
         print(f"lightprune-experiment report: {err}", file=sys.stderr)
         return 1
     print(markdown)

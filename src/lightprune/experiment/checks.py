@@ -1,0 +1,119 @@
+"""Checks of an experiment config that look beyond its values (data files, the model's parameter names), made before
+Lightning is imported so that a mistake is reported in about a second.
+
+:func:`preflight` raises :class:`~lightprune.config.ConfigError`, as :func:`~lightprune.config.validate_config`
+does for values.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+from torch import nn
+
+from lightprune.config import ConfigError
+from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, default_root, missing_idx_files
+
+__all__ = ["classifier_weight", "exclude_patterns", "model_kwargs", "preflight"]
+
+
+def model_kwargs(model_cfg: Any) -> dict[str, Any]:
+    """Constructor arguments of ``model_cfg``'s network for :func:`~lightprune.experiment.models.make_model`.
+
+    Example:
+        >>> model_kwargs({"name": "small_cnn", "channels": [8, 16]})
+        {'channels': (8, 16)}
+    """
+    if model_cfg["name"] == "lenet300100":
+        return {"hidden": tuple(model_cfg["hidden"])}
+    return {"channels": tuple(model_cfg["channels"])}
+
+
+def classifier_weight(module: nn.Module) -> str:
+    """Qualified name of the weight of ``module``'s last ``nn.Linear`` (the classifier head).
+
+    Example:
+        >>> classifier_weight(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+        '2.weight'
+    """
+    linears = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
+    if not linears:
+        raise ConfigError("pruning.exclude_classifier=true, but the model has no nn.Linear layer")
+    return f"{linears[-1]}.weight" if linears[-1] else "weight"
+
+
+def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | None:
+    """``cfg.pruning.exclude``, plus the classifier's weight when ``cfg.pruning.exclude_classifier`` is set."""
+    exclude = list(cfg.pruning.exclude) if cfg.pruning.exclude else []
+    if cfg.pruning.exclude_classifier:
+        if module is None:
+            raise ValueError("pruning.exclude_classifier=true needs the model: pass build_callback(cfg, module=...)")
+        exclude.append(re.escape(classifier_weight(module)))
+    return exclude or None
+
+
+def _data_problems(cfg: DictConfig) -> list[str]:
+    name = cfg.data.name
+    root = cfg.data.root or default_root(name)
+    if name == "digits" or root is None:  # digits is bundled; idx without root is validate_config's to report
+        return []
+    missing = missing_idx_files(root)
+    if not missing:
+        return []
+    expected = ", ".join(f"{stem}[.gz]" for stem in IDX_FILES.values())
+    where = f"{root} (the default for data={name})" if not cfg.data.root else str(root)
+    found = f"lacks {', '.join(missing)}" if Path(root).is_dir() else "is not a directory"
+    hint = f"set data.root=<directory holding {expected}>"
+    if name == "fashion_mnist" and str(root) == FASHION_MNIST_ROOT:
+        hint += ", or on Debian/Ubuntu: apt-get install dataset-fashion-mnist"
+    return [f"data.root={cfg.data.root!r}: {where} {found}; {hint}"]
+
+
+def _selection_problems(cfg: DictConfig) -> list[str]:
+    from lightprune.experiment.models import make_model
+    from lightprune.selection import select_parameters
+
+    p = cfg.pruning
+    if p.preset == "none" or p.final_sparsity == 0:
+        return []
+    shape = (1, 8, 8) if cfg.data.name == "digits" else (1, 28, 28)  # names do not depend on the sizes
+    try:
+        container = nn.Module()
+        container.model = make_model(cfg.model.name, shape, 10, **model_kwargs(cfg.model))
+    except ValueError:  # the real data's shape decides; the run reports it
+        return []
+    try:
+        select_parameters(
+            container, include=list(p.include) if p.include else None, exclude=exclude_patterns(cfg, container)
+        )
+    except ValueError as err:
+        return [f"pruning.include / pruning.exclude: {err}"]
+    return []
+
+
+def preflight(cfg: DictConfig) -> None:
+    """Checks what :func:`~lightprune.config.validate_config` cannot from values alone, without importing Lightning:
+    the data files exist (naming ``data.root`` when they do not) and ``pruning.include`` / ``pruning.exclude``
+    select some weight of the model.
+
+    Raises:
+        ConfigError: listing every problem.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> from lightprune.config import ExperimentConfig
+        >>> cfg = OmegaConf.structured(ExperimentConfig)
+        >>> preflight(cfg)
+        >>> cfg.data.name, cfg.data.root = "mnist", "/nonexistent"
+        >>> preflight(cfg)
+        Traceback (most recent call last):
+        ...
+        lightprune.config.ConfigError: invalid experiment config:
+          data.root='/nonexistent': /nonexistent is not a directory; set data.root=<directory holding ...>
+    """
+    problems = _data_problems(cfg) + _selection_problems(cfg)
+    if problems:
+        raise ConfigError("invalid experiment config:\n  " + "\n  ".join(problems))
