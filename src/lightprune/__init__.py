@@ -1,7 +1,8 @@
 """lightprune: exact, fast and lean pruning for PyTorch and Lightning.
 
 ``lightprune.prune`` is a drop-in replacement for ``torch.nn.utils.prune`` and needs torch alone.
-``lightprune.PruningCallback`` (Lightning) is imported lazily, so using the engine never imports Lightning.
+``lightprune.PruningCallback`` (Lightning) is imported lazily, so using the engine never imports Lightning; the
+engine itself is imported on first use, so the experiment app checks its config before torch is loaded.
 
 Example:
     >>> from lightprune import prune
@@ -11,15 +12,16 @@ Example:
     4
 """
 
+import importlib
 from typing import Any
-
-from lightprune import prune
 
 __version__ = "0.1.0"
 __all__ = ["PruningCallback", "__version__", "prune"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "prune":
+        return importlib.import_module("lightprune.prune")
     if name == "PruningCallback":
         from lightprune.callback import PruningCallback
 
