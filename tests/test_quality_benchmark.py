@@ -80,7 +80,9 @@ def test_quick_benchmark_runs_every_arm_and_writes_the_report(tmp_path: Path) ->
     for arm in ARMS:
         assert f"| {arm} |" in report
     assert "| lightprune PruningCallback (bool masks, the default) |" in report
-    assert set(payload["timing"]["ratio_to_dense"]) == {"dense", "lightprune", "lightprune_float", "modelpruning"}
+    timed = {"dense", "lightprune", "lightprune_float", "lightprune_inplace", "modelpruning"}
+    assert set(payload["timing"]["ratio_to_dense"]) == timed
+    assert "| lightprune PruningCallback (masking='inplace', bool masks) |" in report
     assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     again = _run(data, out)

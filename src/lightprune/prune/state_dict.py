@@ -39,7 +39,7 @@ class PlainStateDict:
         (['0.weight', '0.bias'], 3)
         >>> handle.remove()
         >>> list(net.state_dict())
-        ['0.bias', '0.weight_orig', '0.weight_mask']
+        ['0.weight_orig', '0.bias', '0.weight_mask']
     """
 
     def __init__(self, pairs: list[tuple[nn.Module, str]]) -> None:
