@@ -61,8 +61,14 @@ from lightprune.prune.select import (
 __all__ = [
     "Piece",
     "Traffic",
+    "as_dtensor",
     "find_cuts",
+    "group_of",
+    "is_sharded",
+    "local_of",
+    "local_part",
     "local_piece",
+    "pruned_units",
     "sharded_structured_mask",
     "sharded_unstructured_masks",
     "traffic",
@@ -586,3 +592,115 @@ def _full_or(cur: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
     if cur is None:
         return torch.ones(like.shape, dtype=dtype, device=like.device)
     return (cur != 0).to(dtype) if dtype == torch.bool else cur.to(dtype)
+
+
+def local_of(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard, or a plain tensor itself.
+
+    Example:
+        >>> t = torch.zeros(2)
+        >>> local_of(t) is t
+        True
+    """
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def group_of(tensors: Sequence[Tensor]) -> Any:
+    """The process group of the first DTensor among ``tensors`` (its 1-D mesh's), or ``None`` (the default group).
+
+    Example:
+        >>> group_of([torch.zeros(2)]) is None
+        True
+    """
+    for t in tensors:
+        if is_sharded(t):
+            return t.device_mesh.get_group()
+    return None
+
+
+def pruned_units(
+    tensors: Sequence[Tensor], masks: Sequence[Tensor | None], *, dim: int | None = None, group: Any = None
+) -> list[tuple[int, int]]:
+    """``(units, pruned units)`` of each tensor over all ranks, from the local masks, with one ``all_reduce``.
+
+    Units are entries, or channels along ``dim`` (a channel is pruned when it is zero on every rank).
+
+    Args:
+        tensors: DTensors or plain tensors (a plain tensor is the same on every rank and counted once).
+        masks: Per tensor, its local mask (zeros pruned) or ``None`` (nothing pruned).
+        dim: ``None`` for entries, else the channel dim.
+        group: The process group.
+
+    Example:
+        >>> pruned_units([torch.zeros(2, 3)], [torch.tensor([[True, False, True], [False, False, False]])])
+        [(6, 4)]
+        >>> pruned_units([torch.zeros(2, 3)], [torch.tensor([[True, False, True], [False, False, False]])], dim=0)
+        [(2, 1)]
+    """
+    pieces = [local_piece(t, group) for t in tensors]
+    parts: list[Tensor] = []
+    for p, m in zip(pieces, masks, strict=True):
+        counts_here = p.owner or not p.replicated
+        if dim is None:
+            kept = p.local.numel() if m is None else int(torch.count_nonzero(local_of(m)))
+            parts.append(torch.tensor([kept if counts_here else 0], dtype=torch.int64))
+        else:
+            d = dim % len(p.shape)
+            channels = p.shape[d]
+            if m is None:
+                parts.append(
+                    torch.ones(channels, dtype=torch.int64) if counts_here else torch.zeros(channels, dtype=torch.int64)
+                )
+                continue
+            m = local_of(m)
+            other = [i for i in range(m.dim()) if i != d]
+            alive = torch.count_nonzero(m, dim=other).to(torch.int64) if m.numel() else None
+            rows = m.shape[0]
+            first = 0 if p.replicated else p.offset // max(1, math.prod(p.shape[1:]))
+            parts.append(_channel_vector(alive if counts_here else None, d, first, rows, channels, torch.int64))
+    if not parts:
+        return []
+    total = _all_reduce(torch.cat(parts), group)
+    out, pos = [], 0
+    for p, part in zip(pieces, parts, strict=True):
+        values = total[pos : pos + part.numel()]
+        pos += part.numel()
+        if dim is None:
+            units = math.prod(p.shape)
+            out.append((units, units - int(values[0])))
+        else:
+            out.append((values.numel(), int((values == 0).sum())))
+    return out
+
+
+def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
+    """``local`` (this rank's part of a tensor laid out like ``like``) as a DTensor of ``like``'s mesh and placement;
+    a plain ``like`` gives ``local`` itself.
+
+    Example:
+        >>> m = torch.ones(2, dtype=torch.bool)
+        >>> as_dtensor(m, torch.zeros(2)) is m
+        True
+    """
+    if not is_sharded(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(like.shape, device="meta").stride()
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=stride)
+
+
+def local_part(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's part of ``full`` (a tensor of ``like``'s full shape) in ``like``'s layout.
+
+    Example:
+        >>> full = torch.arange(4)
+        >>> local_part(full, torch.zeros(4)) is full
+        True
+    """
+    piece = local_piece(like)
+    if piece.replicated:
+        return full
+    row = max(1, math.prod(piece.shape[1:]))
+    first = piece.offset // row
+    return full[first : first + piece.local.shape[0]].contiguous()
