@@ -16,6 +16,7 @@ Layers have 13, 10 and 4 output rows: uneven shards for 2 and 3 ranks. The unsha
 
 from __future__ import annotations
 
+import csv
 import os
 import socket
 import subprocess
@@ -39,6 +40,7 @@ SCRIPT = textwrap.dedent(
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -102,7 +104,7 @@ SCRIPT = textwrap.dedent(
                 entry["masks"] = {k: full(v) for k, v in self.pruning._masked.masks().items()}
 
 
-    def fit(name, dtype, callback_kwargs, max_steps, ckpt_dir=None, ckpt_path=None, distributed_ckpt=True):
+    def fit(name, dtype, callback_kwargs, max_steps, ckpt_dir=None, ckpt_path=None, distributed_ckpt=True, log=False):
         pruning = PruningCallback(
             Linear(final=0.7, start=0, end=6, frequency=2),
             include=r"net\\.[024]\\.weight",
@@ -122,7 +124,8 @@ SCRIPT = textwrap.dedent(
             ),
             max_steps=max_steps,
             callbacks=callbacks,
-            logger=False,
+            logger=CSVLogger(out, name=name, version=0) if log else False,
+            log_every_n_steps=1,
             enable_progress_bar=False,
             enable_model_summary=False,
             enable_checkpointing=ckpt_dir is not None,
@@ -138,7 +141,7 @@ SCRIPT = textwrap.dedent(
 
 
     if "global" in cases:
-        fit("global", torch.float32, {}, 8, ckpt_dir=out / "ckpt")
+        fit("global", torch.float32, {}, 8, ckpt_dir=out / "ckpt", log=True)
         fit("resumed", torch.float32, {}, 8, ckpt_path=out / "ckpt" / "epoch=0-step=4.ckpt")
     if "layerwise" in cases:
         fit("layerwise", torch.bfloat16, {"scope": "layerwise"}, 6)
@@ -146,6 +149,8 @@ SCRIPT = textwrap.dedent(
         for dim in (0, 1):
             kwargs = {"method": "ln_structured", "method_kwargs": {"n": 2, "dim": dim}, "scope": "layerwise"}
             fit(f"structured{dim}", torch.float32, kwargs, 6)
+    if "random" in cases:
+        fit("random", torch.float32, {"method": "random_unstructured", "seed": 5}, 6)
     if "consolidated" in cases:
         trainer, model = fit("consolidated", torch.float32, {}, 6, distributed_ckpt=False)
         trainer.save_checkpoint(out / "consolidated.ckpt")
@@ -185,7 +190,11 @@ NAMES = ("net.0.weight", "net.2.weight", "net.4.weight")
 
 
 def reference_masks(
-    before: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None, increments: dict[str, int], how: str
+    before: dict[str, torch.Tensor],
+    previous: dict[str, torch.Tensor] | None,
+    increments: dict[str, int],
+    how: str,
+    step: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The masks one process computes from the gathered weights and the previous masks."""
     modules = {}
@@ -197,9 +206,13 @@ def reference_masks(
                 prune.custom_from_mask(m, "weight", previous[key])
         modules[key] = m
     with prune.mask_dtype(torch.bool):
-        if how == "global":
+        if how in ("global", "random"):
             total = sum(increments.values())
-            prune.global_unstructured([(modules[k], "weight") for k in NAMES], prune.L1Unstructured, amount=total)
+            method = prune.L1Unstructured
+            if how == "random":  # the callback draws from (seed, event): seed 5, the event's step
+                method = prune.RandomUnstructured
+                torch.manual_seed((5 * 1_000_003 + step) % (2**63))
+            prune.global_unstructured([(modules[k], "weight") for k in NAMES], method, amount=total)
         else:
             for key in NAMES:
                 if increments[key] <= 0:
@@ -247,7 +260,7 @@ def check_events(record: dict, how: str) -> int:
                 k: pruned_units(masks[k], how) - (0 if previous is None else pruned_units(previous[k], how))
                 for k in NAMES
             }
-            want = reference_masks(entry["before"], previous, increments, how)
+            want = reference_masks(entry["before"], previous, increments, how, step)
             for key in NAMES:
                 assert torch.equal(masks[key], want[key]), (how, step, key)
             events += 1
@@ -255,7 +268,7 @@ def check_events(record: dict, how: str) -> int:
             assert not entry["after"][key][~masks[key]].any(), (how, step, key)
         previous = masks
     final = record["final"]["masks"]
-    if how == "global":
+    if how in ("global", "random"):
         total = sum(m.numel() for m in final.values())
         assert sum(pruned_units(m, how) for m in final.values()) == round(0.7 * total)
     else:
@@ -276,6 +289,23 @@ def test_two_ranks_global_resume_layerwise_bf16_consolidated(tmp_path: Path) -> 
         assert torch.equal(value, resumed["final"]["masks"][key]), key
     assert min(resumed["steps"]) == 5  # it did resume after step 4
 
+    # rank 0 logged the sparsities reduced over the shards: the exact counts of the gathered masks
+    with open(tmp_path / "global" / "version_0" / "metrics.csv", newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("pruning/sparsity/total")]
+    compared = 0
+    for row in rows:
+        masks = record["steps"][int(row["step"])]["masks"] if int(row["step"]) in record["steps"] else None
+        if not masks:
+            continue
+        compared += 1
+        total = sum(m.numel() for m in masks.values())
+        assert float(row["pruning/sparsity/total"]) == pytest.approx(
+            sum(int((~m).sum()) for m in masks.values()) / total
+        )
+        for key, mask in masks.items():
+            assert float(row[f"pruning/sparsity/{key}"]) == pytest.approx(int((~mask).sum()) / mask.numel())
+    assert compared >= 4  # logged after the events of steps 2, 4, 6 and between them
+
     layerwise = torch.load(tmp_path / "layerwise.pt", weights_only=False)
     assert next(iter(layerwise["final"]["weights"].values())).dtype == torch.bfloat16
     assert check_events(layerwise, "layerwise") == 3
@@ -294,8 +324,9 @@ def test_two_ranks_global_resume_layerwise_bf16_consolidated(tmp_path: Path) -> 
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_three_ranks_structured_along_dim_0_and_dim_1(tmp_path: Path) -> None:
-    run(tmp_path, 3, "structured")
+def test_three_ranks_structured_along_dim_0_and_dim_1_and_random(tmp_path: Path) -> None:
+    run(tmp_path, 3, "structured,random")
+    assert check_events(torch.load(tmp_path / "random.pt", weights_only=False), "random") == 3
     for dim in (0, 1):
         record = torch.load(tmp_path / f"structured{dim}.pt", weights_only=False)
         assert check_events(record, f"structured{dim}") == 3
