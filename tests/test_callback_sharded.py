@@ -30,8 +30,6 @@ from torch import nn
 
 from lightprune import prune
 
-pytestmark = pytest.mark.slow
-
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -281,6 +279,7 @@ def check_events(record: dict, how: str) -> int:
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_two_ranks_global_resume_layerwise_bf16_consolidated(tmp_path: Path) -> None:
     run(tmp_path, 2, "global,layerwise,consolidated")
@@ -327,6 +326,7 @@ def test_two_ranks_global_resume_layerwise_bf16_consolidated(tmp_path: Path) -> 
         assert torch.equal(state["masks"][key], consolidated["masks"][key]), key  # full masks, gathered
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_three_ranks_structured_along_dim_0_and_dim_1_and_random(tmp_path: Path) -> None:
     run(tmp_path, 3, "structured,random")
@@ -340,3 +340,38 @@ def test_three_ranks_structured_along_dim_0_and_dim_1_and_random(tmp_path: Path)
                 dead = torch.count_nonzero(final["masks"][key], dim=1) == 0
                 assert dead.any()
                 assert not final["weights"][key.replace("weight", "bias")][dead].any(), key
+
+
+class _Strategy:
+    """Stands in for a Lightning strategy: only its class name is read."""
+
+
+def _strategy(name: str) -> object:
+    return type(name, (_Strategy,), {})()
+
+
+def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightprune.callback.selecting import check_sharded
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = nn.Linear(4, 3)
+        mesh = init_device_mesh("cpu", (1,))
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+        selection = [("fc.weight", layer, "weight")]
+        parallel = _strategy("ModelParallelStrategy")
+        check_sharded(selection, parallel, prune.L1Unstructured, None)  # supported
+        with pytest.raises(ValueError, match="does not support FSDPStrategy"):
+            check_sharded([], _strategy("FSDPStrategy"), prune.L1Unstructured, None)
+        with pytest.raises(ValueError, match=r"outside ModelParallelStrategy \(got DDPStrategy\).*'fc\.weight'"):
+            check_sharded(selection, _strategy("DDPStrategy"), prune.L1Unstructured, None)
+        with pytest.raises(ValueError, match=r"built-in methods.*got Identity for \['fc\.weight'\]"):
+            check_sharded(selection, parallel, prune.Identity, None)
+        with pytest.raises(ValueError, match=r"does not rewind sharded.*rewind='init'"):
+            check_sharded(selection, parallel, prune.L1Unstructured, "init")
+    finally:
+        dist.destroy_process_group()
