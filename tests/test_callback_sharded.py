@@ -156,6 +156,7 @@ SCRIPT = textwrap.dedent(
     if "consolidated" in cases:
         trainer, model = fit("consolidated", torch.float32, {}, 6, distributed_ckpt=False)
         trainer.save_checkpoint(out / "consolidated.ckpt")
+        fit("from_consolidated", torch.float32, {}, 8, ckpt_path=out / "consolidated.ckpt", distributed_ckpt=False)
     """
 )
 
@@ -324,6 +325,13 @@ def test_two_ranks_global_resume_layerwise_bf16_consolidated(tmp_path: Path) -> 
     (state,) = [s for k, s in checkpoint["callbacks"].items() if k.startswith("PruningCallback")]
     for key in NAMES:
         assert torch.equal(state["masks"][key], consolidated["masks"][key]), key  # full masks, gathered
+    # resuming from it puts each rank's rows of the full masks back: training goes on with the same masks
+    resumed = torch.load(tmp_path / "from_consolidated.pt", weights_only=False)
+    assert sorted(resumed["steps"]) == [7, 8]
+    for step in (7, 8):
+        for key in NAMES:
+            assert torch.equal(resumed["steps"][step]["masks"][key], consolidated["masks"][key]), (step, key)
+            assert not resumed["steps"][step]["before"][key][~consolidated["masks"][key]].any(), (step, key)
 
 
 @pytest.mark.slow

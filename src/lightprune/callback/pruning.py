@@ -488,7 +488,10 @@ class PruningCallback(Callback):
         for key in names:
             tensor = original(*targets[key])
             holders[self._sharded_prefix + key] = as_dtensor(
-                torch.empty(local_of(tensor).shape, dtype=self.mask_dtype or torch.bool), tensor
+                torch.empty(
+                    local_of(tensor).shape, dtype=self.mask_dtype or torch.bool, device=local_of(tensor).device
+                ),
+                tensor,
             )
         loaded = {"state_dict": holders}
         dcp.load(loaded, checkpoint_id=path)

@@ -26,7 +26,8 @@ a single process unless two channel norms are within one rounding step of each o
 Random methods draw identically on every rank from the global generator (seed every rank the same): unstructured
 draws are generated in chunks over each full tensor's flat order, each rank keeping its own run, which gives the
 very numbers ``torch.rand(full shape)`` gives in one process (so the same seed gives the same mask) in bounded
-memory.
+memory. They come from the CPU generator whatever the device (one process on a GPU draws from the GPU's generator,
+so there the same seed gives other, equally uniform, masks).
 
 Supported layouts: DTensors on a one-dimensional device mesh whose placement is ``Shard(0)`` or ``Replicate()``
 (FSDP2's layout), and plain tensors. Other placements raise ``NotImplementedError`` naming them.
