@@ -111,6 +111,9 @@ SCRIPT = textwrap.dedent(
             for events in ((0.3,), (0.5, 9), (0.9, 0.5)):
                 check(dtype, seed, ties, events, prune.L1Unstructured, "global", plain_last=seed == 1)
             check(dtype, seed, ties, (0.4, 0.5), prune.L1Unstructured, "layerwise", plain_last=False)
+    D.PER_PIECE_PIECES, per_piece = 0, D.PER_PIECE_PIECES  # ties split by their own counting pass
+    check(torch.float32, 1, True, (0.5, 9), prune.L1Unstructured, "global", plain_last=True)
+    D.PER_PIECE_PIECES = per_piece
     check(torch.float32, 2, False, (0.3, 0.5), prune.RandomUnstructured, "global", plain_last=True)
     check(torch.float32, 3, False, (0.6,), prune.RandomUnstructured, "layerwise", plain_last=False)
 
@@ -195,9 +198,9 @@ def test_sharded_masks_equal_one_process(tmp_path: Path, world: int) -> None:
     script.write_text(SCRIPT)
     result = tmp_path / "checked.txt"
     run_ranks(script, world, [str(result)])
-    # every comparison ran: 2 dtypes x 2 weight sets x (5 global + 2 layerwise events) x 4 tensors, random global
-    # (2 events) and layerwise (1), structured 2 dtypes x 2 dims x 4 norms x 2 events
-    assert int(result.read_text()) == 2 * 2 * 7 * 4 + 2 * 4 + 4 + 2 * 2 * 4 * 2
+    # every comparison ran: 2 dtypes x 2 weight sets x (5 global + 2 layerwise events) x 4 tensors, the tie split's
+    # counting pass (2 events), random global (2 events) and layerwise (1), structured 2 dtypes x 2 dims x 4 norms x 2
+    assert int(result.read_text()) == 2 * 2 * 7 * 4 + 2 * 4 + 2 * 4 + 4 + 2 * 2 * 4 * 2
 
 
 def test_one_process_without_a_group_is_the_single_process_selection() -> None:

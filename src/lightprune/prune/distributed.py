@@ -274,8 +274,24 @@ def find_cuts(
     own_scores = [scores[i] for i in own]
     own_elig = [elig[i] for i in own]
 
+    # The last pass (shift 0) counts exact keys. Counted piece by piece, the local counts of the threshold key in
+    # every piece come with it, which the tie split needs: no extra pass over the data (at most 16 MB of counts).
+    per_piece_ok = len(pieces) <= PER_PIECE_PIECES
+    local_final: list[Tensor] | None = None
+
     def histogram(shift: int, offset: int, nbins: int, within: tuple[int, int] | None) -> Tensor:
-        if own_scores:
+        nonlocal local_final
+        if shift == 0 and per_piece_ok:
+            local_final = [
+                _histogram([s], [e], keys, shift, offset, nbins, within)
+                if s.numel()
+                else torch.zeros(nbins, dtype=torch.int64)
+                for s, e in zip(scores, elig, strict=True)
+            ]
+            hist = torch.zeros(nbins, dtype=torch.int64)
+            for i in own:
+                hist += local_final[i]
+        elif own_scores:
             hist = _histogram(own_scores, own_elig, keys, shift, offset, nbins, within)
         else:
             hist = torch.zeros(nbins, dtype=torch.int64)
@@ -300,6 +316,7 @@ def find_cuts(
         prefix = offset + j
         if shift == 0:
             key, ties, equal = prefix, rank, count
+            final_bin = j
             break
         new_shift = max(0, shift - RADIX_BITS)
         offset = prefix << (shift - new_shift)
@@ -308,7 +325,13 @@ def find_cuts(
         shift = new_shift
     if ties == equal and key < keys.dmax:
         return [Cut(key + 1, 0)] * len(pieces)
-    return _split_ties(pieces, scores, elig, keys, key, ties, group)
+    counts = None if local_final is None else [int(h[final_bin]) for h in local_final]
+    return _split_ties(pieces, scores, elig, keys, key, ties, group, counts)
+
+
+#: Up to this many pieces, the last histogram pass counts piece by piece (``pieces x 2**RADIX_BITS`` int64 counts);
+#: beyond, the tie split counts the threshold key in one more pass.
+PER_PIECE_PIECES = 64
 
 
 def _split_ties(
@@ -319,11 +342,18 @@ def _split_ties(
     key: int,
     ties: int,
     group: Any,
+    counts: list[int] | None = None,
 ) -> list[Cut]:
-    """Hands out the ``ties`` threshold entries to select in global flat order: each piece's share."""
+    """Hands out the ``ties`` threshold entries to select in global flat order: each piece's share.
+
+    ``counts``: the eligible entries of each local piece whose key is ``key``, when known (else counted here).
+    """
     local = torch.zeros(len(pieces), 2, dtype=torch.int64)
     for i, (p, s, e) in enumerate(zip(pieces, scores, elig, strict=True)):
         local[i, 0] = p.offset
+        if counts is not None:
+            local[i, 1] = counts[i]
+            continue
         count = 0
         for x, ek in _chunks([s], [e], _chunk_size(s.device)):  # bounded temporaries, never a full key tensor
             equal = keys(x) == key
