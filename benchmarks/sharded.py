@@ -12,12 +12,12 @@ shards: no rank ever materializes a full tensor in the sharded approach). Per ev
   "event time at most 2x a single-process global prune of the same total size"), the other rank idle;
 
 with the wall time, the bytes each rank hands to collectives, and the peak resident memory above the rank's
-resident size before the event (sampled every millisecond). Both approaches' masks are checked equal. Last, the
-training-step overhead of in-place masking on the shards: an SGD step (momentum) over the local shards with and
-without zeroing the pruned gradient and weight entries (what the callback adds to a step; forward and backward,
-which it does not touch, are left out).
+resident size before the event (sampled every millisecond, after ``malloc_trim`` returned freed heap pages). Both
+approaches' masks are checked equal. Last, the training-step overhead of in-place masking on the shards: an SGD step
+(momentum) over the local shards with and without zeroing the pruned gradient and weight entries (what the callback
+adds to a step; forward and backward, which it does not touch, are left out).
 
-Run: ``python benchmarks/sharded.py --out benchmarks/results/sharded_cpu.json`` (defaults: 16 weights of
+Run: ``python benchmarks/sharded.py --out benchmarks/results/sharded_cpu_268M.json`` (defaults: 16 weights of
 4096 x 4096 = 268M, float32, one thread per rank).
 """
 
@@ -42,10 +42,20 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the measure may miss reused memory
+        pass
+
+
 class PeakRSS:
     """Peak resident memory above the level at entry, sampled every millisecond in a thread."""
 
     def __enter__(self) -> PeakRSS:
+        _trim()  # hand freed heap pages back first: memory reused from earlier phases would not show in the RSS
         self.base = _rss()
         self.peak = self.base
         self._stop = threading.Event()
