@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.masks import mask_of, original
+from lightprune.prune.distributed import local_of
 from lightprune.prune.masking import masked_
 
 __all__ = ["InPlaceMasks"]
@@ -58,6 +59,25 @@ class InPlaceMasks:
             if id(parameter) not in self._handles:
                 self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
 
+    def put(self, module: nn.Module, name: str, mask: Tensor) -> None:
+        """Keep ``mask`` for the plain (or DTensor) Parameter ``module.<name>`` and zero it where pruned now.
+
+        For a DTensor (a sharded parameter), ``mask`` is the mask of this rank's local shard: the reparametrization
+        never applies to it, and weights and gradients are masked on the local shard.
+        """
+        parameter = original(module, name)
+        self._entries[(id(module), name)] = (module, name, mask)
+        self._by_parameter[id(parameter)] = (parameter, mask)
+        if id(parameter) not in self._handles:
+            self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
+        with torch.no_grad():
+            masked_(local_of(parameter), mask)
+
+    def forget(self) -> None:
+        """Drop every mask kept here (the hooks stay)."""
+        self._entries.clear()
+        self._by_parameter.clear()
+
     def give_back(self) -> list[tuple[nn.Module, str, Tensor]]:
         """Put every mask back under the reparametrization (for an event) and forget them here; returns them."""
         entries = list(self._entries.values())
@@ -81,7 +101,7 @@ class InPlaceMasks:
         """Zero the pruned entries of every masked Parameter (after an optimizer step, a rewind, an average)."""
         with torch.no_grad():
             for parameter, mask in self._by_parameter.values():
-                masked_(parameter, mask)
+                masked_(local_of(parameter), mask)
 
     def mask_grads(self) -> None:
         """Zero the pruned entries of every gradient (again: a no-op unless something wrote gradients since)."""
@@ -91,7 +111,7 @@ class InPlaceMasks:
     def _mask_grad(self, parameter: Tensor) -> None:
         entry = self._by_parameter.get(id(parameter))
         if entry is not None and parameter.grad is not None:
-            masked_(parameter.grad, entry[1])
+            masked_(local_of(parameter.grad), entry[1])
 
     def remove_hooks(self) -> None:
         """Stop masking gradients (end of fit); the masks stay readable."""

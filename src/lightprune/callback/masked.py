@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, original, restore_problems, share_mask
+from lightprune.prune import distributed
 from lightprune.prune.base import ModuleSnapshot, find_hook
 from lightprune.prune.masking import masked_
 from lightprune.prune.state_dict import PlainStateDict
@@ -41,6 +42,10 @@ class MaskedSelection:
         seed: seed of the random methods' draws, combined with each event's time.
         inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
             tensors plain Parameters, zeroed in place; events put the reparametrization back for their duration.
+
+    Sharded tensors (DTensors: FSDP2, ``ModelParallelStrategy``) are always masked in place, each rank keeping the
+    mask of its local shard only (``torch.bool`` unless ``mask_dtype`` says otherwise); events select with
+    :mod:`lightprune.prune.distributed` (histograms summed across ranks), never under the reparametrization.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -69,7 +74,10 @@ class MaskedSelection:
         self.mask_dtype, self.seed = mask_dtype, seed
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
-        self.inplace = InPlaceMasks() if inplace else None
+        tensors = [original(module, name) for _, module, name in selection]
+        self.sharded = any(distributed.is_sharded(t) for t in tensors)
+        self.group = distributed.group_of(tensors) if self.sharded else None
+        self.inplace = InPlaceMasks() if inplace or self.sharded else None
 
     def mask(self, module: nn.Module, name: str) -> Tensor | None:
         """The mask of ``module.<name>`` (under the reparametrization or kept apart in place), or ``None``."""
@@ -95,6 +103,8 @@ class MaskedSelection:
 
     def units(self, module: nn.Module, name: str) -> tuple[int, int]:
         """``(units, pruned units)`` of a tensor: entries, or channels along ``dim`` for structured methods."""
+        if self.sharded:
+            return self._sharded_counts([(module, name)])[0]
         tensor = original(module, name)
         mask = self.mask(module, name)
         if not self.structured:
@@ -108,7 +118,15 @@ class MaskedSelection:
 
     def counts(self) -> list[tuple[int, int]]:
         """:meth:`units` of every selected tensor."""
+        if self.sharded:  # one all_reduce for all of them
+            return self._sharded_counts([(module, name) for _, module, name in self.selection])
         return [self.units(module, name) for _, module, name in self.selection]
+
+    def _sharded_counts(self, pairs: list[tuple[nn.Module, str]]) -> list[tuple[int, int]]:
+        tensors = [original(module, name) for module, name in pairs]
+        masks = [self.mask(module, name) for module, name in pairs]
+        dim = self.method_kwargs["dim"] if self.structured else None
+        return distributed.pruned_units(tensors, masks, dim=dim, group=self.group)
 
     # ------------------------------------------------------------------------------------------------------------
     # Events
@@ -153,6 +171,10 @@ class MaskedSelection:
 
     def prune_to(self, target: float, event: int) -> None:
         """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing."""
+        if self.sharded:
+            with self._seeded(event):
+                self._prune_sharded(target)
+            return
         with self.reparametrized(), prune.mask_dtype(self.mask_dtype), self._seeded(event), self.all_or_nothing():
             if self.scope == "global":
                 counts = self.counts()
@@ -170,6 +192,84 @@ class MaskedSelection:
             for module in self.biases:
                 _prune_bias(module)
             self._share_everywhere()
+
+    def _prune_sharded(self, target: float) -> None:
+        """An event on sharded tensors: new local masks from :mod:`lightprune.prune.distributed`, kept in place.
+
+        The new masks are computed for every tensor first and only then put in place, so a failure leaves the old
+        masks untouched (all or nothing, as on one process).
+        """
+        assert self.inplace is not None
+        pairs = [(module, name) for _, module, name in self.selection]
+        tensors = [original(module, name) for module, name in pairs]
+        current = [self.mask(module, name) for module, name in pairs]
+        counts = self.counts()
+        new: dict[int, Tensor] = {}
+        if self.structured:
+            n = self.method_kwargs.get("n")  # None: RandomStructured
+            dim = self.method_kwargs["dim"]
+            for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
+                increment = round(target * units) - pruned
+                if increment > 0:
+                    new[i] = distributed.sharded_structured_mask(
+                        tensor,
+                        increment,
+                        dim=dim,
+                        n=n,
+                        current=mask,
+                        dtype=self._sharded_dtype(tensor),
+                        group=self.group,
+                    )
+        else:
+            method = "random" if self.method is prune.RandomUnstructured else "l1"
+            if self.scope == "global":
+                increment = round(target * sum(u for u, _ in counts)) - sum(p for _, p in counts)
+                if increment > 0:
+                    masks = distributed.sharded_unstructured_masks(
+                        tensors,
+                        increment,
+                        method=method,
+                        current=current,
+                        dtype=self._sharded_dtype(tensors[0]),
+                        group=self.group,
+                    )
+                    new = dict(enumerate(masks))
+            else:
+                for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
+                    increment = round(target * units) - pruned
+                    if increment > 0:
+                        new[i] = distributed.sharded_unstructured_masks(
+                            [tensor],
+                            increment,
+                            method=method,
+                            current=[mask],
+                            dtype=self._sharded_dtype(tensor),
+                            group=self.group,
+                        )[0]
+        for i, mask in new.items():
+            module, name = pairs[i]
+            self.inplace.put(module, name, mask)
+        for _, module, name in self.selection:
+            if module in self.biases:
+                self._prune_sharded_bias(module, name)
+
+    def _sharded_dtype(self, tensor: Tensor) -> torch.dtype:
+        return torch.bool if self.mask_dtype is None else self.mask_dtype
+
+    def _prune_sharded_bias(self, module: nn.Module, name: str) -> None:
+        """Zero the local bias entries of the output channels (rows) whose local weight mask is all zero."""
+        assert self.inplace is not None
+        weight_mask = self.inplace.mask(module, name)
+        if weight_mask is None:
+            return
+        keep = torch.count_nonzero(weight_mask, dim=list(range(1, weight_mask.dim()))) > 0
+        bias = distributed.local_of(original(module, "bias"))
+        if keep.shape != bias.shape:
+            raise ValueError(
+                f"the local bias of {type(module).__name__} has shape {tuple(bias.shape)} but its weight's local "
+                f"shard has {keep.numel()} rows: bias and weight must be sharded alike along dim 0"
+            )
+        self.inplace.put(module, "bias", keep.to(self._sharded_dtype(bias)))
 
     def _share_everywhere(self) -> None:
         """Give every other place a selected tensor lives the very mask of the selected owner.
@@ -236,12 +336,22 @@ class MaskedSelection:
 
     def masks(self) -> dict[str, Tensor]:
         """The masks by qualified name, for a checkpoint (tensors not pruned yet have none)."""
-        found = {key: self.mask(module, name) for key, (module, name) in self._mask_targets().items()}
+        targets = self._mask_targets()
+        found = {key: self.mask(module, name) for key, (module, name) in targets.items()}
+        if self.sharded:  # each rank's local shard, as a DTensor of the parameter's layout
+            return {
+                key: distributed.as_dtensor(mask, original(*targets[key]))
+                for key, mask in found.items()
+                if mask is not None
+            }
         return {key: mask for key, mask in found.items() if mask is not None}
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
         """Put a checkpoint's masks back, checked first (``owner`` names the state in messages), all or nothing."""
         targets = self._mask_targets()
+        if self.sharded:
+            self._restore_sharded(saved, targets, owner)
+            return
         problems = restore_problems(saved, targets)
         if problems:
             raise ValueError(
@@ -260,8 +370,42 @@ class MaskedSelection:
                     prune.custom_from_mask(module, name, mask=mask)
             self._share_everywhere()
 
+    def _restore_sharded(
+        self, saved: Mapping[str, Tensor], targets: dict[str, tuple[nn.Module, str]], owner: str
+    ) -> None:
+        """Sharded tensors: each saved mask is a DTensor (its local shard is taken) or a full tensor (a consolidated
+        checkpoint: this rank's rows are taken)."""
+        assert self.inplace is not None
+        local: dict[str, Tensor] = {}
+        problems = []
+        for key, mask in saved.items():
+            if key not in targets:
+                problems.append(f"{key!r} is not selected by this callback (the selection is {sorted(targets)})")
+                continue
+            tensor = original(*targets[key])
+            if tuple(mask.shape) != tuple(tensor.shape):
+                problems.append(
+                    f"the mask of {key!r} has shape {tuple(mask.shape)}, the parameter {tuple(tensor.shape)}"
+                )
+                continue
+            part = distributed.local_of(mask) if distributed.is_sharded(mask) else distributed.local_part(mask, tensor)
+            local[key] = part.to(distributed.local_of(tensor).device)
+        if problems:
+            raise ValueError(
+                f"{owner}: the checkpoint's masks do not fit the model (nothing was changed):\n  "
+                + "\n  ".join(problems)
+            )
+        for key, mask in local.items():
+            module, name = targets[key]
+            self.inplace.put(module, name, mask)
+
     def share_with_averages(self, averages: list[nn.Module]) -> None:
         """Mask these averaged copies of the model too, now and after every event."""
+        if self.sharded and averages:
+            raise ValueError(
+                "PruningCallback does not mask the averaged copies of weight-averaging callbacks (EMA, SWA) of a "
+                "sharded model; remove the weight-averaging callback or train without sharding"
+            )
         self.averages = averages
         self._share_everywhere()
 

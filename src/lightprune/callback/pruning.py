@@ -107,7 +107,9 @@ class PruningCallback(Callback):
             ``"inplace"``: between events the tensors stay plain Parameters; pruned gradient entries are zeroed as
             soon as they are accumulated and pruned weights right after every optimizer step. Faster and leaner; the
             effective weights are the same for optimizers whose update of an entry depends on that entry alone
-            (SGD, Adam, AdamW, RMSprop...). LBFGS is refused; Adafactor and manual optimization warn.
+            (SGD, Adam, AdamW, RMSprop...). LBFGS is refused; Adafactor and manual optimization warn. Parameters
+            sharded as DTensor (``ModelParallelStrategy``, FSDP2) are always masked in place, each rank keeping the
+            mask of its own shard (see :mod:`lightprune.prune.distributed`), whatever ``masking`` says.
         mask_dtype: dtype of new masks; ``torch.bool`` (1 byte per entry) by default, ``None`` for the parameter's.
         log_per_parameter: log ``pruning/sparsity/<qualified name>`` for every pruned tensor (turn off for very
             large selections); the total ``pruning/sparsity/total`` and ``pruning/target`` are always logged.
@@ -209,6 +211,7 @@ class PruningCallback(Callback):
         self._plain_state_dict_handle: Any = None
         self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
         self._restored_masks: dict[str, Tensor] | None = None
+        self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
         self._resolved: Schedule | None = None
         self._last_event = -1
         self._last_logged = -1
@@ -256,8 +259,9 @@ class PruningCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._load_sharded_masks(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
-        if self.masking == "inplace":
+        if self._masks_in_place:
             self._step_handles = neighbours.mask_after_optimizer_steps(trainer, pl_module, self._in_place)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
@@ -290,9 +294,10 @@ class PruningCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
         self._warn_if_schedule_unfinished(trainer)
-        if self.summary and trainer.is_global_zero and self._masked is not None:
-            rank_zero_info(self.summary_table())
-        if (self.make_permanent or self.masking == "inplace") and self._masked is not None:
+        if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.sharded):
+            table = self.summary_table()  # sharded: every rank takes part in reducing the counts
+            rank_zero_info(table)
+        if (self.make_permanent or self._masks_in_place) and self._masked is not None:
             self._masked.make_permanent()
         self._remove_step_handles()
         self._stale.refresh()
@@ -340,6 +345,8 @@ class PruningCallback(Callback):
         # a checkpoint written after the state_dict hook is gone (OnExceptionCheckpoint) is made plain all the same
         if self._masked is not None:
             self._masked.plain_state_dict(pl_module, checkpoint["state_dict"], "", None)
+            if self._masked.sharded:
+                self._save_sharded_masks(checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -347,12 +354,14 @@ class PruningCallback(Callback):
             "last_event": self._last_event,
             "rewind_snapshot": self._rewind_snapshot,
             "masks": {} if self._masked is None else self._masked.masks(),
+            "sharded_masks": list(self._sharded_masks_in),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_event = int(state_dict.get("last_event", -1))
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
+        self._sharded_masks_in = list(state_dict.get("sharded_masks", []))
         masks = state_dict.get("masks", {})
         if not isinstance(masks, Mapping) or not all(
             isinstance(k, str) and isinstance(v, Tensor) for k, v in masks.items()
@@ -375,6 +384,7 @@ class PruningCallback(Callback):
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
         self._restored_masks = None
+        self._sharded_masks_in = []
         self._masked = None
         self._stale.reset()
 
@@ -395,7 +405,7 @@ class PruningCallback(Callback):
             neighbours.refuse_averaged_bool_buffers(trainer)
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
         selecting.refuse_overlaps(selection, others, self._log_prefix)
-        selecting.refuse_sharded(selection)
+        selecting.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
         if self.structured:
             selecting.check_dims(selection, self.method_kwargs)
         owners = parameter_owners(pl_module)
@@ -416,6 +426,76 @@ class PruningCallback(Callback):
             self.seed,
             inplace=self.masking == "inplace",
         )
+
+    @property
+    def _masks_in_place(self) -> bool:
+        """Whether the masks are kept apart and applied in place: ``masking="inplace"``, or a sharded selection."""
+        return self.masking == "inplace" or (self._masked is not None and self._masked.sharded)
+
+    def _save_sharded_masks(self, checkpoint: dict[str, Any]) -> None:
+        """Sharded masks in a checkpoint, exact whatever the format.
+
+        A distributed checkpoint (the model's state holds DTensors) saves the weights shard by shard from every rank,
+        but the callbacks' states from rank zero only: each rank's local masks go into the model's state as DTensors
+        under ``lightprune.masks.<callback>.<parameter>`` keys, written shard by shard beside the weights, and the
+        callback's state keeps just their names (a strict load of the model ignores checkpoint keys it does not
+        ask for). A consolidated checkpoint (one file, full tensors) holds the full masks in the callback's state,
+        gathered once at save time, as Lightning gathers the full weights; its weights are plain and pruned.
+        """
+        from lightprune.prune.distributed import is_sharded
+
+        callbacks = checkpoint.get("callbacks", {})
+        state = callbacks.get(self.state_key)
+        model_state = checkpoint.get("state_dict", {})
+        if state is None:
+            return
+        masks = state.get("masks", {})
+        if any(is_sharded(v) for v in model_state.values()):
+            prefix = self._sharded_prefix
+            for key, mask in masks.items():
+                model_state[prefix + key] = mask
+            state["sharded_masks"] = sorted(masks)
+            state["masks"] = {}
+        else:
+            state["masks"] = {key: mask.full_tensor() if is_sharded(mask) else mask for key, mask in masks.items()}
+            state["sharded_masks"] = []
+
+    @property
+    def _sharded_prefix(self) -> str:
+        import hashlib
+
+        return f"lightprune.masks.{hashlib.sha1(self.state_key.encode()).hexdigest()[:12]}."
+
+    def _load_sharded_masks(self, trainer: Trainer) -> None:
+        """Resuming from a distributed checkpoint: read this rank's shard of every mask saved beside the weights."""
+        names, self._sharded_masks_in = self._sharded_masks_in, []
+        if not names or self._masked is None:
+            return
+        path = trainer.ckpt_path
+        if path is None:
+            raise ValueError(f"{self.state_key}: the checkpoint's masks are in a distributed checkpoint, path unknown")
+        import torch.distributed.checkpoint as dcp
+
+        from lightprune.prune.distributed import as_dtensor, local_of
+
+        targets = self._masked._mask_targets()
+        missing = [n for n in names if n not in targets]
+        if missing:
+            raise ValueError(
+                f"{self.state_key}: the checkpoint holds masks of {missing}, not selected by this callback"
+            )
+        holders = {}
+        for key in names:
+            tensor = original(*targets[key])
+            holders[self._sharded_prefix + key] = as_dtensor(
+                torch.empty(
+                    local_of(tensor).shape, dtype=self.mask_dtype or torch.bool, device=local_of(tensor).device
+                ),
+                tensor,
+            )
+        loaded = {"state_dict": holders}
+        dcp.load(loaded, checkpoint_id=path)
+        self._masked.restore({key: loaded["state_dict"][self._sharded_prefix + key] for key in names}, self.state_key)
 
     def _in_place(self) -> None:
         if self._masked is not None:
@@ -489,7 +569,14 @@ class PruningCallback(Callback):
         current = {}
         for qualified, module, name in self._masked.selection:
             mask = self._masked.mask(module, name)
-            current[qualified] = torch.ones_like(original(module, name), dtype=torch.bool) if mask is None else mask
+            tensor = original(module, name)
+            if self._masked.sharded:  # local shards; a plain tensor, the same on every rank, counts on rank 0 only
+                from lightprune.prune.distributed import is_sharded, local_of
+
+                tensor = local_of(tensor)
+                if not is_sharded(original(module, name)) and trainer.global_rank != 0:
+                    tensor, mask = tensor.new_empty(0), None
+            current[qualified] = torch.ones_like(tensor, dtype=torch.bool) if mask is None else mask
         values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
         total_key = self._log_prefix + "sparsity/total"
         if not self.log_per_parameter:

@@ -11,7 +11,7 @@ from torch import nn
 from lightprune._checks import is_int
 from lightprune.callback.masks import original
 
-__all__ = ["SMALL_SHARE", "check_dims", "find_ties", "refuse_overlaps", "refuse_sharded", "warn_small_share"]
+__all__ = ["SMALL_SHARE", "check_dims", "check_sharded", "find_ties", "refuse_overlaps", "warn_small_share"]
 
 Selection = list[tuple[str, nn.Module, str]]
 
@@ -36,18 +36,45 @@ def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str
             )
 
 
-def refuse_sharded(selection: Selection) -> None:
-    """Parameters sharded as DTensor (ModelParallelStrategy / FSDP2) are not supported yet: refuse them."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    sharded = [qualified for qualified, module, name in selection if isinstance(original(module, name), DTensor)]
-    if sharded:
+def check_sharded(
+    selection: Selection, strategy: Any, method: Any, rewind: Any, owners: Mapping[int, Selection] | None = None
+) -> None:
+    """Sharded parameters: what the callback supports, else a clear refusal naming what is not.
+
+    Parameters sharded as DTensor (``ModelParallelStrategy``, FSDP2's ``fully_shard``) are pruned exactly with the
+    built-in methods, masked in place on each rank's shard. Refused: DTensors under any other strategy (untested
+    there, and their checkpoints would not carry the masks' shards), ``FSDPStrategy`` (FSDP1 flattens the
+    parameters into flat shards whose layout is not the tensors'), custom pruning methods, rewinding and tied
+    weights of a sharded selection.
+    """
+    if type(strategy).__name__ == "FSDPStrategy":
         raise ValueError(
-            f"PruningCallback does not support parameters sharded as DTensor (ModelParallelStrategy / FSDP2) yet; "
-            f"sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Train without sharding, or exclude them."
+            "PruningCallback does not support FSDPStrategy (FSDP1 flat parameters); use ModelParallelStrategy with "
+            "fully_shard (FSDP2) in configure_model, whose DTensor shards are pruned exactly"
         )
+    from lightprune.prune.distributed import is_sharded
+
+    sharded = [qualified for qualified, module, name in selection if is_sharded(original(module, name))]
+    if not sharded:
+        return
+    if type(strategy).__name__ != "ModelParallelStrategy":
+        raise ValueError(
+            f"PruningCallback does not support parameters sharded as DTensor outside ModelParallelStrategy (got "
+            f"{type(strategy).__name__}); sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Shard with "
+            "ModelParallelStrategy and fully_shard in configure_model, or exclude them."
+        )
+    from lightprune import prune
+
+    supported = (prune.L1Unstructured, prune.RandomUnstructured, prune.LnStructured, prune.RandomStructured)
+    if method not in supported:
+        raise ValueError(
+            f"PruningCallback prunes sharded (DTensor) parameters with the built-in methods "
+            f"{[m.__name__ for m in supported]}; got {getattr(method, '__name__', method)} for {sharded[:3]}"
+        )
+    if rewind is not None:
+        raise ValueError(f"PruningCallback does not rewind sharded (DTensor) parameters yet (rewind={rewind!r})")
+    if owners is not None and find_ties(selection, owners):
+        raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
 
 
 def check_dims(selection: Selection, method_kwargs: Mapping[str, Any]) -> None:

@@ -1,0 +1,235 @@
+"""Global pruning of a sharded model: histograms all-reduced vs gathering every full tensor, world size 2 (gloo).
+
+Each rank holds its ``Shard(0)`` half of ``--tensors`` weights of ``--rows x --cols`` (DTensors built from local
+shards: no rank ever materializes a full tensor in the sharded approach). Per event (global L1 to ``0.5`` then to
+``0.8`` of all weights, the second on top of the first's masks) it measures on every rank:
+
+* ``sharded``: :func:`lightprune.prune.distributed.sharded_unstructured_masks` (local histograms summed with
+  ``all_reduce``, ties split by global flat index);
+* ``gather``: the gather-everything approach: ``full_tensor()`` of every weight and every current mask on every
+  rank, one-process global selection over the full tensors, then each rank keeps its rows;
+* ``single``: rank 0 alone running the one-process selection over the gathered full tensors (the reference for
+  "event time at most 2x a single-process global prune of the same total size"), the other rank idle;
+
+with the wall time, the bytes each rank hands to collectives, and the peak resident memory above the rank's
+resident size before the event (sampled every millisecond, after ``malloc_trim`` returned freed heap pages). Both
+approaches' masks are checked equal. Last, the training-step overhead of in-place masking on the shards: an SGD step
+(momentum) over the local shards with and without zeroing the pruned gradient and weight entries (what the callback
+adds to a step; forward and backward, which it does not touch, are left out).
+
+Run: ``python benchmarks/sharded.py --out benchmarks/results/sharded_cpu_268M.json`` (defaults: 16 weights of
+4096 x 4096 = 268M, float32, one thread per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the measure may miss reused memory
+        pass
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every millisecond in a thread."""
+
+    def __enter__(self) -> PeakRSS:
+        _trim()  # hand freed heap pages back first: memory reused from earlier phases would not show in the RSS
+        self.base = _rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _one_process_masks(fulls: list[torch.Tensor], current: list[torch.Tensor | None], amount: float) -> list:
+    """The one-process global L1 selection over full tensors (what ``global_unstructured`` runs), bool masks."""
+    from lightprune.prune.amount import _compute_nparams_toprune
+    from lightprune.prune.select import apply_cut, count_eligible, find_cut
+
+    available = count_eligible(current, fulls)
+    k = _compute_nparams_toprune(amount, available)
+    cut = find_cut(fulls, k, eligible=current, magnitude=True)
+    masks = [torch.empty(t.shape, dtype=torch.bool) for t in fulls]
+    apply_cut(fulls, cut, out=masks, eligible=current, base=current, magnitude=True)
+    return masks
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightprune.prune import distributed as D
+    from lightprune.prune.masking import masked_
+
+    mesh = init_device_mesh("cpu", (world,))
+    rows = -(-args.rows // world)
+    local_rows = max(0, min(rows, args.rows - rank * rows))
+    generator = torch.Generator().manual_seed(1000 + rank)
+    dtype = getattr(torch, args.dtype)
+    stride = (args.cols, 1)
+    weights = [
+        DTensor.from_local(
+            torch.randn(local_rows, args.cols, generator=generator).to(dtype),
+            mesh,
+            [Shard(0)],
+            shape=torch.Size((args.rows, args.cols)),
+            stride=stride,
+        )
+        for _ in range(args.tensors)
+    ]
+    local_weights = sum(w.to_local().numel() for w in weights)
+    report: dict[str, Any] = {"rank": rank, "local_weights": local_weights, "events": []}
+    current: list[torch.Tensor | None] = [None] * len(weights)
+    for amount_total in (0.5, 0.8):
+        event: dict[str, Any] = {"target": amount_total}
+        pruned = 0 if current[0] is None else sum(int((~m).sum()) for m in current)
+        pruned = int(D._all_reduce(torch.tensor([pruned]), None)[0])
+        total = args.tensors * args.rows * args.cols
+        increment = round(amount_total * total) - pruned
+
+        # --- sharded: histograms summed across ranks ---
+        dist.barrier()
+        D.traffic.bytes = D.traffic.calls = 0
+        with PeakRSS() as mem:
+            start = time.perf_counter()
+            new = D.sharded_unstructured_masks(weights, increment, current=current)
+            seconds = time.perf_counter() - start
+        event["sharded"] = {
+            "seconds": seconds,
+            "bytes": D.traffic.bytes,
+            "calls": D.traffic.calls,
+            "extra_peak_bytes": mem.extra,
+            "extra_bytes_per_local_weight": mem.extra / local_weights,
+        }
+
+        # --- gather everything: full tensors (and current masks) on every rank ---
+        dist.barrier()
+        with PeakRSS() as mem:
+            start = time.perf_counter()
+            fulls = [w.full_tensor() for w in weights]
+            full_current = [
+                None if c is None else D.as_dtensor(c, w).full_tensor() for c, w in zip(current, weights, strict=True)
+            ]
+            gathered_bytes = sum(w.to_local().numel() * w.element_size() * (world - 1) for w in weights)
+            gathered_bytes += sum(0 if c is None else c.numel() * (world - 1) for c in current)
+            full_masks = _one_process_masks(fulls, full_current, increment)
+            mine = [D.local_part(m, w) for m, w in zip(full_masks, weights, strict=True)]
+            seconds = time.perf_counter() - start
+        event["gather"] = {
+            "seconds": seconds,
+            "bytes": gathered_bytes,
+            "extra_peak_bytes": mem.extra,
+            "extra_bytes_per_local_weight": mem.extra / local_weights,
+        }
+        event["masks_equal"] = all(torch.equal(a, b) for a, b in zip(new, mine, strict=True))
+        del full_masks, mine
+
+        # --- one process over the same total size (rank 0 alone) ---
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            _one_process_masks(fulls, full_current, increment)
+            event["single_seconds"] = time.perf_counter() - start
+        del fulls, full_current
+        dist.barrier()
+        current = new
+        report["events"].append(event)
+
+    # --- training-step overhead of in-place masking: an SGD step on the local shards, with and without masking ---
+    params = [torch.nn.Parameter(w.to_local().clone()) for w in weights]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    optimizer.step()
+    timings: dict[str, float] = {}
+    for masked in (False, True, False, True):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            if masked:
+                for p, m in zip(params, current, strict=True):
+                    masked_(p.grad, m)
+            optimizer.step()
+            if masked:
+                with torch.no_grad():
+                    for p, m in zip(params, current, strict=True):
+                        masked_(p, m)
+        key = "masked" if masked else "plain"
+        timings[key] = min(timings.get(key, float("inf")), (time.perf_counter() - start) / args.steps)
+    report["step_seconds"] = timings
+    results[rank] = report
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    world = 2
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.start_processes(_worker, args=(world, port, args, results), nprocs=world, start_method="spawn")
+    out = {
+        "config": {**vars(args), "out": None, "world": world, "total_weights": args.tensors * args.rows * args.cols},
+        "torch": torch.__version__,
+        "device": "cpu",
+        "ranks": [results[r] for r in range(world)],
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
