@@ -178,3 +178,13 @@ def test_masked_in_place_zeroes_exactly_where_the_mask_prunes(dtype: torch.dtype
     assert torch.equal(values[finite], expected[finite])
     if mask_kind != "float":  # a bool mask gives +0 even over inf and NaN
         assert not bool(values[~mask].isnan().any()) and bool((values[~mask] == 0).all())
+
+
+def test_masked_in_place_works_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(masking, "MASK_CHUNK", 100)  # 21 chunks, the last one short
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(41, 50, generator=generator)
+    keep = torch.rand(41, 50, generator=generator) > 0.3
+    expected = torch.where(keep, values, 0.0)
+    masked_(values, keep)
+    assert torch.equal(values, expected)

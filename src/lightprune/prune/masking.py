@@ -30,6 +30,9 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 MIN_NUMEL_FOR_BITS = 1 << 14
 """Below this many entries ``torch.where`` is faster than the autograd function's Python overhead."""
 
+MASK_CHUNK = 1 << 18
+"""Entries :func:`masked_` widens at a time (1 MB of int32 scratch: stays in cache, allocates nothing weight-sized)."""
+
 
 def _select_bits(values: Tensor, keep: Tensor) -> Tensor:
     """``where(keep, values, +0)`` by bit operations, without autograd (``values``: floating, a ``_BITS`` width)."""
@@ -116,9 +119,16 @@ def masked_(values: Tensor, keep: Tensor) -> Tensor:
         and keep.is_contiguous()
         and keep.shape == values.shape
     ):
-        widened = keep.view(torch.uint8).to(_BITS[values.element_size()])
-        widened.neg_()
-        values.view(widened.dtype).bitwise_and_(widened)
+        bits = _BITS[values.element_size()]
+        flat_values, flat_keep = values.view(-1).view(bits), keep.view(-1).view(torch.uint8)
+        # in chunks through one small scratch: a weight-sized widened copy would cost more in page faults than work
+        scratch = torch.empty(min(flat_values.numel(), MASK_CHUNK), dtype=bits)
+        for start in range(0, flat_values.numel(), MASK_CHUNK):
+            part = flat_keep[start : start + MASK_CHUNK]
+            widened = scratch[: part.numel()]
+            widened.copy_(part)
+            widened.neg_()  # 0 or all ones
+            flat_values[start : start + MASK_CHUNK].bitwise_and_(widened)
         return values
     if keep.dtype == torch.bool:
         return values.masked_fill_(~keep, 0)
