@@ -136,6 +136,14 @@ class _PrunedTensor(Tensor):
 
 
 def _as_pruned(tensor: Tensor) -> Tensor:
+    """``tensor`` as a :class:`_PrunedTensor`, if it is a plain tensor; any other tensor type as it is.
+
+    While a module is traced (``torch.export``, and so ONNX export, run it on fake or functional tensors), the
+    masked value is an instance of a tracing subclass bound to its tensor object, which cannot be given another
+    Python type; a traced program is never deep-copied through this attribute anyway.
+    """
+    if type(tensor) is not Tensor:
+        return tensor
     return tensor.as_subclass(_PrunedTensor)
 
 
