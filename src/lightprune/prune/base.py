@@ -142,9 +142,16 @@ def _as_pruned(tensor: Tensor) -> Tensor:
     masked value is an instance of a tracing subclass bound to its tensor object, which cannot be given another
     Python type; a traced program is never deep-copied through this attribute anyway.
     """
-    if type(tensor) is not Tensor:
+    if type(tensor) is not Tensor or (_SUBCLASS_NOT_TRACEABLE and torch.compiler.is_compiling()):
         return tensor
     return tensor.as_subclass(_PrunedTensor)
+
+
+_SUBCLASS_NOT_TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+"""TorchDynamo of torch 2.5 cannot trace ``as_subclass`` into ``_PrunedTensor`` (``torch.compile`` and strict
+``torch.export`` then fail); torch 2.13 can. Before 2.13 (versions between were not tested), a value computed in a
+compiled forward stays a plain tensor: everything works but ``copy.deepcopy`` of the module right after a compiled
+training step, until the next eager forward."""
 
 
 class BasePruningMethod(ABC):
