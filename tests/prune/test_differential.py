@@ -732,6 +732,10 @@ def resolve(
             call.importance = imps
         if wild == "importance_not_dict":
             call.importance = "not a dict"
+        if any(getattr(tmods[i], n).dim() == 0 for i, n in chosen) and wild is None:
+            # torch 2.5 indexes a 0-D parameter's mask and raises IndexError (torch 2.13 prunes it)
+            call.quirk = "global_unstructured over a 0-D parameter"
+            call.lp_may_succeed = True
     if amount is True and (kind in ("l1", "ru", "rs") or (kind == "global" and call.method != "Identity")):
         call.quirk = "amount=True"
         call.lp_may_succeed = True
