@@ -252,6 +252,7 @@ def test_normalize_dim() -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 NORMS = [1, 2, 3.5, float("inf"), float("-inf"), "fro", "nuc", 0]
+LINALG = am.norms_follow_linalg()  # torch >= 2.14: torch's _compute_norm uses torch.linalg (see its docstring)
 
 
 @pytest.mark.parametrize("n", NORMS, ids=repr)
@@ -264,19 +265,46 @@ def test_compute_norm_matches_torch(n: Any, dim: int) -> None:
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("n", [*NORMS, "abc"], ids=repr)
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4, 5), (2, 3, 2, 2, 3)], ids=str)
+def test_compute_norm_follows_the_installed_torch_for_every_n_and_rank(n: Any, shape: tuple[int, ...]) -> None:
+    # the cases where torch 2.13 (torch.norm) and 2.14+ (torch.linalg) differ: 'fro' and 'nuc' over other than
+    # two dims, and unknown strings; lightprune gives what the installed torch gives, errors included
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    for dim in range(-len(shape), len(shape)):
+        (ours_kind, ours), (theirs_kind, theirs) = (
+            outcome(lp._compute_norm, t, n, dim),
+            outcome(tp._compute_norm, t, n, dim),
+        )
+        assert ours_kind == theirs_kind, f"n={n!r}, shape={shape}, dim={dim}"
+        if theirs is not None:
+            assert ours.shape == theirs.shape and torch.equal(ours, theirs), f"n={n!r}, shape={shape}, dim={dim}"
+
+
+def test_norms_follow_linalg_says_which_torch_this_is() -> None:
+    # 'fro' over three dims: refused by torch.norm (torch <= 2.13), the 2-norm with torch.linalg (torch >= 2.14)
+    kind, norms = outcome(tp._compute_norm, torch.ones(2, 2, 2, 2), "fro", 0)
+    assert kind == ("ok" if LINALG else "RuntimeError")
+    if LINALG:
+        assert torch.equal(norms, torch.full((2,), 8.0).sqrt())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_compute_norm_dtypes_match_torch(dtype: torch.dtype) -> None:
     t = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for n in (1, 2, float("inf")):
+    for n in (1, 2, float("inf"), "fro"):
         ours = lp._compute_norm(t, n, 0)
         assert ours.dtype == dtype
         assert torch.equal(ours, tp._compute_norm(t, n, 0))
 
 
 def test_compute_norm_errors_have_torchs_types() -> None:
-    # 'nuc' needs exactly two dims besides the channel dim: torch.norm itself raises
-    assert outcome(tp._compute_norm, torch.ones(3, 4), "nuc", 0)[0] == "RuntimeError"
-    assert outcome(lp._compute_norm, torch.ones(3, 4), "nuc", 0)[0] == "RuntimeError"
+    # 'nuc' over one remaining dim: torch.norm raises (torch <= 2.13); torch.linalg takes the last two dims (2.14+)
+    assert (
+        outcome(lp._compute_norm, torch.ones(3, 4), "nuc", 0)[0]
+        == outcome(tp._compute_norm, torch.ones(3, 4), "nuc", 0)[0]
+    )
+    assert outcome(tp._compute_norm, torch.ones(3, 4), "nuc", 0)[0] == ("ok" if LINALG else "RuntimeError")
     # a dim too large: torch raises ValueError (list.remove), an IndexError is what the rest of the API raises for
     # a bad dim; lightprune's error is both
     assert outcome(tp._compute_norm, torch.ones(3, 4), 2, 5)[0] == "ValueError"
@@ -295,15 +323,22 @@ def test_compute_norm_errors_have_torchs_types() -> None:
     [((2, 3, 4, 5), "fro", 1), ((0, 0), -1, 0), ((3, 4), "nuc", 0)],
 )
 def test_ln_structured_checks_the_norm_even_for_amount_zero(shape: tuple[int, ...], n: Any, dim: int) -> None:
-    # regression: torch computes the norms before looking at the amount, so an order torch.norm refuses for this
-    # shape fails even with amount=0; lightprune skipped the norms when nothing was pruned and accepted it
+    # regression: torch computes the norms before looking at the amount, so an order refused for this shape fails
+    # even with amount=0; lightprune skipped the norms when nothing was pruned and accepted it. Which orders are
+    # refused depends on the torch version ('fro' over three dims is the 2-norm from torch 2.14 on): follow torch.
     t = torch.ones(shape)
-    assert outcome(tp.LnStructured(0, n=n, dim=dim).compute_mask, t, torch.ones(shape))[0] == "RuntimeError"
-    with pytest.raises(RuntimeError, match=r"linalg\.(matrix|vector)_norm"):
-        lp.LnStructured(0, n=n, dim=dim).compute_mask(t, torch.ones(shape))
+    theirs = outcome(tp.LnStructured(0, n=n, dim=dim).compute_mask, t, torch.ones(shape))
     module = torch.nn.Module()
     module.weight = torch.nn.Parameter(t)
-    with pytest.raises(RuntimeError, match=r"linalg\.(matrix|vector)_norm"):
+    if theirs[0] == "ok":
+        assert torch.equal(lp.LnStructured(0, n=n, dim=dim).compute_mask(t, torch.ones(shape)), theirs[1])
+        lp.ln_structured(module, "weight", amount=0.0, n=n, dim=dim)
+        assert torch.equal(module.weight_mask, torch.ones(shape))
+        return
+    assert theirs[0] == "RuntimeError"
+    with pytest.raises(RuntimeError, match=r"norm"):
+        lp.LnStructured(0, n=n, dim=dim).compute_mask(t, torch.ones(shape))
+    with pytest.raises(RuntimeError, match=r"norm"):
         lp.ln_structured(module, "weight", amount=0.0, n=n, dim=dim)
     assert not lp.is_pruned(module)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from unittest import mock
 
 import pytest
 import torch
@@ -429,6 +430,109 @@ def test_subclass_overriding_compute_mask_is_used_instead_of_the_fast_path() -> 
         pass
 
     assert base._has_fast_path(Renamed(amount=1))
+
+
+FAST_METHODS = ["L1Unstructured", "RandomUnstructured", "LnStructured", "RandomStructured", "Identity"]
+ARGS = {
+    "L1Unstructured": {"amount": 2},
+    "RandomUnstructured": {"amount": 2},
+    "LnStructured": {"amount": 1, "n": 2, "dim": 0},
+    "RandomStructured": {"amount": 1, "dim": 0},
+    "Identity": {},
+}
+
+
+def _first_entry(t: Tensor, default_mask: Tensor) -> Tensor:
+    """A replacement compute_mask: prune the first entry (flat order), whatever the method's own rule."""
+    mask = default_mask.clone()
+    mask.view(-1)[0] = 0
+    return mask
+
+
+@pytest.mark.parametrize("name", FAST_METHODS)
+def test_a_mocked_compute_mask_is_called_instead_of_the_fast_path(name: str) -> None:
+    # torch always calls compute_mask, so tests (torch's own among them) replace it with unittest.mock.patch
+    cls, kwargs = getattr(lp, name), ARGS[name]
+    layer = linear()
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]] * 3)
+    with mock.patch.object(cls, "compute_mask", return_value=mask) as patched:
+        assert not base._has_fast_path(cls(**kwargs))
+        cls.apply(layer, "weight", **kwargs)
+    patched.assert_called_once()
+    assert torch.equal(layer.weight_mask, mask)
+    assert base._has_fast_path(cls(**kwargs))  # the original is back: so is the fast path
+
+
+@pytest.mark.parametrize("name", FAST_METHODS)
+def test_a_monkey_patched_compute_mask_is_called_like_torch_calls_it(name: str) -> None:
+    ours, theirs = linear(), linear()
+    replacement = lambda self, t, default_mask: _first_entry(t, default_mask)  # noqa: E731
+    owners = [next(k for k in getattr(impl, name).__mro__ if "compute_mask" in k.__dict__) for impl in (lp, tp)]
+    saved = [owner.__dict__["compute_mask"] for owner in owners]
+    try:
+        for owner in owners:
+            owner.compute_mask = replacement
+        for _ in range(2):  # the second call goes through the container rule: the replacement sees what is left
+            getattr(lp, name).apply(ours, "weight", **ARGS[name])
+            getattr(tp, name).apply(theirs, "weight", **ARGS[name])
+            assert torch.equal(ours.weight_mask, theirs.weight_mask)
+    finally:
+        for owner, original in zip(owners, saved, strict=True):
+            owner.compute_mask = original
+    assert int((ours.weight_mask == 0).sum()) >= 1
+    assert base._has_fast_path(getattr(lp, name)(**ARGS[name]))
+
+    method = getattr(lp, name)(**ARGS[name])
+    method.compute_mask = _first_entry  # on the instance only
+    assert not base._has_fast_path(method)
+    container = lp.PruningContainer(method)
+    assert container.compute_mask(torch.ones(3, 4), torch.ones(3, 4)).view(-1).tolist() == [0.0] + [1.0] * 11
+    assert base._has_fast_path(getattr(lp, name)(**ARGS[name]))  # other instances keep it
+
+
+def test_a_mocked_compute_mask_is_called_by_global_unstructured() -> None:
+    a, b = linear(seed=1), linear(seed=2)
+    calls = []
+
+    def replacement(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        calls.append(tuple(t.shape))
+        mask = default_mask.clone()
+        mask[:5] = 0
+        return mask
+
+    with mock.patch.object(lp.L1Unstructured, "compute_mask", replacement):
+        lp.global_unstructured([(a, "weight"), (b, "weight")], lp.L1Unstructured, amount=3)
+    assert calls == [(24,)]
+    assert a.weight_mask.view(-1).tolist() == [0] * 5 + [1] * 7 and b.weight_mask.eq(1).all()
+
+
+def test_a_failing_mocked_compute_mask_leaves_the_module_untouched() -> None:
+    layer = linear()
+    with (
+        mock.patch.object(lp.L1Unstructured, "compute_mask", side_effect=RuntimeError("boom")),
+        pytest.raises(RuntimeError, match="boom"),
+    ):
+        lp.l1_unstructured(layer, "weight", amount=2)
+    assert "weight" in layer._parameters and not lp.is_pruned(layer)
+
+
+def test_container_compute_mask_has_ts_dtype_like_torch() -> None:
+    # torch's container converts the mask to t's dtype before writing the new partial mask into it
+    t = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    default = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 1]])
+    for ours, theirs in (
+        (lp.PruningContainer(lp.L1Unstructured(2)), _torch_container(tp.L1Unstructured(2))),
+        (lp.PruningContainer(EveryOther()), _torch_container(TorchEveryOther())),
+        (lp.PruningContainer(lp.LnStructured(1, n=2, dim=0)), _torch_container(tp.LnStructured(1, n=2, dim=0))),
+    ):
+        for t_dtype in (torch.float32, torch.float64, torch.float16):
+            mask = ours.compute_mask(t.to(t_dtype), default)
+            expected = theirs.compute_mask(t.to(t_dtype), default.clone())
+            assert mask.dtype == expected.dtype == t_dtype
+            assert torch.equal(mask, expected)
+    # a bool default_mask (a mask stored as bool) stays bool
+    flagged = lp.PruningContainer(lp.L1Unstructured(2)).compute_mask(t, default.bool())
+    assert flagged.dtype == torch.bool and flagged.tolist() == [[0, 0, 1, 0], [1, 1, 0, 1]]
 
 
 def test_apply_mask_float_and_bool() -> None:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune as tp
 
 from lightprune import prune as lp
+from lightprune.prune.amount import norms_follow_linalg
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 NAN, INF = float("nan"), float("inf")
@@ -294,9 +295,52 @@ def test_ln_structured_nuclear_norm_where_torch_accepts_it() -> None:
     assert torch.equal(ours.weight_mask, theirs.weight_mask)
     assert zero_channels(ours.weight_mask, 0) == 2
     four_d = layer_with(torch.randn(3, 2, 2, 2))
-    with pytest.raises(RuntimeError):  # torch.norm refuses 'nuc' over three dims, in torch too
+    with pytest.raises(RuntimeError, match=r"norm"):  # see the next test
         lp.ln_structured(four_d, "weight", amount=1, n="nuc", dim=0)
     assert not lp.is_pruned(four_d)
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((4, 3, 2, 2), 0), ((4, 3, 2, 2), 1), ((4, 3), 0), ((5, 3, 2, 2, 2), 0)])
+def test_ln_structured_nuclear_norm_without_a_matrix_per_channel_is_refused_in_every_torch(
+    shape: tuple[int, ...], dim: int
+) -> None:
+    # A deliberate difference from torch >= 2.14. A nuclear norm needs a matrix per channel: exactly two dims
+    # besides dim. torch <= 2.13 raises otherwise (torch.norm); torch 2.14+ takes it over the last two dims, which
+    # for a conv weight gives one value per (output, input) channel pair, and ranks channels by that: for a
+    # (4, 3, 2, 2) weight and amount=0.5 it prunes one output channel with dim=0 and none at all with dim=1.
+    weight = distinct(shape, seed=4)
+    ours, theirs = pair_with(weight)
+    with pytest.raises(RuntimeError, match=r"norm"):
+        lp.ln_structured(ours, "weight", amount=0.5, n="nuc", dim=dim)
+    assert not lp.is_pruned(ours)
+    with pytest.raises(RuntimeError, match=r"norm"):
+        lp.LnStructured(0.5, n="nuc", dim=dim).compute_mask(weight, torch.ones(shape))
+    try:
+        tp.ln_structured(theirs, "weight", amount=0.5, n="nuc", dim=dim)
+    except RuntimeError:
+        return  # torch refuses too: torch <= 2.13, or a shape where torch 2.14+ fails further on
+    assert norms_follow_linalg()  # only torch.linalg's nuclear norm lets such a call through
+    pruned = (theirs.weight_mask == 0).movedim(dim, 0).reshape(shape[dim], -1).all(dim=1)
+    assert int(pruned.sum()) != round(0.5 * shape[dim])  # not the channels asked for: the ranking is meaningless
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_ln_structured_fro_over_three_dims_follows_the_installed_torch(dim: int) -> None:
+    # torch <= 2.13 refuses 'fro' over more than two dims (torch.norm); torch 2.14+ ranks by the 2-norm
+    weight = distinct((4, 3, 2, 2), seed=5)
+    ours, theirs = pair_with(weight)
+    try:
+        tp.ln_structured(theirs, "weight", amount=0.5, n="fro", dim=dim)
+    except RuntimeError:
+        assert not norms_follow_linalg()
+        with pytest.raises(RuntimeError, match=r"norm"):
+            lp.ln_structured(ours, "weight", amount=0.5, n="fro", dim=dim)
+        assert not lp.is_pruned(ours)
+        return
+    lp.ln_structured(ours, "weight", amount=0.5, n="fro", dim=dim)
+    assert torch.equal(ours.weight_mask, theirs.weight_mask)
+    by_two_norm = lp.ln_structured(layer_with(weight.clone()), "weight", amount=0.5, n=2, dim=dim)
+    assert torch.equal(by_two_norm.weight_mask, ours.weight_mask)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -6,7 +6,9 @@ same signatures, results and exception types; only the messages are clearer.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import re
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ __all__ = [
     "_validate_pruning_dim",
     "_validate_structured_pruning",
     "normalize_dim",
+    "norms_follow_linalg",
     "validate_amount",
 ]
 
@@ -182,11 +185,51 @@ def normalize_dim(t: Tensor, dim: int) -> int:
     return int(dim) % ndim
 
 
+def norms_follow_linalg() -> bool:
+    """True if the installed torch ranks channels by ``torch.linalg`` norms (torch 2.14 and later).
+
+    Up to torch 2.13, ``torch.nn.utils.prune._compute_norm`` is ``torch.norm(t, p=n, dim=<other dims>)``, which
+    refuses ``'fro'`` over more than two dims. From torch 2.14 it calls ``torch.linalg``: ``'fro'`` is the 2-norm
+    over any number of dims (a matrix norm over exactly two), and ``'nuc'`` is a matrix norm over the other dims
+    when there are exactly two of them, else over the tensor's last two dims. lightprune follows the torch it runs
+    with; which one it is is found once, by asking torch's helper about ``'fro'`` over three dims (the torch
+    version decides if the helper is gone).
+
+    Example:
+        >>> norms_follow_linalg() == (tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14))
+        True
+    """
+    return _norms_follow_linalg()
+
+
+@functools.cache
+def _norms_follow_linalg() -> bool:
+    try:
+        from torch.nn.utils import prune as torch_prune
+
+        probe = torch_prune._compute_norm
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the helper
+        return _torch_version() >= (2, 14)
+    try:
+        probe(torch.ones(1, 1, 1, 1), "fro", 0)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _torch_version() -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
 def _compute_norm(t: Tensor, n: int | float | str, dim: int) -> Tensor:
     """Norm of each slice of ``t`` along ``dim``: one value per channel, reducing over every other dim.
 
-    ``n`` is anything ``torch.norm`` accepts as ``p`` (an int or float, ``inf``, ``-inf``, ``'fro'``, ``'nuc'``);
-    the result is the one ``torch.norm(t, p=n, dim=<other dims>)`` gives.
+    ``n`` is anything ``torch.norm`` accepts as ``p`` (an int or float, ``inf``, ``-inf``, ``'fro'``, ``'nuc'``).
+    The result is the one the installed torch's own helper gives (see :func:`norms_follow_linalg`): up to torch
+    2.13 ``torch.norm(t, p=n, dim=<other dims>)``; from torch 2.14 the ``torch.linalg`` norms, where ``'fro'`` is
+    the 2-norm over any number of dims and ``'nuc'`` over other than two remaining dims is taken over the last
+    two dims of ``t`` (then not one value per channel: :class:`LnStructured` refuses that case).
 
     Raises:
         DimOutOfRangeError: ``dim`` is out of range (an ``IndexError`` and a ``ValueError``, torch's two types).
@@ -197,4 +240,13 @@ def _compute_norm(t: Tensor, n: int | float | str, dim: int) -> Tensor:
     """
     channel_dim = normalize_dim(t, dim)
     other_dims = [d for d in range(t.dim()) if d != channel_dim]
-    return torch.norm(t, p=n, dim=other_dims)
+    if not norms_follow_linalg():
+        return torch.norm(t, p=n, dim=other_dims)
+    matrix = len(other_dims) == 2
+    if isinstance(n, str) and n == "nuc":
+        return torch.linalg.matrix_norm(t, ord="nuc", dim=other_dims if matrix else (-2, -1))
+    if isinstance(n, str) and n == "fro":
+        if matrix:
+            return torch.linalg.matrix_norm(t, ord="fro", dim=other_dims)
+        return torch.linalg.vector_norm(t, ord=2, dim=other_dims)
+    return torch.linalg.vector_norm(t, ord=n, dim=other_dims)

@@ -43,6 +43,9 @@ __all__ = [
 
 _MASK_DTYPE: torch.dtype | None = None
 
+_OWN_COMPUTE_MASK: dict[type, Any] = {}
+"""Per class defining ``_next_mask``: the ``compute_mask`` function defined beside it (recorded at class creation)."""
+
 
 def set_mask_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
     """Choose the dtype of masks created from now on; ``None`` (the default) means the parameter's own dtype.
@@ -133,7 +136,22 @@ class _PrunedTensor(Tensor):
 
 
 def _as_pruned(tensor: Tensor) -> Tensor:
+    """``tensor`` as a :class:`_PrunedTensor`, if it is a plain tensor; any other tensor type as it is.
+
+    While a module is traced (``torch.export``, and so ONNX export, run it on fake or functional tensors), the
+    masked value is an instance of a tracing subclass bound to its tensor object, which cannot be given another
+    Python type; a traced program is never deep-copied through this attribute anyway.
+    """
+    if type(tensor) is not Tensor or (_SUBCLASS_NOT_TRACEABLE and torch.compiler.is_compiling()):
+        return tensor
     return tensor.as_subclass(_PrunedTensor)
+
+
+_SUBCLASS_NOT_TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+"""TorchDynamo of torch 2.5 cannot trace ``as_subclass`` into ``_PrunedTensor`` (``torch.compile`` and strict
+``torch.export`` then fail); torch 2.13 can. Before 2.13 (versions between were not tested), a value computed in a
+compiled forward stays a plain tensor: everything works but ``copy.deepcopy`` of the module right after a compiled
+training step, until the next eager forward."""
 
 
 class BasePruningMethod(ABC):
@@ -162,6 +180,12 @@ class BasePruningMethod(ABC):
 
     PRUNING_TYPE: str
     _tensor_name: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a class with a fast path (``_next_mask``) records the ``compute_mask`` it stands in for; see _has_fast_path
+        if "_next_mask" in cls.__dict__ and "compute_mask" in cls.__dict__:
+            _OWN_COMPUTE_MASK[cls] = cls.__dict__["compute_mask"]
 
     def __call__(self, module: nn.Module, inputs: Any) -> None:
         """Forward pre-hook: store the masked tensor as ``module.<name>`` before the module runs."""
@@ -317,11 +341,22 @@ class PruningContainer(BasePruningMethod):
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
         """Apply the newest method to what ``default_mask`` still keeps and return the combined mask.
 
-        The result has ``default_mask``'s dtype.
+        The result has ``t``'s dtype, as torch's container returns, whatever ``default_mask``'s dtype; a
+        ``torch.bool`` ``default_mask`` (a mask stored as bool, see :func:`mask_dtype`) gives a ``torch.bool``
+        result instead, so bool masks stay bool.
+
+        Example:
+            >>> from lightprune import prune
+            >>> container = prune.PruningContainer(prune.L1Unstructured(amount=1))
+            >>> container.compute_mask(torch.tensor([3.0, -1.0, 2.0]), torch.tensor([1, 1, 0]))
+            tensor([1., 0., 0.])
+            >>> container.compute_mask(torch.tensor([3.0, -1.0, 2.0]), torch.tensor([True, True, False]))
+            tensor([ True, False, False])
         """
         if not self._pruning_methods:
             raise ValueError("PruningContainer is empty: add a pruning method before computing a mask")
-        return next_mask(self._pruning_methods[-1], t, default_mask, default_mask.dtype)
+        dtype = torch.bool if default_mask.dtype == torch.bool else t.dtype
+        return next_mask(self._pruning_methods[-1], t, default_mask, dtype)
 
     def __repr__(self) -> str:
         return f"PruningContainer({', '.join(repr(m) for m in self._pruning_methods)})"
@@ -332,10 +367,20 @@ def _defining_class(cls: type, attribute: str) -> type | None:
 
 
 def _has_fast_path(method: BasePruningMethod) -> bool:
-    """True for built-in methods whose ``compute_mask`` has not been overridden by a subclass."""
+    """True while ``method.compute_mask`` is still the function written next to its class's ``_next_mask``.
+
+    ``_next_mask`` computes what ``compute_mask`` would, faster, so it may only stand in for the original: a
+    subclass overriding ``compute_mask``, a ``unittest.mock.patch`` of the class attribute, a monkey-patched
+    function (``L1Unstructured.compute_mask = f``) or one set on the instance all turn the fast path off, and the
+    method is then called the way torch calls it.
+    """
+    if "compute_mask" in getattr(method, "__dict__", {}):
+        return False
     cls = type(method)
-    fast = _defining_class(cls, "_next_mask")
-    return fast is not None and fast is _defining_class(cls, "compute_mask")
+    owner = _defining_class(cls, "_next_mask")
+    if owner is None or owner not in _OWN_COMPUTE_MASK:
+        return False
+    return _defining_class(cls, "compute_mask") is owner and owner.__dict__["compute_mask"] is _OWN_COMPUTE_MASK[owner]
 
 
 def _ranks_current_values(method: BasePruningMethod) -> bool:

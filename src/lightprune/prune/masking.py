@@ -11,8 +11,8 @@ markedly slower than one with float masks. Multiplying by the mask converted to 
 bit operations (the mask as ``0`` / all-ones in an integer type of the value's width, ANDed with the value's bits),
 three vectorized passes that cost about what one float multiplication does; the gradient is masked the same way.
 Elsewhere (CUDA, where ``torch.where`` is one fused kernel), for small tensors (where a Python autograd function
-costs more than it saves), under ``torch.func`` transforms, or for dtypes without a same-width integer type, it is
-``torch.where``.
+costs more than it saves), under ``torch.func`` transforms, while ``torch.jit.trace``, ``torch.compile`` or
+``torch.export`` trace, or for dtypes without a same-width integer type, it is ``torch.where``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,12 @@ class _KeepWhere(torch.autograd.Function):
 
 def _bits_apply(values: Tensor, keep: Tensor) -> bool:
     return (
-        values.device.type == "cpu"
+        # torch.jit.trace records the ops run, not the autograd function: a traced bit selection would have no
+        # gradient, and its shape checks would be traced as values (TracerWarning). torch.compile and torch.export
+        # get torch.where, which their compilers fuse (torch 2.5's cannot trace the in-place bit operations).
+        not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+        and values.device.type == "cpu"
         and values.is_floating_point()
         and values.element_size() in _BITS
         and keep.dtype == torch.bool

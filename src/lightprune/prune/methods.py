@@ -296,7 +296,9 @@ class LnStructured(_StructuredMethod):
     Args:
         amount: a float in [0, 1] (the fraction of the channels still present) or an int (how many of them).
         n: the norm's order, anything ``torch.norm`` takes as ``p``: an int or float, ``inf``, ``-inf``, ``'fro'``,
-            ``'nuc'`` (only where torch.norm accepts it: exactly two dims besides ``dim``).
+            ``'nuc'``. The norms are the installed torch's (see ``_compute_norm``): ``'fro'`` over more than two
+            dims besides ``dim`` raises up to torch 2.13 and is the 2-norm from torch 2.14 on; ``'nuc'`` needs
+            exactly two dims besides ``dim`` in every version (torch 2.14+ prunes arbitrary channels otherwise).
         dim: the dimension whose slices are the channels (``-1`` by default).
 
     Example:
@@ -325,11 +327,29 @@ class LnStructured(_StructuredMethod):
         # (a meta tensor would too, but its first use imports torch's Python meta kernels: seconds).
         shape = [min(size, 1) for size in scores.shape]
         shape[dim] = min(available, 1)
-        _compute_norm(torch.zeros(shape, dtype=scores.dtype), self.n, dim)
+        self._channel_norms(torch.zeros(shape, dtype=scores.dtype), dim, scores.shape)
 
     def _rank(self, scores: Tensor, dim: int, active: Tensor | None, available: int, k: int) -> Tensor:
-        norms = _compute_norm(scores, self.n, dim)
+        norms = self._channel_norms(scores, dim, scores.shape)
         return select_smallest([norms], k, eligible=[active])[0]
+
+    def _channel_norms(self, scores: Tensor, dim: int, shape: torch.Size) -> Tensor:
+        """One norm per channel along ``dim``, or a ``RuntimeError`` where ``n`` gives no such thing.
+
+        That happens for ``n='nuc'`` unless exactly two dims are left besides ``dim``: a nuclear norm is a matrix
+        norm. torch up to 2.13 raises there (``torch.norm``); torch 2.14 and later take the nuclear norm over the
+        tensor's last two dims instead (for a conv weight and ``dim=0``, one value per input *and* output channel)
+        and rank channels by that, which prunes an arbitrary number of channels, or none. lightprune raises in
+        every torch version: a deliberate difference, documented in the README.
+        """
+        norms = _compute_norm(scores, self.n, dim)
+        if norms.shape != (scores.shape[dim],):
+            raise RuntimeError(
+                f"LnStructured(n={self.n!r}, dim={self.dim}) has no norm per channel for a tensor of shape "
+                f"{tuple(shape)}: a nuclear norm needs exactly two dims besides dim, this tensor has "
+                f"{len(shape) - 1}; use n='fro' or a number"
+            )
+        return norms
 
     @classmethod
     def apply(  # type: ignore[override]
