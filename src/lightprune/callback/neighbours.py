@@ -69,11 +69,11 @@ def run_after_weight_averaging(trainer: Trainer, callback: Callback) -> None:
 
 def refuse_averaged_bool_buffers(trainer: Trainer) -> None:
     """A ``WeightAveraging`` that averages buffers with torch's running mean fails on boolean masks mid-fit."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging
-
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if not isinstance(callback, _weight_averaging()) or not getattr(callback, "_use_buffers", False):
             continue
+        from lightning.pytorch.callbacks import EMAWeightAveraging  # exists where WeightAveraging does (2.6)
+
         if isinstance(callback, EMAWeightAveraging):  # its update takes boolean buffers
             continue
         raise ValueError(
