@@ -476,3 +476,24 @@ def test_state_key_comes_from_constructor_arguments_and_name() -> None:
     assert PruningCallback(0.5).state_key == PruningCallback(0.9).state_key  # the schedule is not part of it
     assert PruningCallback(0.5, include="a.*").state_key != PruningCallback(0.5, include="b.*").state_key
     assert PruningCallback(0.5, name="enc", include="a.*").state_key == PruningCallback(0.5, name="enc").state_key
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A model left under the reparametrization by the callback traces and exports
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_model_pruned_by_the_callback_exports_traces_and_compiles(tmp_path: Path) -> None:
+    model = TinyNet()
+    trainer([PruningCallback(Cubic(final=0.6, start=0, end=8, frequency=2), make_permanent=False)], tmp_path).fit(model)
+    assert prune.is_pruned(model)
+    model.eval()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(x)
+        exported = torch.export.export(model, (torch.randn(5, 8),))
+        assert torch.equal(exported.module()(x), expected)
+        traced = torch.jit.trace(model, (torch.randn(5, 8),))
+        assert torch.equal(traced(x), expected)
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x), expected)

@@ -459,3 +459,20 @@ def test_global_unstructured_masks_a_tied_parameter_once_in_every_owner() -> Non
     for module in (embed, head, other):
         lp.remove(module, "weight")
     assert head.weight is embed.weight  # the tie survives remove
+
+
+def test_global_unstructured_over_tied_owners_equals_torch_over_the_distinct_tensors() -> None:
+    """Differential: giving a tied Parameter under both owners prunes what torch prunes given it once."""
+    torch.manual_seed(1)
+    embed, head, other = torch.nn.Embedding(12, 6), torch.nn.Linear(6, 12, bias=False), torch.nn.Linear(6, 5)
+    head.weight = embed.weight
+    reference_embed, reference_other = copy.deepcopy(embed), copy.deepcopy(other)
+    lp.global_unstructured(
+        [(embed, "weight"), (head, "weight"), (other, "weight")], pruning_method=lp.L1Unstructured, amount=0.4
+    )
+    tp.global_unstructured(
+        [(reference_embed, "weight"), (reference_other, "weight")], pruning_method=tp.L1Unstructured, amount=0.4
+    )
+    assert torch.equal(embed.weight_mask.to(reference_embed.weight_mask.dtype), reference_embed.weight_mask)
+    assert torch.equal(other.weight_mask.to(reference_other.weight_mask.dtype), reference_other.weight_mask)
+    assert torch.equal(head.weight, reference_embed.weight)
