@@ -90,6 +90,13 @@ KEYS: dict[str, Key] = {
     "cache.dense": Key(["maybe"], []),
     "cache.dir": Key(["[1]"], []),
     "cache.retrain": Key(["maybe"], []),
+    "optim.dense.optimizer": Key([], ["{_target_:torch.optim.SGD,lr:0.1}", "{_target_:nowhere.Opt,_partial_:true}"]),
+    "optim.dense.scheduler": Key([], ["{_target_:torch.optim.lr_scheduler.Nope,_partial_:true}"]),
+    "optim.dense.interval": Key(["[1]"], ["hour"]),
+    "optim.prune.optimizer": Key([], ["{_target_:torch.optim.Adam}"]),
+    "optim.prune.scheduler": Key([], ["{lr:0.1}"]),
+    "optim.prune.interval": Key(["[1]"], ["batch"]),
+    "optim.lr_rewind": Key(["maybe"], []),
 }
 
 
@@ -99,6 +106,8 @@ def leaves(schema: type, prefix: str = "") -> list[str]:
     names = []
     for field in dataclasses.fields(schema):
         hint = hints[field.name]
+        if hint is typing.Any and callable(field.default_factory):  # model / data: a schema, or a _target_ node
+            hint = type(field.default_factory())
         if dataclasses.is_dataclass(hint):
             names += leaves(hint, f"{prefix}{field.name}.")
         else:

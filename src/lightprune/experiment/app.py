@@ -38,7 +38,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lightprune.config import ConfigError, config_warnings, register_configs, unknown_key_message, validate_config
+from lightprune.config import (
+    ConfigError,
+    config_warnings,
+    is_target,
+    register_configs,
+    unknown_key_message,
+    validate_config,
+)
 from lightprune.experiment.checks import exclude_patterns, model_kwargs, preflight
 
 __all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "run_experiment"]
@@ -159,6 +166,10 @@ def _check_selection(callback: Any, module: nn.Module) -> None:
 def _datamodule(cfg: DictConfig) -> Any:
     from lightprune.experiment.data import make_datamodule
 
+    if is_target(cfg.data):
+        from lightprune.experiment.targets import datamodule_node, instantiate
+
+        return instantiate("data", datamodule_node(cfg.data))
     d = cfg.data
     kwargs: dict[str, Any] = {"val_size": d.val_size, "seed": d.seed, "flatten": d.flatten, "batch_size": d.batch_size}
     if d.name == "digits":
@@ -167,6 +178,81 @@ def _datamodule(cfg: DictConfig) -> Any:
         kwargs["root"] = d.root
         kwargs["limit"] = d.limit
     return make_datamodule(d.name, **kwargs)
+
+
+def _module(cfg: DictConfig, datamodule: Any) -> tuple[Any, nn.Module, tuple[int, ...] | None, int | None]:
+    """The LightningModule to train, the network inside it (what is summarized and saved), the input shape and the
+    number of classes.
+
+    A bundled model or an ``nn.Module`` given by ``model._target_`` is wrapped in the app's
+    :class:`~lightprune.experiment.classifier.Classifier`; a ``LightningModule`` given by ``_target_`` is used as it
+    is (its own steps, optimizers and metrics; it must log ``test/acc`` for the summary's accuracies).
+    """
+    import lightning.pytorch as pl
+
+    from lightprune.experiment.classifier import Classifier
+    from lightprune.experiment.models import make_model
+    from lightprune.experiment.targets import data_facts, instantiate
+
+    if not is_target(cfg.model):
+        shape, classes = tuple(datamodule.dims), int(datamodule.num_classes)
+        network = make_model(cfg.model.name, shape, classes, **model_kwargs(cfg.model))
+        m = cfg.model
+        module = Classifier(network, lr=m.lr, optimizer=m.optimizer, weight_decay=m.weight_decay)
+        return module, network, shape, classes
+    built = instantiate("model", cfg.model)
+    if isinstance(built, pl.LightningModule):
+        shape, classes = data_facts(cfg.data, datamodule, needed=False)
+        for phase in ("dense", "prune"):
+            for part in ("optimizer", "scheduler"):
+                if cfg.optim[phase][part] is not None:
+                    raise ConfigError(
+                        f"optim.{phase}.{part}: model {cfg.model._target_} is a LightningModule and configures its "
+                        "own optimizers; leave optim unset (optim.lr_rewind applies)"
+                    )
+        return built, built, shape, classes
+    if not isinstance(built, nn.Module):
+        raise ConfigError(f"model: {cfg.model._target_} built a {type(built).__name__}, not an nn.Module")
+    shape, classes = data_facts(cfg.data, datamodule, needed=True)
+    module = Classifier(built, num_classes=classes)
+    return module, built, shape, classes
+
+
+def _set_optimization(cfg: DictConfig, module: Any, phase: str) -> None:
+    """Give the Classifier the phase's optimizer and scheduler nodes (``optim.prune``'s unset parts: the dense's)."""
+    from lightprune.experiment.classifier import Classifier
+
+    if not isinstance(module, Classifier):
+        return
+    dense, chosen = cfg.optim.dense, cfg.optim[phase]
+    optimizer = chosen.optimizer if chosen.optimizer is not None else dense.optimizer
+    scheduler = chosen.scheduler if chosen.scheduler is not None else dense.scheduler
+    interval = chosen.interval if chosen.scheduler is not None else dense.interval
+    if optimizer is None and is_target(cfg.model):
+        optimizer = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3}
+    key = f"optim.{phase if chosen.optimizer is not None or chosen.scheduler is not None else 'dense'}"
+    module.set_optimization(optimizer, scheduler, interval, key=key)
+
+
+class _HoldLearningRate:
+    """Fine-tuning without learning-rate rewinding: each param group trains at the learning rate the previous phase
+    ended with, and the phase's schedulers are dropped (``optim.lr_rewind=false``)."""
+
+    def __new__(cls, lrs: list[list[float]]) -> Any:
+        from lightning.pytorch.callbacks import Callback
+
+        class HoldLearningRate(Callback):
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                for optimizer, groups in zip(trainer.optimizers, lrs, strict=False):
+                    for group, lr in zip(optimizer.param_groups, groups, strict=False):
+                        group["lr"] = lr
+                trainer.strategy.lr_scheduler_configs = []
+
+        return HoldLearningRate()
+
+
+def _final_lrs(trainer: Any) -> list[list[float]]:
+    return [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in trainer.optimizers]
 
 
 def _loggers(output_dir: Path, phase: str) -> list[Any]:
@@ -224,7 +310,15 @@ def _hide_version(trainer: Any) -> None:
 
 def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
     results = trainer.test(module, datamodule=datamodule, verbose=False)
-    return float(results[0]["test/acc"])
+    logged = results[0] if results else {}
+    names = ["test/acc", *(name for name in logged if "test" in name and "acc" in name)]
+    for name in names:
+        if name in logged:
+            return float(logged[name])
+    raise ConfigError(
+        f"model: {type(module).__name__}.test_step logs no test accuracy (logged: {sorted(logged) or 'nothing'}); "
+        "log it as 'test/acc'"
+    )
 
 
 @contextlib.contextmanager
@@ -360,17 +454,24 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path, *, overrides: Sequen
         return _run(cfg, Path(output_dir), list(overrides or []))
 
 
-def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any) -> tuple[float, int, str]:
-    """Train and test the dense model, or load both from the cache; returns ``(test accuracy, steps, how)``."""
+def _dense_phase(
+    cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
+) -> tuple[float, int, str, list[list[float]] | None]:
+    """Train and test the dense model, or load both from the cache; returns ``(test accuracy, steps, how, the
+    learning rates it ended with)``."""
     from lightprune.experiment.cache import DenseCache, dense_key, rng_state, set_rng_state
 
+    final_lrs: list[list[float]] | None = None
+
     def train() -> tuple[float, int]:
+        nonlocal final_lrs
         dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
         dense.fit(module, datamodule=datamodule)
+        final_lrs = _final_lrs(dense)
         return _test_accuracy(dense, module, datamodule), dense.global_step
 
     if not cfg.cache.dense:
-        return (*train(), "trained")
+        return (*train(), "trained", final_lrs)
     plain = OmegaConf.to_container(cfg, resolve=True)
     key = dense_key(plain)  # type: ignore[arg-type]
     cache = DenseCache(cfg.cache.dir)
@@ -378,7 +479,7 @@ def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
         cache.dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         log.warning("dense-phase cache unusable (%s): training the dense phase without it (cache.dir)", err)
-        return (*train(), "trained")
+        return (*train(), "trained", final_lrs)
     with cache.lock(key):
         entry = None if cfg.cache.retrain else cache.load(key)
         if entry is not None:
@@ -386,42 +487,44 @@ def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
             set_rng_state(entry.rng)
             entry.copy_logs(output_dir)
             log.info("dense phase loaded from the cache: %s", entry.path)
-            return float(entry.info["dense_test_acc"]), int(entry.info["global_step"]), "loaded"
+            lrs = entry.info.get("final_lrs")
+            return float(entry.info["dense_test_acc"]), int(entry.info["global_step"]), "loaded", lrs
         accuracy, steps = train()
-        info = {"dense_test_acc": accuracy, "global_step": steps, "key": key}
+        info = {"dense_test_acc": accuracy, "global_step": steps, "key": key, "final_lrs": final_lrs}
         entry = cache.store(key, module.state_dict(), rng_state(), info, output_dir)
         log.info("dense phase stored in the cache: %s", entry.path)
-        return accuracy, steps, "stored"
+        return accuracy, steps, "stored", final_lrs
 
 
 def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import lightning.pytorch as pl
 
     from lightprune.callback import PruningCallback
-    from lightprune.experiment.classifier import Classifier
-    from lightprune.experiment.models import make_model
     from lightprune.experiment.plots import plot_layer_sparsity, plot_training_curves
     from lightprune.experiment.summary import format_summary_table, summarize
 
     started = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _datamodule(cfg)
-    network = make_model(cfg.model.name, datamodule.dims, datamodule.num_classes, **model_kwargs(cfg.model))
-    module = Classifier(network, lr=cfg.model.lr, optimizer=cfg.model.optimizer, weight_decay=cfg.model.weight_decay)
+    module, network, input_shape, num_classes = _module(cfg, datamodule)
     initial_weights = PruningCallback.snapshot_weights(module)
     plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     dense_started = time.perf_counter()
-    dense_acc, dense_steps, dense_how = _dense_phase(cfg, output_dir, module, datamodule)
+    _set_optimization(cfg, module, "dense")
+    dense_acc, dense_steps, dense_how, lrs = _dense_phase(cfg, output_dir, module, datamodule)
     dense_time = time.perf_counter() - dense_started
     phases = [("dense", dense_steps)]
 
     metrics: dict[str, float] = {}
     final_acc = dense_acc
+    _set_optimization(cfg, module, "prune")
     for phase, target, callback in plan:
-        trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback])
+        hold = None if cfg.optim.lr_rewind or lrs is None else _HoldLearningRate(lrs)
+        trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback, hold])
         trainer.fit(module, datamodule=datamodule)
+        lrs = _final_lrs(trainer)
         phases.append((phase, trainer.global_step))
         final_acc = _test_accuracy(trainer, module, datamodule)
         if target is not None:
@@ -432,7 +535,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
 
     summary = summarize(
         module,
-        input_shape=datamodule.dims,
+        input_shape=input_shape,
         parameters=None if last_callback is None else last_callback.selection,
         dense_test_acc=dense_acc,
         final_test_acc=final_acc,
@@ -440,7 +543,8 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
         config=OmegaConf.to_container(cfg, resolve=True),
         metrics=metrics,
         channel_dim=cfg.pruning.dim if structured else None,
-        num_classes=datamodule.num_classes,
+        num_classes=num_classes,
+        example_input=getattr(module, "example_input_array", None),
     )
     summary.overrides = overrides
     summary.run_dir = str(output_dir.resolve())
@@ -448,7 +552,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     summary.dense_time_s = dense_time
     summary.to_json(output_dir / "summary.json")
     if cfg.save_model:
-        torch.save(module.model.state_dict(), output_dir / "model.pt")
+        torch.save(network.state_dict(), output_dir / "model.pt")
     curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
     if cfg.plots:
         if curves_csv is not None:
@@ -459,6 +563,15 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     return summary
 
 
+def _model_name(cfg: DictConfig) -> str:
+    """``model.name``, or the class name of ``model._target_``."""
+    return str(cfg.model._target_).rpartition(".")[2] if is_target(cfg.model) else str(cfg.model.name)
+
+
+def _data_name(cfg: DictConfig) -> str:
+    return str(cfg.data._target_).rpartition(".")[2] if is_target(cfg.data) else str(cfg.data.name)
+
+
 def _plot_title(cfg: DictConfig) -> str:
     """What a reader of ``training_curves.png`` needs to know about the run, in one line."""
     p = cfg.pruning
@@ -467,7 +580,7 @@ def _plot_title(cfg: DictConfig) -> str:
     else:
         when = f"{p.rounds} rounds" if p.preset == "iterative_rounds" else f"{p.schedule} schedule"
         what = f"{p.method}, {p.scope}, {when}, to {100 * p.final_sparsity:g}% sparsity"
-    return f"{cfg.model.name} on {cfg.data.name}: {what} (seed {cfg.seed})"
+    return f"{_model_name(cfg)} on {_data_name(cfg)}: {what} (seed {cfg.seed})"
 
 
 def _route_lightning_logs_to_hydra() -> None:
