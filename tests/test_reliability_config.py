@@ -52,6 +52,7 @@ KEYS: dict[str, Key] = {
     "model.lr": Key(["abc", "[0.1]"], ["0", "-1", "inf", "nan"]),
     "model.optimizer": Key(["[1]"], ["adagrad"]),
     "model.weight_decay": Key(["abc"], ["-1", "inf", "nan"]),
+    "pruning._target_": Key(["[1]"], []),  # what a user's own app instantiates; the experiment app ignores it
     "pruning.preset": Key(["[1]"], ["magic"]),
     "pruning.method": Key(["[1]"], ["l3"]),
     "pruning.scope": Key(["[1]"], ["diagonal"]),

@@ -160,6 +160,8 @@ class PruningConfig:
     Times (``start``, ``end``, ``frequency``) are fractions of the fine-tuning run, in ``unit``s.
 
     Attributes:
+        _target_: what ``hydra.utils.instantiate(cfg.pruning)`` calls in a user's own Hydra app (the experiment app
+            builds its callbacks itself): :func:`lightprune.experiment.app.pruning_callback`.
         preset: name of the preset this config came from (``none`` disables pruning).
         method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured`` or the
             import path of a ``BasePruningMethod`` subclass.
@@ -186,6 +188,7 @@ class PruningConfig:
         seed: seed of the random methods.
     """
 
+    _target_: str = "lightprune.experiment.app.pruning_callback"
     preset: str = "gmp_cubic"
     method: str = "l1_unstructured"
     scope: str = "global"
@@ -396,7 +399,7 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
             full = f"{prefix}{key}"
             if full not in known:
                 found.append(full)
-            elif OmegaConf.is_dict(node._get_node(key)) and not is_target(node[key]):
+            elif OmegaConf.is_dict(node._get_node(key)) and (full == "pruning" or not is_target(node[key])):
                 walk(node[key], full + ".")
 
     walk(cfg, "")

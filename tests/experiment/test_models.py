@@ -273,10 +273,11 @@ def test_flops_of_any_model_match_torchs_counter_and_name_what_they_attribute():
         def __init__(self) -> None:
             super().__init__()
             self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.layers = nn.ModuleList([nn.Linear(8, 8)])  # a container that never runs: counts go past it
             self.head = nn.Linear(8, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+            return self.head(self.layers[0](self.attention(x, x, x, need_weights=False)[0]).mean(1))
 
     model = Block()
     with torch.no_grad():
@@ -286,7 +287,8 @@ def test_flops_of_any_model_match_torchs_counter_and_name_what_they_attribute():
         model(x)
     count = count_flops(model, x)
     assert 2 * count.dense == counter.get_total_flops()
-    assert list(count.layers) == ["head"] and count.layers["head"] == (24, 8)
-    assert count.unattributed == count.dense - 24 > 0
+    assert list(count.layers) == ["layers.0", "head"] and count.layers["head"] == (24, 8)
+    assert count.layers["layers.0"] == (5 * 64, 5 * 64)
+    assert count.unattributed == count.dense - 24 - 5 * 64 > 0
     assert count.nonzero == count.dense - 16
     assert model.training  # restored

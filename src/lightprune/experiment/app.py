@@ -48,7 +48,7 @@ from lightprune.config import (
 )
 from lightprune.experiment.checks import exclude_patterns, model_kwargs, preflight
 
-__all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "run_experiment"]
+__all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "pruning_callback", "run_experiment"]
 
 DEBUG_ENV = "LIGHTPRUNE_DEBUG"
 """Set to 1 to see the traceback of a config error (the app prints its message alone otherwise)."""
@@ -145,6 +145,44 @@ def build_callback(
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         seed=p.seed,
     )
+
+
+def pruning_callback(
+    *, module: nn.Module | None = None, log_every_n_steps: int = 50, _target_: str | None = None, **pruning: Any
+) -> Any:
+    """The :class:`lightprune.PruningCallback` of a ``pruning`` preset: the ``_target_`` of every ``conf/pruning``
+    option, so a user's own Hydra app gets the callback with ``hydra.utils.instantiate(cfg.pruning)``.
+
+    Args:
+        module: the LightningModule, needed for ``exclude_classifier: true`` (the ``ln_structured`` preset):
+            ``instantiate(cfg.pruning, module=model)``.
+        log_every_n_steps: how often the callback logs (the Trainer's ``log_every_n_steps``).
+        **pruning: the preset's keys (:class:`~lightprune.config.PruningConfig`; unset keys take its defaults).
+
+    Returns:
+        The callback, or ``None`` for the ``none`` preset.
+
+    Raises:
+        ConfigError: a key the schema does not have, or a value it rejects (every problem listed).
+
+    Example:
+        >>> callback = pruning_callback(preset="one_shot", schedule="constant", final_sparsity=0.8)
+        >>> type(callback).__name__, type(callback.schedule).__name__, callback.schedule.sparsity
+        ('PruningCallback', 'Constant', 0.8)
+    """
+    from lightprune.config import ExperimentConfig
+
+    cfg = OmegaConf.structured(ExperimentConfig)
+    try:
+        cfg.pruning = OmegaConf.merge(cfg.pruning, pruning)
+    except Exception as err:  # an unknown key or a wrong type
+        raise ConfigError(f"invalid pruning config: pruning.{str(err).splitlines()[0]}") from err
+    cfg.trainer.log_every_n_steps = log_every_n_steps
+    validate_config(cfg)
+    try:
+        return build_callback(cfg, module=module)
+    except ValueError as err:
+        raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
 
 
 def _check_selection(callback: Any, module: nn.Module) -> None:

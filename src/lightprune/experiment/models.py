@@ -281,14 +281,20 @@ def count_flops(model: nn.Module, inputs: Any) -> FlopCount:
         name: sum(by_op.values()) for name, by_op in counter.get_flop_counts().items() if name != "Global"
     }  # "Root.child.grandchild" -> FLOPs, parents including their children
     modules = dict(model.named_modules())
+    children = dict.fromkeys(totals, 0)
+    for name, total in totals.items():  # give each count to its nearest counted ancestor (a ModuleList never runs)
+        parent = name.rpartition(".")[0]
+        while parent and parent not in totals:
+            parent = parent.rpartition(".")[0]
+        if parent:
+            children[parent] += total
     result = FlopCount()
     for name, total in totals.items():
         if name != root and not name.startswith(root + "."):
             continue
         qualified = name[len(root) + 1 :]
         module = modules.get(qualified)
-        children = sum(value for other, value in totals.items() if other.rpartition(".")[0] == name)
-        own = (total - children) // 2
+        own = (total - children[name]) // 2
         if own <= 0:
             continue
         weight = getattr(module, "weight", None) if module is not None else None
