@@ -588,9 +588,10 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     summary.run_dir = str(output_dir.resolve())
     summary.dense_cache = dense_how
     summary.dense_time_s = dense_time
-    summary.to_json(output_dir / "summary.json")
     if cfg.save_model:
         torch.save(network.state_dict(), output_dir / "model.pt")
+        _export(summary, network, module, output_dir, input_shape, structured)
+    summary.to_json(output_dir / "summary.json")
     curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
     if cfg.plots:
         if curves_csv is not None:
@@ -599,6 +600,26 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     print(format_summary_table(summary))
     print(f"outputs: {output_dir}")
     return summary
+
+
+def _export(summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool) -> None:
+    """``model.safetensors`` (and the compact model of a structured run), with the measured ratios in the summary."""
+    from lightprune.experiment.exporting import export_run
+
+    example = getattr(module, "example_input_array", None)
+    if example is None and shape is not None:
+        reference = next(iter(network.parameters()))
+        example = torch.zeros(1, *shape, dtype=reference.dtype, device=reference.device)
+    try:
+        result = export_run(network, output_dir, example, structured=structured)
+    except Exception as err:  # a state_dict safetensors cannot store: the run's other outputs still count
+        log.warning("export skipped: %s", " ".join(str(err).split()))
+        summary.export_notes = [f"export skipped: {err}"]
+        return
+    summary.file_size_ratio, summary.latency_ratio = result.file_size_ratio, result.latency_ratio
+    summary.latency_model, summary.export_notes = result.deployed, result.notes
+    for note in result.notes:
+        log.info(note)
 
 
 def _model_name(cfg: DictConfig) -> str:

@@ -338,11 +338,21 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     keys: list[str] = []
     for run_pairs in pairs:
         keys += [key for key in run_pairs if key not in keys]
+    measured = any(run.file_size_ratio is not None or run.latency_ratio is not None for run in runs)
     header = ["run", *keys, "sparsity", "dense acc", "final acc", "compression", "speed-up"]
+    header += ["file size", "latency"] if measured else []
     lines = [
         f"# Pruning report: {root}",
         "",
         f"{len(runs)} run(s). Sparsity and compression over the pruned weights; speed-up = dense / nonzero FLOPs.",
+        *(
+            [
+                "Measured: file size = dense safetensors bytes / model.safetensors bytes; latency = masked model's "
+                "median / the compact (structured) or sparse-Linear model's, batch 64, on the machine of the run."
+            ]
+            if measured
+            else []
+        ),
         *_attribution_note(runs),
         "",
         "| " + " | ".join(_md_cell(h) for h in header) + " |",
@@ -357,6 +367,7 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
             _pct(run.final_test_acc),
             _times(run.compression_ratio),
             _times(run.theoretical_speedup),
+            *([_times(run.file_size_ratio), _times(run.latency_ratio)] if measured else []),
         ]
         lines.append("| " + " | ".join(_md_cell(cell) for cell in cells) + " |")
     lines.append("")

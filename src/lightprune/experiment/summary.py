@@ -65,6 +65,12 @@ class RunSummary:
             scaled by the weight's density), in call order; see :func:`~lightprune.experiment.models.count_flops`.
         flops_unattributed: Multiply-accumulates that no weight-holding layer owns (attention products, functional
             matmuls), counted in full in both ``dense_flops`` and ``nonzero_flops``.
+        file_size_ratio: Measured: bytes of the dense safetensors file of the network / bytes of its
+            ``model.safetensors`` (:func:`lightprune.export.save_sparse`).
+        latency_ratio: Measured: median latency of the masked network / of ``latency_model`` at batch 64 (>1: faster).
+        latency_model: What ``latency_ratio`` measured: ``compact`` (structured runs), ``sparse_linear`` (CSR where
+            faster) or ``masked`` (no faster form: 1.0).
+        export_notes: Why an export step was skipped.
 
     Example:
         >>> s = RunSummary(dense_test_acc=0.98, final_test_acc=0.97, total_sparsity=0.9, compression_ratio=10.0)
@@ -94,6 +100,10 @@ class RunSummary:
     dense_time_s: float | None = None
     flops_layers: list[str] = field(default_factory=list)
     flops_unattributed: int | None = None
+    file_size_ratio: float | None = None
+    latency_ratio: float | None = None
+    latency_model: str | None = None
+    export_notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats become ``None``).
@@ -356,6 +366,11 @@ def format_summary_table(summary: RunSummary) -> str:
         ("theoretical speed-up", _times(summary.theoretical_speedup)),
         ("wall time", wall),
     ]
+    if summary.file_size_ratio is not None:
+        rows.insert(5, ("file size (measured)", f"{_times(summary.file_size_ratio)} smaller (model.safetensors)"))
+    if summary.latency_ratio is not None:
+        faster = f"{_times(summary.latency_ratio)} faster ({summary.latency_model}, batch 64)"
+        rows.insert(6, ("latency (measured)", faster))
     if summary.flops_unattributed and summary.dense_flops:
         share = summary.flops_unattributed / summary.dense_flops
         attributed = f"{_pct(share)} (counted dense; {len(summary.flops_layers)} layers were)"
