@@ -369,7 +369,7 @@ def format_summary_table(summary: RunSummary) -> str:
     if summary.file_size_ratio is not None:
         rows.insert(5, ("file size (measured)", f"{_times(summary.file_size_ratio)} smaller (model.safetensors)"))
     if summary.latency_ratio is not None:
-        faster = f"{_times(summary.latency_ratio)} faster ({summary.latency_model}, batch 64)"
+        faster = f"{_times(summary.latency_ratio)} ({summary.latency_model} vs masked, batch 64)"
         rows.insert(6, ("latency (measured)", faster))
     if summary.flops_unattributed and summary.dense_flops:
         share = summary.flops_unattributed / summary.dense_flops
