@@ -23,11 +23,11 @@ Arms (``--arms``; see :data:`ARMS`):
 * ``lp_one_shot``: lightprune, global L1, to ``s`` at once after 10 epochs, then 10 epochs of fine-tuning.
 * ``lp_one_shot_rewind``: the same, then the surviving weights rewound to their values after epoch 1 (lottery-ticket
   rewinding, Frankle et al. 2020) and retrained for the remaining 10 epochs.
-* ``lp_one_shot_cosine_ft``: a learning-rate schedule for the protocol's Adam: a cosine from 1.2e-3 to 1.2e-5 over
+* ``lp_one_shot_cosine_ft`` (by name only: ``--arms``): a learning-rate schedule for the protocol's Adam: a cosine from 1.2e-3 to 1.2e-5 over
   the first 10 epochs (epoch-wise, as ``CosineAnnealingLR(T_max=10, eta_min=lr/100)``), one-shot to ``s`` after
   them, then 10 epochs of fine-tuning at the schedule's final learning rate (1.2e-5): the fine-tuning baseline of
   Renda, Frankle & Carbin (2020).
-* ``lp_one_shot_lr_rewind``: the same training and pruning, then learning-rate rewinding (Renda et al. 2020): the 10
+* ``lp_one_shot_lr_rewind`` (by name only): the same training and pruning, then learning-rate rewinding (Renda et al. 2020): the 10
   retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not rewound. Under the protocol's
   constant learning rate rewinding the learning rate changes nothing (``lp_one_shot`` is both), so it is measured
   against ``lp_one_shot_cosine_ft``, which shares its schedule.
@@ -100,6 +100,9 @@ ARMS = {
     "lp_one_shot_lr_rewind": "lightprune, cosine LR for 10 epochs, one-shot, retrain replaying the cosine",
 }
 """Arm name -> what it does."""
+
+DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind"))
+"""The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair is asked for by name."""
 
 GRADUAL = (0.05, 0.6, 0.005)
 """The cubic schedule of the gradual arms: start, end and frequency in fractions of the run's optimizer steps."""
@@ -705,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95, 0.98, 0.99])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
