@@ -23,14 +23,14 @@ Arms (``--arms``; see :data:`ARMS`):
 * ``lp_one_shot``: lightprune, global L1, to ``s`` at once after 10 epochs, then 10 epochs of fine-tuning.
 * ``lp_one_shot_rewind``: the same, then the surviving weights rewound to their values after epoch 1 (lottery-ticket
   rewinding, Frankle et al. 2020) and retrained for the remaining 10 epochs.
-* ``lp_one_shot_cosine_ft`` (by name only: ``--arms``): a learning-rate schedule for the protocol's Adam: a cosine from 1.2e-3 to 1.2e-5 over
-  the first 10 epochs (epoch-wise, as ``CosineAnnealingLR(T_max=10, eta_min=lr/100)``), one-shot to ``s`` after
-  them, then 10 epochs of fine-tuning at the schedule's final learning rate (1.2e-5): the fine-tuning baseline of
-  Renda, Frankle & Carbin (2020).
-* ``lp_one_shot_lr_rewind`` (by name only): the same training and pruning, then learning-rate rewinding (Renda et al. 2020): the 10
-  retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not rewound. Under the protocol's
-  constant learning rate rewinding the learning rate changes nothing (``lp_one_shot`` is both), so it is measured
-  against ``lp_one_shot_cosine_ft``, which shares its schedule.
+* ``lp_one_shot_cosine_ft`` (run only when named in ``--arms``): a learning-rate schedule for the protocol's Adam:
+  a cosine from 1.2e-3 to 1.2e-5 over the first 10 epochs (epoch-wise, as ``CosineAnnealingLR(T_max=10,
+  eta_min=lr/100)``), one-shot to ``s`` after them, then 10 epochs of fine-tuning at the schedule's final learning
+  rate (1.2e-5): the fine-tuning baseline of Renda, Frankle & Carbin (2020).
+* ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
+  (Renda et al. 2020): the 10 retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not
+  rewound. Under the protocol's constant learning rate, rewinding the learning rate changes nothing
+  (``lp_one_shot`` is both), so it is measured against ``lp_one_shot_cosine_ft``, which shares its schedule.
 
 The gradual schedule's start, end and frequency were chosen before any run, from Zhu & Gupta's recipe (start
 after a short dense phase, end with a long enough recovery phase, prune every few dozen steps), and were not tuned
