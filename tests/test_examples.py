@@ -110,6 +110,9 @@ def test_own_model_resnet_on_fashion_mnist(tmp_path: Path, experiment: str) -> N
         assert "model.head.weight" not in layers
         assert summary["layer_channels"]["model.blocks.2.conv1.weight"] == [32, 64]
         assert summary["total_sparsity"] == pytest.approx(0.5)
+        # compacted (its forward's postponed annotations notwithstanding) and timed against the masked model
+        assert summary["latency_model"] == "compact" and summary["export_notes"] == []
+        assert (tmp_path / "model_compact.pt").is_file()
     else:
         assert summary["total_sparsity"] == pytest.approx(0.9, abs=1e-3)
     assert "model.blocks.0.conv1" in summary["flops_layers"] and summary["theoretical_speedup"] > 1.5

@@ -84,6 +84,25 @@ def _batch(example: Any) -> Any:
     return example
 
 
+def _save_graph_module(module: Any, path: Path, result: ExportResult) -> None:
+    """``torch.save`` the compact model. A traced ``forward`` annotated under ``from __future__ import annotations``
+    carries its annotations as strings, which ``GraphModule`` cannot pickle: they are dropped (they do not change
+    what it computes) and the module recompiled."""
+    try:
+        torch.save(module, path)
+    except Exception:
+        for node in module.graph.nodes:
+            node.type = None
+        module.recompile()
+        try:
+            torch.save(module, path)
+        except Exception as err:
+            path.unlink(missing_ok=True)
+            result.notes.append(f"compact model not saved: {' '.join(str(err).split())[:300]}")
+            return
+    result.files[path.name] = path.stat().st_size
+
+
 def export_run(
     network: nn.Module, output_dir: Path, example: Any, *, structured: bool, repeats: int = 20
 ) -> ExportResult:
@@ -127,12 +146,11 @@ def export_run(
         if structured:
             try:
                 deployed = compact(network, example)
-                compact_path = output_dir / COMPACT_FILE
-                torch.save(deployed, compact_path)
-                result.files[COMPACT_FILE] = compact_path.stat().st_size
                 result.deployed = "compact"
             except Exception as err:  # CompactError, or a model torch.fx cannot trace
                 result.notes.append(f"compact skipped: {' '.join(str(err).split())[:300]}")
+        if deployed is not None:
+            _save_graph_module(deployed, output_dir / COMPACT_FILE, result)
         if deployed is None:
             try:
                 converted, decisions = to_sparse_linear(network, _batch(example), repeats=5)
