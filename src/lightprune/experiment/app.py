@@ -72,26 +72,28 @@ def config_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "conf"
 
 
+def _per_round(pruning: Any) -> float:
+    """The fraction of the remaining weights each of ``pruning.rounds`` geometric events (or rounds) prunes, so that
+    the last reaches ``pruning.final_sparsity``: ``1 - (1 - s) ** (1 / rounds)``."""
+    return 1.0 - (1.0 - pruning.final_sparsity) ** (1.0 / pruning.rounds)
+
+
 def _schedule(cfg: DictConfig, rounds_target: float | None = None) -> Any:
-    """The pruning schedule of ``cfg.pruning`` (times as fractions of the fine-tuning run)."""
-    from lightprune.schedules import Constant, Cubic, Geometric, Linear
+    """The pruning schedule of ``cfg.pruning`` (times as fractions of the fine-tuning run), built by the library's
+    :func:`~lightprune.schedules.make_schedule` from the registry name ``pruning.schedule``."""
+    from lightprune.schedules import make_schedule
 
     p = cfg.pruning
     if rounds_target is not None:  # one round of iterative_rounds: prune once when the round's fit starts
-        return Constant(rounds_target, at=0)
-    if p.schedule == "constant":
-        return Constant(p.final_sparsity, at=float(p.start))
-    if p.schedule == "geometric":
-        per_event = 1.0 - (1.0 - p.final_sparsity) ** (1.0 / p.rounds)
-        return Geometric(per_event, start=float(p.start), frequency=float(p.frequency), rounds=p.rounds)
-    ramp = Cubic if p.schedule == "cubic" else Linear
-    return ramp(
-        initial=p.initial_sparsity,
-        final=p.final_sparsity,
-        start=float(p.start),
-        end=float(p.end),
-        frequency=float(p.frequency),
-    )
+        return make_schedule("constant", sparsity=rounds_target, at=0)
+    times = {"start": float(p.start), "frequency": float(p.frequency)}
+    arguments: dict[str, dict[str, Any]] = {
+        "constant": {"sparsity": p.final_sparsity, "at": float(p.start)},
+        "geometric": {"fraction": _per_round(p), **times, "rounds": p.rounds},
+        "linear": {"initial": p.initial_sparsity, "final": p.final_sparsity, "end": float(p.end), **times},
+    }
+    arguments["cubic"] = arguments["linear"]
+    return make_schedule(p.schedule, **arguments[p.schedule])
 
 
 def build_callback(
@@ -377,7 +379,7 @@ def _round_targets(cfg: DictConfig) -> list[float]:
     """Target sparsity after each round of ``iterative_rounds``: the same fraction of what remains is pruned in
     every round, and the last round reaches ``final_sparsity`` exactly."""
     p = cfg.pruning
-    per_round = 1.0 - (1.0 - p.final_sparsity) ** (1.0 / p.rounds)
+    per_round = _per_round(p)
     targets = [1.0 - (1.0 - per_round) ** r for r in range(1, p.rounds + 1)]
     targets[-1] = p.final_sparsity
     return targets
