@@ -31,7 +31,7 @@ __all__ = ["CACHE_ENV", "DenseCache", "DenseEntry", "default_cache_dir", "dense_
 CACHE_ENV = "LIGHTPRUNE_CACHE_DIR"
 """Environment variable naming the cache directory (when ``cache.dir`` is not set)."""
 
-_CODE_FILES = ("app.py", "cache.py", "classifier.py", "data.py", "datafiles.py", "models.py", "targets.py")
+_CODE_FILES = ("app.py", "cache.py", "classifier.py", "data.py", "datafiles.py", "idx.py", "models.py", "targets.py")
 """The app's modules that take part in the dense phase: a change to any of them changes every key."""
 
 _TRAINER_KEYS = (
