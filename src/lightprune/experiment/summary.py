@@ -173,13 +173,17 @@ def _plain_config(config: Any) -> dict[str, Any]:
 def _resolve_selection(model: nn.Module, parameters: Selection) -> list[tuple[str, nn.Module, str]]:
     """``(qualified name, module, parameter name)`` for each selected parameter.
 
-    ``None`` selects the ``weight`` of every Linear and Conv layer.
+    ``None`` selects what :class:`lightprune.PruningCallback` selects by default
+    (:func:`lightprune.selection.select_parameters`: the ``weight`` of every Linear and Conv layer, transposed
+    convolutions excepted), so the summary's totals match the callback's logged ones.
     """
     if parameters is None:
+        from lightprune.selection import DEFAULT_MODULE_TYPES
+
         return [
             (f"{name}.weight" if name else "weight", module, "weight")
             for name, module in model.named_modules()
-            if isinstance(module, nn.Linear | nn.modules.conv._ConvNd)
+            if isinstance(module, DEFAULT_MODULE_TYPES) and isinstance(getattr(module, "weight", None), torch.Tensor)
         ]
     names = {id(module): name for name, module in model.named_modules()}
     selection = []
