@@ -34,7 +34,7 @@ class RunSummary:
     """The result of one prune-finetune run, as written to ``summary.json``.
 
     Fractions (accuracy, sparsity) are in [0, 1]. Sparsity, weight counts and compression are over the pruned
-    selection; FLOPs and speed-up over all Linear/Conv layers (see :func:`summarize`). In JSON, non-finite numbers
+    selection; FLOPs and speed-up over the whole forward pass (see :func:`summarize`). In JSON, non-finite numbers
     (the compression of a fully pruned selection) are written as ``null``.
 
     Attributes:
