@@ -23,6 +23,14 @@ Arms (``--arms``; see :data:`ARMS`):
 * ``lp_one_shot``: lightprune, global L1, to ``s`` at once after 10 epochs, then 10 epochs of fine-tuning.
 * ``lp_one_shot_rewind``: the same, then the surviving weights rewound to their values after epoch 1 (lottery-ticket
   rewinding, Frankle et al. 2020) and retrained for the remaining 10 epochs.
+* ``lp_one_shot_cosine_ft`` (run only when named in ``--arms``): a learning-rate schedule for the protocol's Adam:
+  a cosine from 1.2e-3 to 1.2e-5 over the first 10 epochs (epoch-wise, as ``CosineAnnealingLR(T_max=10,
+  eta_min=lr/100)``), one-shot to ``s`` after them, then 10 epochs of fine-tuning at the schedule's final learning
+  rate (1.2e-5): the fine-tuning baseline of Renda, Frankle & Carbin (2020).
+* ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
+  (Renda et al. 2020): the 10 retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not
+  rewound. Under the protocol's constant learning rate, rewinding the learning rate changes nothing
+  (``lp_one_shot`` is both), so it is measured against ``lp_one_shot_cosine_ft``, which shares its schedule.
 
 The gradual schedule's start, end and frequency were chosen before any run, from Zhu & Gupta's recipe (start
 after a short dense phase, end with a long enough recovery phase, prune every few dozen steps), and were not tuned
@@ -88,8 +96,13 @@ ARMS = {
     "lp_gradual_layerwise": "lightprune, gradual cubic in steps, layerwise",
     "lp_one_shot": "lightprune, one-shot after 10 epochs, fine-tune",
     "lp_one_shot_rewind": "lightprune, one-shot after 10 epochs, rewind to epoch 1, retrain",
+    "lp_one_shot_cosine_ft": "lightprune, cosine LR for 10 epochs, one-shot, fine-tune at the final LR",
+    "lp_one_shot_lr_rewind": "lightprune, cosine LR for 10 epochs, one-shot, retrain replaying the cosine",
 }
 """Arm name -> what it does."""
+
+DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind"))
+"""The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair is asked for by name."""
 
 GRADUAL = (0.05, 0.6, 0.005)
 """The cubic schedule of the gradual arms: start, end and frequency in fractions of the run's optimizer steps."""
@@ -234,6 +247,33 @@ class EpochTimer(Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
+class EpochCosineLR(Callback):
+    """Sets the learning rate at each epoch start: a cosine from ``lr`` to ``lr / 100`` over ``period`` epochs, then
+    (``rewind=False``) the final ``lr / 100`` to the end, or (``rewind=True``) the cosine replayed from its start.
+
+    Example:
+        >>> schedule = EpochCosineLR(1.0, period=2, rewind=True)
+        >>> [schedule.lr_at(epoch) for epoch in range(4)]
+        [1.0, 0.505, 1.0, 0.505]
+        >>> EpochCosineLR(1.0, period=2, rewind=False).lr_at(3)
+        0.01
+    """
+
+    def __init__(self, lr: float, period: int, rewind: bool) -> None:
+        self.lr, self.period, self.rewind = lr, period, rewind
+
+    def lr_at(self, epoch: int) -> float:
+        """The learning rate of ``epoch`` (0-based)."""
+        low = self.lr / 100
+        step = epoch % self.period if self.rewind else min(epoch, self.period)
+        return low + (self.lr - low) * (1 + math.cos(math.pi * step / self.period)) / 2
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr_at(trainer.current_epoch)
+
+
 def make_trainer(epochs: int, callbacks: list[Any]) -> Any:
     """A quiet CPU Trainer: no logger, checkpoints, progress bar or validation."""
     return pl.Trainer(
@@ -307,6 +347,10 @@ def arm_callbacks(
     if arm == "lp_one_shot_rewind":
         schedule = Constant(sparsity, at=one_shot_epoch)
         return [PruningCallback(schedule, parameters=params, unit="epoch", rewind=1, masking=masking)]
+    if arm in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind"):
+        schedule = Constant(sparsity, at=one_shot_epoch)
+        lr = EpochCosineLR(module.lr, period=one_shot_epoch, rewind=arm == "lp_one_shot_lr_rewind")
+        return [lr, PruningCallback(schedule, parameters=params, unit="epoch", masking=masking)]
     raise ValueError(f"arm={arm!r} is not one of {sorted(ARMS)}")
 
 
@@ -664,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95, 0.98, 0.99])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")

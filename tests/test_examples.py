@@ -6,7 +6,9 @@ target the script prunes to. They start Python, torch (and Lightning) afresh, so
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
@@ -71,3 +74,80 @@ def test_iterative_rounds(tmp_path: Path) -> None:
     assert [(int(r), float(s)) for r, s in rounds] == [(0, 0.0), (1, 0.2), (2, 0.36)]
     assert final_sparsity(stdout) == 0.36
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The user's own model, data and Hydra app (examples/own_model, examples/transformers_classifier,
+# examples/own_hydra_app): each run as its README says, at tiny size, in a fresh process
+# --------------------------------------------------------------------------------------------------------------------
+
+QUICK = ["trainer.dense_epochs=1", "trainer.max_epochs=1", "trainer.enable_progress_bar=false", "cache.dense=false"]
+
+
+def run_app(folder: str, *overrides: str, run_dir: Path) -> dict:
+    """``python -m lightprune.experiment --config-dir conf ...`` in ``examples/<folder>``; returns summary.json."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lightprune.experiment", "--config-dir", "conf", *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=EXAMPLES / folder,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(FASHION_MNIST).is_dir(), reason="Fashion-MNIST is not installed")
+@pytest.mark.parametrize("experiment", ["resnet_unstructured", "resnet_channels"])
+def test_own_model_resnet_on_fashion_mnist(tmp_path: Path, experiment: str) -> None:
+    summary = run_app("own_model", f"experiment={experiment}", "data.limit=256", *QUICK, run_dir=tmp_path)
+    assert summary["config"]["model"]["_target_"] == "resnet.ResNet"
+    layers = summary["layer_sparsity"]
+    assert "model.blocks.1.shortcut.0.weight" in layers and "model.blocks.0.conv2.weight" in layers
+    if experiment == "resnet_channels":  # half the output channels of every conv; the head is left whole
+        assert "model.head.weight" not in layers
+        assert summary["layer_channels"]["model.blocks.2.conv1.weight"] == [32, 64]
+        assert summary["total_sparsity"] == pytest.approx(0.5)
+        # compacted (its forward's postponed annotations notwithstanding) and timed against the masked model
+        assert summary["latency_model"] == "compact" and summary["export_notes"] == []
+        assert (tmp_path / "model_compact.pt").is_file()
+    else:
+        assert summary["total_sparsity"] == pytest.approx(0.9, abs=1e-3)
+    assert "model.blocks.0.conv1" in summary["flops_layers"] and summary["theoretical_speedup"] > 1.5
+    assert (tmp_path / "model.pt").is_file()
+
+
+@pytest.mark.slow
+def test_transformers_classifier_lightning_module(tmp_path: Path) -> None:
+    summary = run_app("transformers_classifier", "experiment=tiny_bert", "data.size=256", *QUICK, run_dir=tmp_path)
+    assert summary["total_sparsity"] == pytest.approx(0.7, abs=1e-3)
+    assert "bert.bert.encoder.layer.1.intermediate.dense.weight" in summary["layer_sparsity"]
+    assert len(summary["flops_layers"]) == 14 and summary["theoretical_speedup"] > 1.5
+    assert summary["final_test_acc"] is not None and summary["num_classes"] is None
+
+
+@pytest.mark.slow
+def test_own_hydra_app_composes_the_pruning_preset_from_the_package(tmp_path: Path) -> None:
+    """The app is copied to a folder outside the package: only the installed lightprune provides ``gmp_cubic``."""
+    app = tmp_path / "my_app"
+    shutil.copytree(EXAMPLES / "own_hydra_app", app)
+    result = subprocess.run(
+        [sys.executable, str(app / "train.py"), "epochs=1", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert final_sparsity(result.stdout) == 0.9
+    assert "PruningCallback: pruned global, L1Unstructured" in result.stdout + result.stderr
+    result = subprocess.run(
+        [sys.executable, str(app / "train.py"), "epochs=1", "pruning=one_shot", "pruning.final_sparsity=0.5",
+         f"hydra.run.dir={tmp_path / 'run2'}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert final_sparsity(result.stdout) == 0.5

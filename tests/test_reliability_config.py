@@ -52,6 +52,7 @@ KEYS: dict[str, Key] = {
     "model.lr": Key(["abc", "[0.1]"], ["0", "-1", "inf", "nan"]),
     "model.optimizer": Key(["[1]"], ["adagrad"]),
     "model.weight_decay": Key(["abc"], ["-1", "inf", "nan"]),
+    "pruning._target_": Key(["[1]"], []),  # what a user's own app instantiates; the experiment app ignores it
     "pruning.preset": Key(["[1]"], ["magic"]),
     "pruning.method": Key(["[1]"], ["l3"]),
     "pruning.scope": Key(["[1]"], ["diagonal"]),
@@ -90,6 +91,13 @@ KEYS: dict[str, Key] = {
     "cache.dense": Key(["maybe"], []),
     "cache.dir": Key(["[1]"], []),
     "cache.retrain": Key(["maybe"], []),
+    "optim.dense.optimizer": Key([], ["{_target_:torch.optim.SGD,lr:0.1}", "{_target_:nowhere.Opt,_partial_:true}"]),
+    "optim.dense.scheduler": Key([], ["{_target_:torch.optim.lr_scheduler.Nope,_partial_:true}"]),
+    "optim.dense.interval": Key(["[1]"], ["hour"]),
+    "optim.prune.optimizer": Key([], ["{_target_:torch.optim.Adam}"]),
+    "optim.prune.scheduler": Key([], ["{lr:0.1}"]),
+    "optim.prune.interval": Key(["[1]"], ["batch"]),
+    "optim.lr_rewind": Key(["maybe"], []),
 }
 
 
@@ -99,6 +107,8 @@ def leaves(schema: type, prefix: str = "") -> list[str]:
     names = []
     for field in dataclasses.fields(schema):
         hint = hints[field.name]
+        if hint is typing.Any and callable(field.default_factory):  # model / data: a schema, or a _target_ node
+            hint = type(field.default_factory())
         if dataclasses.is_dataclass(hint):
             names += leaves(hint, f"{prefix}{field.name}.")
         else:

@@ -31,9 +31,12 @@ __all__ = [
     "DataConfig",
     "ExperimentConfig",
     "ModelConfig",
+    "OptimConfig",
+    "PhaseOptimConfig",
     "PruningConfig",
     "TrainerConfig",
     "config_warnings",
+    "is_target",
     "register_configs",
     "unknown_keys",
     "validate_config",
@@ -54,6 +57,12 @@ PRECISIONS = (
     "transformer-engine", "transformer-engine-float16",
 )  # fmt: skip
 """Lightning's precision strings (its ``_PRECISION_INPUT_STR`` and aliases)."""
+INTERVALS = ("epoch", "step")
+"""When an LR scheduler steps (Lightning's ``interval``)."""
+TARGET_KEYS = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
+"""Hydra's instantiation keys."""
+DATA_APP_KEYS = ("input_shape", "num_classes")
+"""Keys of a ``data`` node with a ``_target_`` that the app reads instead of passing them to the constructor."""
 MAX_SEED = 2**32 - 1
 """Seeds reach numpy through ``seed_everything``, which accepts 0 ... 2**32 - 1."""
 
@@ -105,12 +114,54 @@ class ModelConfig:
 
 
 @dataclass
+class PhaseOptimConfig:
+    """The optimizer and learning-rate schedule of one phase, as Hydra ``_partial_: true`` nodes.
+
+    Attributes:
+        optimizer: e.g. ``{_target_: torch.optim.SGD, _partial_: true, lr: 0.1, momentum: 0.9}``: called with the
+            parameters. ``None``: ``model.optimizer`` / ``model.lr`` / ``model.weight_decay`` (Adam, lr 1e-3 for a
+            model given by ``_target_``); for ``optim.prune``: the dense phase's.
+        scheduler: e.g. ``{_target_: torch.optim.lr_scheduler.CosineAnnealingLR, _partial_: true}``: called with
+            the optimizer. ``T_max`` / ``total_steps`` / ``total_iters``, when the node does not set them, are filled
+            in with the phase's length in ``interval`` units. ``None``: a constant learning rate (for
+            ``optim.prune``: the dense phase's scheduler, replayed).
+        interval: ``epoch`` or ``step``: when the scheduler steps.
+    """
+
+    optimizer: Any = None
+    scheduler: Any = None
+    interval: str = "epoch"
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule of the dense phase and of the pruning / fine-tuning phase.
+
+    Ignored for a model that is a ``LightningModule`` (its own ``configure_optimizers`` is used), except
+    ``lr_rewind``.
+
+    Attributes:
+        dense: the dense phase's.
+        prune: the pruning / fine-tuning phase's (each round's for ``iterative_rounds``); unset parts: the dense's.
+        lr_rewind: learning-rate rewinding (Renda, Frankle & Carbin 2020): every pruning fit (each round) replays
+            its schedule from the start. ``false``: fine-tuning, at the learning rate the previous phase ended with
+            and without a scheduler.
+    """
+
+    dense: PhaseOptimConfig = field(default_factory=PhaseOptimConfig)
+    prune: PhaseOptimConfig = field(default_factory=PhaseOptimConfig)
+    lr_rewind: bool = True
+
+
+@dataclass
 class PruningConfig:
     """How to prune during the fine-tuning phase (mirrors :class:`lightprune.PruningCallback`).
 
     Times (``start``, ``end``, ``frequency``) are fractions of the fine-tuning run, in ``unit``s.
 
     Attributes:
+        _target_: what ``hydra.utils.instantiate(cfg.pruning)`` calls in a user's own Hydra app (the experiment app
+            builds its callbacks itself): :func:`lightprune.experiment.app.pruning_callback`.
         preset: name of the preset this config came from (``none`` disables pruning).
         method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured`` or the
             import path of a ``BasePruningMethod`` subclass.
@@ -137,6 +188,7 @@ class PruningConfig:
         seed: seed of the random methods.
     """
 
+    _target_: str = "lightprune.experiment.app.pruning_callback"
     preset: str = "gmp_cubic"
     method: str = "l1_unstructured"
     scope: str = "global"
@@ -221,8 +273,12 @@ class ExperimentConfig:
         plots: draw the PNG plots.
     """
 
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    data: Any = field(default_factory=DataConfig)
+    """A :class:`DataConfig`, or any ``LightningDataModule`` as a Hydra ``_target_`` node (plus ``input_shape`` /
+    ``num_classes`` where the datamodule has no such attributes)."""
+    model: Any = field(default_factory=ModelConfig)
+    """A :class:`ModelConfig`, or any ``nn.Module`` / ``LightningModule`` as a Hydra ``_target_`` node."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -233,7 +289,12 @@ class ExperimentConfig:
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore as ``experiment_schema`` (used by ``conf/config.yaml``).
+    """Register the schema in Hydra's ConfigStore as ``experiment_schema`` (used by ``conf/config.yaml``), and the
+    schemas of the bundled ``model`` and ``data`` options as ``schema/model`` and ``schema/data``.
+
+    ``model`` and ``data`` are left empty in ``experiment_schema``: a bundled option brings its schema (its
+    defaults list names ``/schema/model@_here_``), so its keys and types are checked as before, while a node with
+    a ``_target_`` may have any keys (its constructor's arguments).
 
     Example:
         >>> register_configs()
@@ -243,8 +304,23 @@ def register_configs() -> None:
     """
     from hydra.core.config_store import ConfigStore
 
+    schema = OmegaConf.structured(ExperimentConfig)
+    schema.model = None
+    schema.data = None
     store = ConfigStore.instance()
-    store.store(name="experiment_schema", node=ExperimentConfig)
+    store.store(name="experiment_schema", node=schema)
+    store.store(group="schema", name="model", node=ModelConfig)
+    store.store(group="schema", name="data", node=DataConfig)
+
+
+def is_target(node: Any) -> bool:
+    """Whether a config node is a Hydra ``_target_`` node (a class or function to call).
+
+    Example:
+        >>> is_target({"_target_": "torch.nn.Linear", "in_features": 4}), is_target({"name": "digits"})
+        (True, False)
+    """
+    return (isinstance(node, dict) or OmegaConf.is_dict(node)) and "_target_" in node
 
 
 class ConfigError(ValueError):
@@ -291,6 +367,13 @@ def unknown_key_message(key: str) -> str:
         >>> unknown_key_message("pruning.final_sparsty")
         'pruning.final_sparsty: not a config key (did you mean pruning.final_sparsity?)'
     """
+    group, _, leaf = key.partition(".")
+    if group in ("model", "data") and leaf == "_target_":
+        return (
+            f"{key}: the bundled {group} options take no _target_; replace the option with one: "
+            f"~{group} +{group}={{_target_:...}} on the command line, or a {group}/<name>.yaml of your own "
+            "config directory (--config-dir)"
+        )
     return f"{key}: not a config key{_closest_key(key)}"
 
 
@@ -316,7 +399,7 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
             full = f"{prefix}{key}"
             if full not in known:
                 found.append(full)
-            elif OmegaConf.is_dict(node._get_node(key)):
+            elif OmegaConf.is_dict(node._get_node(key)) and (full == "pruning" or not is_target(node[key])):
                 walk(node[key], full + ".")
 
     walk(cfg, "")
@@ -361,6 +444,114 @@ STRUCTURED_METHODS = ("ln_structured", "random_structured")
 RAMP_SCHEDULES = ("linear", "cubic")
 
 
+def _typed(problems: list[str], cfg: DictConfig, key: str, schema: type) -> Any:
+    """``cfg[key]`` checked against ``schema`` (``None`` for a ``_target_`` node, whose targets are checked here)."""
+    node = cfg[key]
+    if is_target(node):
+        _check_target(problems, key, node)
+        if key == "data":
+            shape = node.get("input_shape")
+            _check(
+                problems,
+                shape is None or (OmegaConf.is_list(shape) and all(isinstance(d, int) and d >= 1 for d in shape)),
+                "data.input_shape",
+                shape,
+                "None (the datamodule's dims) or a list of sizes >= 1",
+            )
+            classes = node.get("num_classes")
+            _check(
+                problems,
+                classes is None or (isinstance(classes, int) and classes >= 1),
+                "data.num_classes",
+                classes,
+                "None (the datamodule's num_classes) or an int >= 1",
+            )
+        return None
+    if node is None:
+        return OmegaConf.structured(schema)
+    if OmegaConf.get_type(node) is schema:
+        return node
+    try:  # a plain node (a user's config without the bundled schema): check its keys and types
+        return OmegaConf.merge(OmegaConf.structured(schema), node)
+    except Exception as err:  # OmegaConf's ValidationError / ConfigKeyError
+        problems.append(f"{key}: {str(err).splitlines()[0]} (or give a _target_)")
+        return None
+
+
+def _check_target(problems: list[str], key: str, node: Any, partial: bool | None = None) -> None:
+    """A ``_target_`` node: the target imports, and ``_partial_`` is set where the app calls it with arguments."""
+    from hydra._internal.utils import _locate  # hydra.utils.get_object, without its error log line
+
+    target = node.get("_target_")
+    try:
+        _locate(str(target))
+    except Exception as err:
+        cause = str(err.__cause__ or err).splitlines()[0]
+        problems.append(f"{key}: _target_ {target!r} cannot be imported ({cause})")
+    if partial and not node.get("_partial_", False):
+        problems.append(
+            f"{key}: _partial_ must be true (the app calls {target} with "
+            f"{'the parameters' if key.endswith('optimizer') else 'the optimizer'})"
+        )
+
+
+def _check_optim(problems: list[str], optim: Any) -> None:
+    for phase in ("dense", "prune"):
+        node = optim[phase]
+        for part in ("optimizer", "scheduler"):
+            value = node[part]
+            key = f"optim.{phase}.{part}"
+            if value is None:
+                continue
+            if not is_target(value):
+                problems.append(
+                    f"{key}={OmegaConf.to_container(value) if OmegaConf.is_config(value) else value!r}: "
+                    "None or a node with _target_ and _partial_: true"
+                )
+                continue
+            _check_target(problems, key, value, partial=True)
+        _check(problems, node.interval in INTERVALS, f"optim.{phase}.interval", node.interval, f"one of {INTERVALS}")
+
+
+def _check_data(problems: list[str], data: Any) -> None:
+    _check(problems, data.name in DATASETS, "data.name", data.name, f"one of {DATASETS}")
+    root = None if OmegaConf.is_missing(data, "root") else data.root
+    _check(problems, data.name != "idx" or root is not None, "data.root", root, "required for data=idx")
+    _check(problems, data.batch_size >= 1, "data.batch_size", data.batch_size, "must be >= 1")
+    _check(problems, 0 < data.val_size < 1, "data.val_size", data.val_size, "must be in (0, 1)")
+    _check(problems, 0 < data.test_size < 1, "data.test_size", data.test_size, "must be in (0, 1)")
+    _check(
+        problems,
+        data.name != "digits" or data.val_size + data.test_size < 1,
+        "data.test_size",
+        data.test_size,
+        f"data.val_size + data.test_size must be < 1 (data.val_size={data.val_size})",
+    )
+    _check(problems, data.limit is None or data.limit >= 1, "data.limit", data.limit, "must be None or >= 1")
+    _check(problems, 0 <= data.seed <= MAX_SEED, "data.seed", data.seed, f"must be in [0, {MAX_SEED}]")
+
+
+def _check_model(problems: list[str], model: Any) -> None:
+    _check(problems, model.name in MODELS, "model.name", model.name, f"one of {MODELS}")
+    _check(problems, all(h >= 1 for h in model.hidden), "model.hidden", list(model.hidden), "sizes must be >= 1")
+    _check(
+        problems,
+        len(model.channels) >= 1 and all(c >= 1 for c in model.channels),
+        "model.channels",
+        list(model.channels),
+        "one or more sizes, each >= 1",
+    )
+    _check(problems, model.lr > 0 and math.isfinite(model.lr), "model.lr", model.lr, "must be > 0 and finite")
+    _check(problems, model.optimizer in OPTIMIZERS, "model.optimizer", model.optimizer, f"one of {OPTIMIZERS}")
+    _check(
+        problems,
+        model.weight_decay >= 0 and math.isfinite(model.weight_decay),
+        "model.weight_decay",
+        model.weight_decay,
+        "must be >= 0 and finite",
+    )
+
+
 def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     """Check ranges and choices of a whole experiment config; raise one error listing every problem.
 
@@ -383,47 +574,22 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
     problems: list[str] = [unknown_key_message(key) for key in unknown_keys(cfg)]
-    data, model, pruning, trainer = cfg.data, cfg.model, cfg.pruning, cfg.trainer
-    _check(problems, data.name in DATASETS, "data.name", data.name, f"one of {DATASETS}")
-    root = None if OmegaConf.is_missing(data, "root") else data.root
-    _check(problems, data.name != "idx" or root is not None, "data.root", root, "required for data=idx")
-    _check(problems, data.batch_size >= 1, "data.batch_size", data.batch_size, "must be >= 1")
-    _check(problems, 0 < data.val_size < 1, "data.val_size", data.val_size, "must be in (0, 1)")
-    _check(problems, 0 < data.test_size < 1, "data.test_size", data.test_size, "must be in (0, 1)")
-    _check(
-        problems,
-        data.name != "digits" or data.val_size + data.test_size < 1,
-        "data.test_size",
-        data.test_size,
-        f"data.val_size + data.test_size must be < 1 (data.val_size={data.val_size})",
-    )
-    _check(problems, data.limit is None or data.limit >= 1, "data.limit", data.limit, "must be None or >= 1")
-    _check(problems, 0 <= data.seed <= MAX_SEED, "data.seed", data.seed, f"must be in [0, {MAX_SEED}]")
-    _check(problems, model.name in MODELS, "model.name", model.name, f"one of {MODELS}")
-    _check(problems, all(h >= 1 for h in model.hidden), "model.hidden", list(model.hidden), "sizes must be >= 1")
-    _check(
-        problems,
-        len(model.channels) >= 1 and all(c >= 1 for c in model.channels),
-        "model.channels",
-        list(model.channels),
-        "one or more sizes, each >= 1",
-    )
-    _check(
-        problems,
-        not (model.name == "small_cnn" and data.flatten),
-        "data.flatten",
-        data.flatten,
-        "model=small_cnn needs images: set data.flatten=false",
-    )
-    _check(problems, model.lr > 0 and math.isfinite(model.lr), "model.lr", model.lr, "must be > 0 and finite")
-    _check(problems, model.optimizer in OPTIMIZERS, "model.optimizer", model.optimizer, f"one of {OPTIMIZERS}")
-    _check(
-        problems,
-        model.weight_decay >= 0 and math.isfinite(model.weight_decay),
-        "model.weight_decay",
-        model.weight_decay,
-        "must be >= 0 and finite",
-    )
+    pruning, trainer = cfg.pruning, cfg.trainer
+    data = _typed(problems, cfg, "data", DataConfig)
+    model = _typed(problems, cfg, "model", ModelConfig)
+    if data is not None:
+        _check_data(problems, data)
+    if model is not None:
+        _check_model(problems, model)
+    if model is not None and data is not None:
+        _check(
+            problems,
+            not (model.name == "small_cnn" and data.flatten),
+            "data.flatten",
+            data.flatten,
+            "model=small_cnn needs images: set data.flatten=false",
+        )
+    _check_optim(problems, cfg.optim)
     _check(problems, pruning.preset in PRESETS, "pruning.preset", pruning.preset, f"one of {PRESETS}")
     _check(
         problems,
@@ -462,13 +628,14 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     _check(problems, pruning.rewind in (None, "init"), "pruning.rewind", pruning.rewind, "None or 'init'")
     _check(problems, pruning.n > 0, "pruning.n", pruning.n, "the order of a norm, must be > 0")
     if structured:  # every pruned weight must have the dim: Linear weights have 2 dims, Conv2d weights 4
-        convs_only = model.name == "small_cnn" and pruning.exclude_classifier
+        convs_only = model is not None and model.name == "small_cnn" and pruning.exclude_classifier
         ndim = 4 if convs_only else 2
         why = "the Conv2d weights have 4 dims" if convs_only else "the Linear weights have 2 dims"
-        if model.name == "small_cnn" and not convs_only:
+        if model is not None and model.name == "small_cnn" and not convs_only:
             why += " (pruning.exclude_classifier=true prunes only the convs)"
         allowed = f"must be in [{-ndim}, {ndim - 1}]: {why}"
-        _check(problems, -ndim <= pruning.dim < ndim, "pruning.dim", pruning.dim, allowed)
+        if model is not None:  # a model given by _target_: its weights decide (the callback checks them)
+            _check(problems, -ndim <= pruning.dim < ndim, "pruning.dim", pruning.dim, allowed)
     _check(
         problems,
         not pruning.prune_channel_bias or (structured and pruning.dim == 0),

@@ -9,6 +9,7 @@ run take a second or two; subprocess tests pay a few seconds of imports each and
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -595,3 +596,32 @@ def test_console_script_multirun_then_report_and_a_parallel_sweep_gives_the_same
         "loaded",
         "stored",
     ]  # the second job waited for the first's dense phase instead of training its own
+
+
+@pytest.mark.parametrize("structured", [False, True])
+def test_the_run_writes_a_sparse_safetensors_file_and_measures_size_and_latency(
+    tmp_path: Path, structured: bool
+) -> None:
+    from lightprune.export import load_sparse
+
+    overrides = ["experiment=cnn_channels"] if structured else []
+    summary = run_experiment(make_config(*TINY, *overrides), tmp_path)
+    state = load_sparse(tmp_path / "model.safetensors")  # a plain state_dict, without lightprune's model classes
+    reference = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sorted(state) == sorted(reference)
+    assert all(torch.equal(state[name], reference[name]) for name in state)  # -0.0 == 0.0: the same values
+    loaded = load_run(tmp_path)  # model.pt still rebuilds the network
+    assert all(torch.equal(loaded.state_dict()[name], reference[name]) for name in reference)
+    dense_bytes = sum(t.numel() * t.element_size() for t in reference.values())
+    assert summary.file_size_ratio == pytest.approx(dense_bytes / (tmp_path / "model.safetensors").stat().st_size, 0.05)
+    assert summary.file_size_ratio > (1.4 if structured else 4.0)
+    assert summary.latency_ratio is not None and summary.latency_ratio > 0
+    assert summary.latency_model == ("compact" if structured else summary.latency_model)
+    assert (tmp_path / "model_compact.pt").is_file() == structured
+    if structured:  # the compact model computes what the pruned one does, with half the conv channels
+        compact = torch.load(tmp_path / "model_compact.pt", weights_only=False)
+        x = torch.randn(4, 1, 8, 8)
+        assert torch.allclose(compact(x), loaded(x), atol=1e-5)
+        assert compact.get_submodule("conv1").out_channels == 8
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["file_size_ratio"] == summary.file_size_ratio

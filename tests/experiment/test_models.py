@@ -261,3 +261,34 @@ def test_flops_restore_training_mode_and_handle_batchnorm():
     assert dense_flops(model, (4,)) == 18  # BatchNorm1d on one example would fail in training mode
     assert model.training and model[1].training and not model[2].training
     assert not model[0]._forward_hooks and not model[2]._forward_hooks  # hooks removed
+
+
+def test_flops_of_any_model_match_torchs_counter_and_name_what_they_attribute():
+    """Attention's products belong to no weight: counted (dense in both figures) but not attributed to a layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightprune.experiment.models import count_flops
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.layers = nn.ModuleList([nn.Linear(8, 8)])  # a container that never runs: counts go past it
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.layers[0](self.attention(x, x, x, need_weights=False)[0]).mean(1))
+
+    model = Block()
+    with torch.no_grad():
+        model.head.weight[:2].zero_()
+    x = torch.randn(1, 5, 8)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    count = count_flops(model, x)
+    assert 2 * count.dense == counter.get_total_flops()
+    assert list(count.layers) == ["layers.0", "head"] and count.layers["head"] == (24, 8)
+    assert count.layers["layers.0"] == (5 * 64, 5 * 64)
+    assert count.unattributed == count.dense - 24 - 5 * 64 > 0
+    assert count.nonzero == count.dense - 16
+    assert model.training  # restored

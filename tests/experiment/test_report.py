@@ -357,3 +357,11 @@ def test_overrides_stored_in_the_summary_are_used_when_the_run_has_no_hydra_dir(
     )
     (run,) = collect_runs(tmp_path)
     assert run.overrides == ["seed=3"] and run.run_dir == str(tmp_path / "moved")
+
+
+def test_the_default_selection_is_the_callbacks_transposed_convolutions_excepted() -> None:
+    """summary.json's totals agree with the callback's logged ones: both leave transposed convolutions alone."""
+    from lightprune.experiment.summary import sparsity_by_layer
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ConvTranspose2d(2, 1, 3), torch.nn.Linear(4, 2))
+    assert list(sparsity_by_layer(model)) == ["0.weight", "2.weight"]

@@ -38,10 +38,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lightprune.config import ConfigError, config_warnings, register_configs, unknown_key_message, validate_config
+from lightprune.config import (
+    ConfigError,
+    config_warnings,
+    is_target,
+    register_configs,
+    unknown_key_message,
+    validate_config,
+)
 from lightprune.experiment.checks import exclude_patterns, model_kwargs, preflight
 
-__all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "run_experiment"]
+__all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "pruning_callback", "run_experiment"]
 
 DEBUG_ENV = "LIGHTPRUNE_DEBUG"
 """Set to 1 to see the traceback of a config error (the app prints its message alone otherwise)."""
@@ -65,26 +72,28 @@ def config_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "conf"
 
 
+def _per_round(pruning: Any) -> float:
+    """The fraction of the remaining weights each of ``pruning.rounds`` geometric events (or rounds) prunes, so that
+    the last reaches ``pruning.final_sparsity``: ``1 - (1 - s) ** (1 / rounds)``."""
+    return 1.0 - (1.0 - pruning.final_sparsity) ** (1.0 / pruning.rounds)
+
+
 def _schedule(cfg: DictConfig, rounds_target: float | None = None) -> Any:
-    """The pruning schedule of ``cfg.pruning`` (times as fractions of the fine-tuning run)."""
-    from lightprune.schedules import Constant, Cubic, Geometric, Linear
+    """The pruning schedule of ``cfg.pruning`` (times as fractions of the fine-tuning run), built by the library's
+    :func:`~lightprune.schedules.make_schedule` from the registry name ``pruning.schedule``."""
+    from lightprune.schedules import make_schedule
 
     p = cfg.pruning
     if rounds_target is not None:  # one round of iterative_rounds: prune once when the round's fit starts
-        return Constant(rounds_target, at=0)
-    if p.schedule == "constant":
-        return Constant(p.final_sparsity, at=float(p.start))
-    if p.schedule == "geometric":
-        per_event = 1.0 - (1.0 - p.final_sparsity) ** (1.0 / p.rounds)
-        return Geometric(per_event, start=float(p.start), frequency=float(p.frequency), rounds=p.rounds)
-    ramp = Cubic if p.schedule == "cubic" else Linear
-    return ramp(
-        initial=p.initial_sparsity,
-        final=p.final_sparsity,
-        start=float(p.start),
-        end=float(p.end),
-        frequency=float(p.frequency),
-    )
+        return make_schedule("constant", sparsity=rounds_target, at=0)
+    times = {"start": float(p.start), "frequency": float(p.frequency)}
+    arguments: dict[str, dict[str, Any]] = {
+        "constant": {"sparsity": p.final_sparsity, "at": float(p.start)},
+        "geometric": {"fraction": _per_round(p), **times, "rounds": p.rounds},
+        "linear": {"initial": p.initial_sparsity, "final": p.final_sparsity, "end": float(p.end), **times},
+    }
+    arguments["cubic"] = arguments["linear"]
+    return make_schedule(p.schedule, **arguments[p.schedule])
 
 
 def build_callback(
@@ -140,6 +149,44 @@ def build_callback(
     )
 
 
+def pruning_callback(
+    *, module: nn.Module | None = None, log_every_n_steps: int = 50, _target_: str | None = None, **pruning: Any
+) -> Any:
+    """The :class:`lightprune.PruningCallback` of a ``pruning`` preset: the ``_target_`` of every ``conf/pruning``
+    option, so a user's own Hydra app gets the callback with ``hydra.utils.instantiate(cfg.pruning)``.
+
+    Args:
+        module: the LightningModule, needed for ``exclude_classifier: true`` (the ``ln_structured`` preset):
+            ``instantiate(cfg.pruning, module=model)``.
+        log_every_n_steps: how often the callback logs (the Trainer's ``log_every_n_steps``).
+        **pruning: the preset's keys (:class:`~lightprune.config.PruningConfig`; unset keys take its defaults).
+
+    Returns:
+        The callback, or ``None`` for the ``none`` preset.
+
+    Raises:
+        ConfigError: a key the schema does not have, or a value it rejects (every problem listed).
+
+    Example:
+        >>> callback = pruning_callback(preset="one_shot", schedule="constant", final_sparsity=0.8)
+        >>> type(callback).__name__, type(callback.schedule).__name__, callback.schedule.sparsity
+        ('PruningCallback', 'Constant', 0.8)
+    """
+    from lightprune.config import ExperimentConfig
+
+    cfg = OmegaConf.structured(ExperimentConfig)
+    try:
+        cfg.pruning = OmegaConf.merge(cfg.pruning, pruning)
+    except Exception as err:  # an unknown key or a wrong type
+        raise ConfigError(f"invalid pruning config: pruning.{str(err).splitlines()[0]}") from err
+    cfg.trainer.log_every_n_steps = log_every_n_steps
+    validate_config(cfg)
+    try:
+        return build_callback(cfg, module=module)
+    except ValueError as err:
+        raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
+
+
 def _check_selection(callback: Any, module: nn.Module) -> None:
     """Fail before any training when ``pruning.include``/``pruning.exclude`` select nothing in the model."""
     from lightprune.selection import select_parameters
@@ -159,6 +206,10 @@ def _check_selection(callback: Any, module: nn.Module) -> None:
 def _datamodule(cfg: DictConfig) -> Any:
     from lightprune.experiment.data import make_datamodule
 
+    if is_target(cfg.data):
+        from lightprune.experiment.targets import datamodule_node, instantiate
+
+        return instantiate("data", datamodule_node(cfg.data))
     d = cfg.data
     kwargs: dict[str, Any] = {"val_size": d.val_size, "seed": d.seed, "flatten": d.flatten, "batch_size": d.batch_size}
     if d.name == "digits":
@@ -167,6 +218,81 @@ def _datamodule(cfg: DictConfig) -> Any:
         kwargs["root"] = d.root
         kwargs["limit"] = d.limit
     return make_datamodule(d.name, **kwargs)
+
+
+def _module(cfg: DictConfig, datamodule: Any) -> tuple[Any, nn.Module, tuple[int, ...] | None, int | None]:
+    """The LightningModule to train, the network inside it (what is summarized and saved), the input shape and the
+    number of classes.
+
+    A bundled model or an ``nn.Module`` given by ``model._target_`` is wrapped in the app's
+    :class:`~lightprune.experiment.classifier.Classifier`; a ``LightningModule`` given by ``_target_`` is used as it
+    is (its own steps, optimizers and metrics; it must log ``test/acc`` for the summary's accuracies).
+    """
+    import lightning.pytorch as pl
+
+    from lightprune.experiment.classifier import Classifier
+    from lightprune.experiment.models import make_model
+    from lightprune.experiment.targets import data_facts, instantiate
+
+    if not is_target(cfg.model):
+        shape, classes = tuple(datamodule.dims), int(datamodule.num_classes)
+        network = make_model(cfg.model.name, shape, classes, **model_kwargs(cfg.model))
+        m = cfg.model
+        module = Classifier(network, lr=m.lr, optimizer=m.optimizer, weight_decay=m.weight_decay)
+        return module, network, shape, classes
+    built = instantiate("model", cfg.model)
+    if isinstance(built, pl.LightningModule):
+        shape, classes = data_facts(cfg.data, datamodule, needed=False)
+        for phase in ("dense", "prune"):
+            for part in ("optimizer", "scheduler"):
+                if cfg.optim[phase][part] is not None:
+                    raise ConfigError(
+                        f"optim.{phase}.{part}: model {cfg.model._target_} is a LightningModule and configures its "
+                        "own optimizers; leave optim unset (optim.lr_rewind applies)"
+                    )
+        return built, built, shape, classes
+    if not isinstance(built, nn.Module):
+        raise ConfigError(f"model: {cfg.model._target_} built a {type(built).__name__}, not an nn.Module")
+    shape, classes = data_facts(cfg.data, datamodule, needed=True)
+    module = Classifier(built, num_classes=classes)
+    return module, built, shape, classes
+
+
+def _set_optimization(cfg: DictConfig, module: Any, phase: str) -> None:
+    """Give the Classifier the phase's optimizer and scheduler nodes (``optim.prune``'s unset parts: the dense's)."""
+    from lightprune.experiment.classifier import Classifier
+
+    if not isinstance(module, Classifier):
+        return
+    dense, chosen = cfg.optim.dense, cfg.optim[phase]
+    optimizer = chosen.optimizer if chosen.optimizer is not None else dense.optimizer
+    scheduler = chosen.scheduler if chosen.scheduler is not None else dense.scheduler
+    interval = chosen.interval if chosen.scheduler is not None else dense.interval
+    if optimizer is None and is_target(cfg.model):
+        optimizer = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3}
+    key = f"optim.{phase if chosen.optimizer is not None or chosen.scheduler is not None else 'dense'}"
+    module.set_optimization(optimizer, scheduler, interval, key=key)
+
+
+class _HoldLearningRate:
+    """Fine-tuning without learning-rate rewinding: each param group trains at the learning rate the previous phase
+    ended with, and the phase's schedulers are dropped (``optim.lr_rewind=false``)."""
+
+    def __new__(cls, lrs: list[list[float]]) -> Any:
+        from lightning.pytorch.callbacks import Callback
+
+        class HoldLearningRate(Callback):
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                for optimizer, groups in zip(trainer.optimizers, lrs, strict=False):
+                    for group, lr in zip(optimizer.param_groups, groups, strict=False):
+                        group["lr"] = lr
+                trainer.strategy.lr_scheduler_configs = []
+
+        return HoldLearningRate()
+
+
+def _final_lrs(trainer: Any) -> list[list[float]]:
+    return [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in trainer.optimizers]
 
 
 def _loggers(output_dir: Path, phase: str) -> list[Any]:
@@ -224,7 +350,15 @@ def _hide_version(trainer: Any) -> None:
 
 def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
     results = trainer.test(module, datamodule=datamodule, verbose=False)
-    return float(results[0]["test/acc"])
+    logged = results[0] if results else {}
+    names = ["test/acc", *(name for name in logged if "test" in name and "acc" in name)]
+    for name in names:
+        if name in logged:
+            return float(logged[name])
+    raise ConfigError(
+        f"model: {type(module).__name__}.test_step logs no test accuracy (logged: {sorted(logged) or 'nothing'}); "
+        "log it as 'test/acc'"
+    )
 
 
 @contextlib.contextmanager
@@ -245,7 +379,7 @@ def _round_targets(cfg: DictConfig) -> list[float]:
     """Target sparsity after each round of ``iterative_rounds``: the same fraction of what remains is pruned in
     every round, and the last round reaches ``final_sparsity`` exactly."""
     p = cfg.pruning
-    per_round = 1.0 - (1.0 - p.final_sparsity) ** (1.0 / p.rounds)
+    per_round = _per_round(p)
     targets = [1.0 - (1.0 - per_round) ** r for r in range(1, p.rounds + 1)]
     targets[-1] = p.final_sparsity
     return targets
@@ -360,17 +494,24 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path, *, overrides: Sequen
         return _run(cfg, Path(output_dir), list(overrides or []))
 
 
-def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any) -> tuple[float, int, str]:
-    """Train and test the dense model, or load both from the cache; returns ``(test accuracy, steps, how)``."""
+def _dense_phase(
+    cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
+) -> tuple[float, int, str, list[list[float]] | None]:
+    """Train and test the dense model, or load both from the cache; returns ``(test accuracy, steps, how, the
+    learning rates it ended with)``."""
     from lightprune.experiment.cache import DenseCache, dense_key, rng_state, set_rng_state
 
+    final_lrs: list[list[float]] | None = None
+
     def train() -> tuple[float, int]:
+        nonlocal final_lrs
         dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
         dense.fit(module, datamodule=datamodule)
+        final_lrs = _final_lrs(dense)
         return _test_accuracy(dense, module, datamodule), dense.global_step
 
     if not cfg.cache.dense:
-        return (*train(), "trained")
+        return (*train(), "trained", final_lrs)
     plain = OmegaConf.to_container(cfg, resolve=True)
     key = dense_key(plain)  # type: ignore[arg-type]
     cache = DenseCache(cfg.cache.dir)
@@ -378,7 +519,7 @@ def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
         cache.dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         log.warning("dense-phase cache unusable (%s): training the dense phase without it (cache.dir)", err)
-        return (*train(), "trained")
+        return (*train(), "trained", final_lrs)
     with cache.lock(key):
         entry = None if cfg.cache.retrain else cache.load(key)
         if entry is not None:
@@ -386,42 +527,44 @@ def _dense_phase(cfg: DictConfig, output_dir: Path, module: Any, datamodule: Any
             set_rng_state(entry.rng)
             entry.copy_logs(output_dir)
             log.info("dense phase loaded from the cache: %s", entry.path)
-            return float(entry.info["dense_test_acc"]), int(entry.info["global_step"]), "loaded"
+            lrs = entry.info.get("final_lrs")
+            return float(entry.info["dense_test_acc"]), int(entry.info["global_step"]), "loaded", lrs
         accuracy, steps = train()
-        info = {"dense_test_acc": accuracy, "global_step": steps, "key": key}
+        info = {"dense_test_acc": accuracy, "global_step": steps, "key": key, "final_lrs": final_lrs}
         entry = cache.store(key, module.state_dict(), rng_state(), info, output_dir)
         log.info("dense phase stored in the cache: %s", entry.path)
-        return accuracy, steps, "stored"
+        return accuracy, steps, "stored", final_lrs
 
 
 def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import lightning.pytorch as pl
 
     from lightprune.callback import PruningCallback
-    from lightprune.experiment.classifier import Classifier
-    from lightprune.experiment.models import make_model
     from lightprune.experiment.plots import plot_layer_sparsity, plot_training_curves
     from lightprune.experiment.summary import format_summary_table, summarize
 
     started = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _datamodule(cfg)
-    network = make_model(cfg.model.name, datamodule.dims, datamodule.num_classes, **model_kwargs(cfg.model))
-    module = Classifier(network, lr=cfg.model.lr, optimizer=cfg.model.optimizer, weight_decay=cfg.model.weight_decay)
+    module, network, input_shape, num_classes = _module(cfg, datamodule)
     initial_weights = PruningCallback.snapshot_weights(module)
     plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     dense_started = time.perf_counter()
-    dense_acc, dense_steps, dense_how = _dense_phase(cfg, output_dir, module, datamodule)
+    _set_optimization(cfg, module, "dense")
+    dense_acc, dense_steps, dense_how, lrs = _dense_phase(cfg, output_dir, module, datamodule)
     dense_time = time.perf_counter() - dense_started
     phases = [("dense", dense_steps)]
 
     metrics: dict[str, float] = {}
     final_acc = dense_acc
+    _set_optimization(cfg, module, "prune")
     for phase, target, callback in plan:
-        trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback])
+        hold = None if cfg.optim.lr_rewind or lrs is None else _HoldLearningRate(lrs)
+        trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback, hold])
         trainer.fit(module, datamodule=datamodule)
+        lrs = _final_lrs(trainer)
         phases.append((phase, trainer.global_step))
         final_acc = _test_accuracy(trainer, module, datamodule)
         if target is not None:
@@ -432,7 +575,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
 
     summary = summarize(
         module,
-        input_shape=datamodule.dims,
+        input_shape=input_shape,
         parameters=None if last_callback is None else last_callback.selection,
         dense_test_acc=dense_acc,
         final_test_acc=final_acc,
@@ -440,15 +583,17 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
         config=OmegaConf.to_container(cfg, resolve=True),
         metrics=metrics,
         channel_dim=cfg.pruning.dim if structured else None,
-        num_classes=datamodule.num_classes,
+        num_classes=num_classes,
+        example_input=getattr(module, "example_input_array", None),
     )
     summary.overrides = overrides
     summary.run_dir = str(output_dir.resolve())
     summary.dense_cache = dense_how
     summary.dense_time_s = dense_time
-    summary.to_json(output_dir / "summary.json")
     if cfg.save_model:
-        torch.save(module.model.state_dict(), output_dir / "model.pt")
+        torch.save(network.state_dict(), output_dir / "model.pt")
+        _export(summary, network, module, output_dir, input_shape, structured)
+    summary.to_json(output_dir / "summary.json")
     curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
     if cfg.plots:
         if curves_csv is not None:
@@ -459,6 +604,35 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     return summary
 
 
+def _export(summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool) -> None:
+    """``model.safetensors`` (and the compact model of a structured run), with the measured ratios in the summary."""
+    from lightprune.experiment.exporting import export_run
+
+    example = getattr(module, "example_input_array", None)
+    if example is None and shape is not None:
+        reference = next(iter(network.parameters()))
+        example = torch.zeros(1, *shape, dtype=reference.dtype, device=reference.device)
+    try:
+        result = export_run(network, output_dir, example, structured=structured)
+    except Exception as err:  # a state_dict safetensors cannot store: the run's other outputs still count
+        log.warning("export skipped: %s", " ".join(str(err).split()))
+        summary.export_notes = [f"export skipped: {err}"]
+        return
+    summary.file_size_ratio, summary.latency_ratio = result.file_size_ratio, result.latency_ratio
+    summary.latency_model, summary.export_notes = result.deployed, result.notes
+    for note in result.notes:
+        log.info(note)
+
+
+def _model_name(cfg: DictConfig) -> str:
+    """``model.name``, or the class name of ``model._target_``."""
+    return str(cfg.model._target_).rpartition(".")[2] if is_target(cfg.model) else str(cfg.model.name)
+
+
+def _data_name(cfg: DictConfig) -> str:
+    return str(cfg.data._target_).rpartition(".")[2] if is_target(cfg.data) else str(cfg.data.name)
+
+
 def _plot_title(cfg: DictConfig) -> str:
     """What a reader of ``training_curves.png`` needs to know about the run, in one line."""
     p = cfg.pruning
@@ -467,7 +641,7 @@ def _plot_title(cfg: DictConfig) -> str:
     else:
         when = f"{p.rounds} rounds" if p.preset == "iterative_rounds" else f"{p.schedule} schedule"
         what = f"{p.method}, {p.scope}, {when}, to {100 * p.final_sparsity:g}% sparsity"
-    return f"{cfg.model.name} on {cfg.data.name}: {what} (seed {cfg.seed})"
+    return f"{_model_name(cfg)} on {_data_name(cfg)}: {what} (seed {cfg.seed})"
 
 
 def _route_lightning_logs_to_hydra() -> None:

@@ -31,7 +31,7 @@ __all__ = ["CACHE_ENV", "DenseCache", "DenseEntry", "default_cache_dir", "dense_
 CACHE_ENV = "LIGHTPRUNE_CACHE_DIR"
 """Environment variable naming the cache directory (when ``cache.dir`` is not set)."""
 
-_CODE_FILES = ("app.py", "cache.py", "classifier.py", "data.py", "datafiles.py", "models.py")
+_CODE_FILES = ("app.py", "cache.py", "classifier.py", "data.py", "datafiles.py", "idx.py", "models.py", "targets.py")
 """The app's modules that take part in the dense phase: a change to any of them changes every key."""
 
 _TRAINER_KEYS = (
@@ -75,6 +75,8 @@ def _data_files(data: Mapping[str, Any]) -> list[list[Any]]:
     """Name, size and modification time of the data set's files (none for the bundled digits)."""
     from lightprune.experiment.datafiles import IDX_FILES, _find_idx_file, default_root
 
+    if "_target_" in data:  # a user's datamodule: its own files are its business (its source is hashed)
+        return []
     root = data.get("root") or default_root(str(data.get("name")))
     if root is None or not Path(root).is_dir():
         return []
@@ -91,16 +93,19 @@ def dense_key_material(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Everything the dense phase depends on, as plain JSON-ready values: the hashed input of :func:`dense_key`.
 
     ``data`` (the whole group, and the data files' paths, sizes and modification times), ``model`` (the whole
-    group), ``seed``, the dense phase's trainer settings, and the code: a hash of the app's modules and the versions
-    of lightprune, torch, Lightning, torchmetrics, numpy and scikit-learn.
+    group), the dense phase's optimizer and schedule (``optim.dense``), ``seed``, the dense phase's trainer settings,
+    and the code: a hash of the app's modules, of the source files of ``model`` / ``data`` given by ``_target_``,
+    and the versions of lightprune, torch, Lightning, torchmetrics, numpy and scikit-learn.
 
     Example:
         >>> from omegaconf import OmegaConf
         >>> from lightprune.config import ExperimentConfig
         >>> cfg = OmegaConf.to_container(OmegaConf.structured(ExperimentConfig))
         >>> sorted(dense_key_material(cfg))
-        ['code', 'data', 'data_files', 'model', 'seed', 'trainer']
+        ['code', 'data', 'data_files', 'model', 'optim', 'seed', 'trainer']
     """
+    from lightprune.experiment.targets import source_digest
+
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for name in _CODE_FILES:
@@ -110,9 +115,14 @@ def dense_key_material(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "data": dict(cfg["data"]),
         "data_files": _data_files(cfg["data"]),
         "model": dict(cfg["model"]),
+        "optim": dict(cfg.get("optim", {}).get("dense", {})),
         "seed": cfg["seed"],
         "trainer": {key: cfg["trainer"][key] for key in _TRAINER_KEYS},
-        "code": {"app_sha256": digest.hexdigest(), **{package: _version(package) for package in packages}},
+        "code": {
+            "app_sha256": digest.hexdigest(),
+            "targets_sha256": source_digest(cfg),
+            **{package: _version(package) for package in packages},
+        },
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 from torch import nn
 
-from lightprune.config import ConfigError
+from lightprune.config import ConfigError, is_target
 from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, default_root, missing_idx_files
 
 __all__ = ["classifier_weight", "exclude_patterns", "model_kwargs", "preflight"]
@@ -56,6 +56,8 @@ def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | N
 
 
 def _data_problems(cfg: DictConfig) -> list[str]:
+    if is_target(cfg.data):  # a user's datamodule finds its own files
+        return []
     name = cfg.data.name
     root = cfg.data.root or default_root(name)
     if name == "digits" or root is None:  # digits is bundled; idx without root is validate_config's to report
@@ -77,7 +79,7 @@ def _selection_problems(cfg: DictConfig) -> list[str]:
     from lightprune.selection import select_parameters
 
     p = cfg.pruning
-    if p.preset == "none" or p.final_sparsity == 0:
+    if p.preset == "none" or p.final_sparsity == 0 or is_target(cfg.model):  # a _target_ model: checked when built
         return []
     shape = (1, 8, 8) if cfg.data.name == "digits" else (1, 28, 28)  # names do not depend on the sizes
     try:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torchmetrics
@@ -68,6 +70,7 @@ class Classifier(pl.LightningModule):
         self.save_hyperparameters(ignore=["model"])
         self.hparams["optimizer"] = optimizer
         self.hparams["num_classes"] = num_classes
+        self.optimization: dict[str, Any] | None = None
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
@@ -99,10 +102,49 @@ class Classifier(pl.LightningModule):
         """Logs ``test/loss`` and ``test/acc``, averaged over the epoch."""
         return self._shared_step(batch, "test", self.test_acc)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """The optimizer named by ``optimizer`` over all trainable parameters."""
-        hp = self.hparams
+    def set_optimization(
+        self, optimizer: Any = None, scheduler: Any = None, interval: str = "epoch", key: str = "optim"
+    ) -> None:
+        """Use these Hydra ``_partial_`` nodes in the next fits' :meth:`configure_optimizers` (``None``: the
+        ``optimizer`` / ``lr`` / ``weight_decay`` given to the constructor; no scheduler).
+
+        Example:
+            >>> module = Classifier(LeNet300100(in_features=4, hidden=(8,), num_classes=3))
+            >>> module.set_optimization({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.5})
+            >>> module.configure_optimizers().param_groups[0]["lr"]
+            0.5
+        """
+        self.optimization = {"optimizer": optimizer, "scheduler": scheduler, "interval": interval, "key": key}
+
+    def _phase_length(self, interval: str) -> int:
+        trainer = self._trainer
+        if trainer is None:
+            return 1
+        if interval == "step":
+            return max(1, int(trainer.estimated_stepping_batches))
+        return max(1, int(trainer.max_epochs or 1))
+
+    def configure_optimizers(self) -> Any:
+        """The optimizer over all trainable parameters: the one given to :meth:`set_optimization` (with its
+        scheduler), else the one named by ``optimizer``."""
+        from lightprune.experiment.targets import instantiate, make_scheduler
+
         params = [p for p in self.parameters() if p.requires_grad]
+        chosen = self.optimization or {}
+        key = chosen.get("key", "optim")
+        if chosen.get("optimizer") is not None:
+            optimizer = instantiate(f"{key}.optimizer", chosen["optimizer"])(params)
+        else:
+            optimizer = self._named_optimizer(params)
+        if chosen.get("scheduler") is None:
+            return optimizer
+        interval = chosen["interval"]
+        length = self._phase_length(interval)
+        scheduler = make_scheduler(f"{key}.scheduler", chosen["scheduler"], optimizer, length)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
+
+    def _named_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        hp = self.hparams
         if hp.optimizer == "sgd":
             return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         if hp.optimizer == "adamw":

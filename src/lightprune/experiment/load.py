@@ -46,7 +46,8 @@ def load_run(run_dir: str | Path, *, map_location: str | torch.device = "cpu") -
         map_location: Where to put the weights.
 
     Returns:
-        The network (e.g. :class:`~lightprune.experiment.models.LeNet300100`): plain parameters, pruned ones zero.
+        The network (e.g. :class:`~lightprune.experiment.models.LeNet300100`, or the class of ``model._target_``):
+        plain parameters, pruned ones zero.
 
     Raises:
         FileNotFoundError: ``summary.json`` or ``model.pt`` is missing (``save_model=false`` writes no model).
@@ -69,8 +70,13 @@ def load_run(run_dir: str | Path, *, map_location: str | torch.device = "cpu") -
             raise FileNotFoundError(f"{run_dir / name} not found: load_run needs a finished run with save_model=true")
     summary = RunSummary.load(run_dir / SUMMARY_FILE)
     model_cfg = summary.config["model"]
-    shape, classes = _shape_and_classes(summary)
-    network = make_model(model_cfg["name"], shape, classes, **model_kwargs(model_cfg))
+    if "_target_" in model_cfg:  # the user's model (or LightningModule), built from its config node
+        from lightprune.experiment.targets import instantiate
+
+        network = instantiate("model", model_cfg)
+    else:
+        shape, classes = _shape_and_classes(summary)
+        network = make_model(model_cfg["name"], shape, classes, **model_kwargs(model_cfg))
     network.load_state_dict(torch.load(run_dir / MODEL_FILE, map_location=map_location, weights_only=True))
     return network.eval()
 

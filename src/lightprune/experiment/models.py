@@ -5,9 +5,10 @@
 * :class:`Classifier` - a ``LightningModule`` training any of them with cross-entropy (in
   :mod:`lightprune.experiment.classifier`, imported on first use: the networks need no Lightning).
 * :func:`make_model` - the factory the Hydra app calls by name.
-* :func:`dense_flops`, :func:`nonzero_flops`, :func:`flops_by_layer`, :func:`theoretical_speedup` - multiply-accumulate
-  counts of the Linear and Conv layers, read from the effective weights (``module.weight``), so they work on plain
-  and on reparametrized (``weight_orig * weight_mask``) pruned models alike.
+* :func:`count_flops`, :func:`dense_flops`, :func:`nonzero_flops`, :func:`flops_by_layer`, :func:`theoretical_speedup`
+  - multiply-accumulates of any model, counted by :class:`torch.utils.flop_counter.FlopCounterMode` and attributed
+  to the layers whose (effective, ``module.weight``) weights they use, so they work on plain and on reparametrized
+  (``weight_orig * weight_mask``) pruned models alike.
 
 Both models are ``nn.Sequential`` subclasses with named children, so parameter names are short and stable
 (``fc1.weight``, ``conv2.weight``, ...): those are the names pruning selections, logged metrics and reports use.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,8 +28,10 @@ from torch import Tensor, nn
 __all__ = [
     "MODEL_NAMES",
     "Classifier",  # noqa: F822  (module __getattr__)
+    "FlopCount",
     "LeNet300100",
     "SmallCNN",
+    "count_flops",
     "dense_flops",
     "flops_by_layer",
     "make_model",
@@ -189,24 +193,132 @@ def make_model(name: str, input_shape: Sequence[int], num_classes: int, **kwargs
 # FLOPs
 # --------------------------------------------------------------------------------------------------------------------
 
-_COUNTED = (nn.Linear, nn.modules.conv._ConvNd)
+
+@dataclass
+class FlopCount:
+    """Multiply-accumulates of one forward pass, by the layer whose weight they multiply.
+
+    Counted by :class:`torch.utils.flop_counter.FlopCounterMode` (matrix products, convolutions, attention of any
+    module) and halved: it counts a multiply-accumulate as 2 FLOPs. The count of a module is given to it when it
+    holds a ``weight`` tensor itself (Linear, Conv, a custom layer), minus what its submodules count; the sparse
+    figure scales it by that weight's measured density (``module.weight``: the effective weight, so plain and
+    reparametrized pruned models count alike). Work that no weight-holding module owns (attention's score and value
+    products, a functional matmul in a parent's ``forward``) is ``unattributed`` and counts as dense in both figures.
+
+    Attributes:
+        layers: qualified module name -> ``(dense, nonzero)`` multiply-accumulates, in the order modules were called.
+        unattributed: multiply-accumulates no weight-holding module owns (in both ``dense`` and ``nonzero``).
+
+    Example:
+        >>> count = count_flops(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), torch.zeros(1, 4))
+        >>> count.layers, count.dense, count.unattributed
+        ({'0': (12, 12), '2': (6, 6)}, 18, 0)
+    """
+
+    layers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    unattributed: int = 0
+
+    @property
+    def dense(self) -> int:
+        """Multiply-accumulates with every weight."""
+        return sum(dense for dense, _ in self.layers.values()) + self.unattributed
+
+    @property
+    def nonzero(self) -> int:
+        """Multiply-accumulates with the nonzero weights only (unattributed work counted in full)."""
+        return sum(nonzero for _, nonzero in self.layers.values()) + self.unattributed
 
 
-def flops_by_layer(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[int, int]]:
-    """Multiply-accumulates of every Linear and Conv layer for one input: ``{name: (dense, nonzero)}``.
+def _example(model: nn.Module, inputs: Any) -> Any:
+    """``inputs`` as given, or a batch of one zero example when it is a shape (on the model's device and dtype)."""
+    if isinstance(inputs, Tensor | tuple | dict) and not (
+        isinstance(inputs, tuple) and all(isinstance(d, int) for d in inputs)
+    ):
+        return inputs
+    reference = next(iter(model.parameters()), None)
+    if reference is None:
+        reference = next(iter(model.buffers()), torch.zeros(()))
+    return torch.zeros(1, *(int(d) for d in inputs), dtype=reference.dtype, device=reference.device)
 
-    A weight is used once per output position: ``output_h * output_w`` times in a 2-D conv (``output_numel /
-    out_channels`` in general), once per leading position in a Linear (once for a flat input). Dense counts every
-    weight, nonzero only those of the effective ``module.weight`` that are nonzero. Biases, activations, pooling
-    and normalization are not counted. Output sizes come from forward hooks on one zero input (batch of 1) run in
-    eval mode without gradients; the model's training flag is restored afterwards.
+
+def count_flops(model: nn.Module, inputs: Any) -> FlopCount:
+    """Multiply-accumulates of one forward pass of ``model``, attributed to the layers whose weights they use.
+
+    Args:
+        model: Any module, pruned or not. It runs once in eval mode; training flags are restored.
+        inputs: The example to run: a tensor, a tuple of positional arguments or a dict of keyword arguments; or
+            the shape of one example without the batch dimension (a batch of one zero example is made).
+
+    Returns:
+        A :class:`FlopCount`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3))
+        >>> with torch.no_grad():
+        ...     _ = model[2].weight[0].zero_()
+        >>> count_flops(model, (1, 4, 4)).layers
+        {'0': (72, 72), '2': (24, 16)}
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    example = _example(model, inputs)
+    was_training = {module: module.training for module in model.modules()}
+    counter = FlopCounterMode(display=False)
+    try:
+        model.eval()
+        with counter:  # gradients on: under no_grad, fused fast paths (MultiheadAttention's) escape the counter
+            if isinstance(example, dict):
+                model(**example)
+            elif isinstance(example, tuple):
+                model(*example)
+            else:
+                model(example)
+    finally:
+        for module, training in was_training.items():
+            module.training = training
+    root = type(model).__name__
+    totals = {
+        name: sum(by_op.values()) for name, by_op in counter.get_flop_counts().items() if name != "Global"
+    }  # "Root.child.grandchild" -> FLOPs, parents including their children
+    modules = dict(model.named_modules())
+    children = dict.fromkeys(totals, 0)
+    for name, total in totals.items():  # give each count to its nearest counted ancestor (a ModuleList never runs)
+        parent = name.rpartition(".")[0]
+        while parent and parent not in totals:
+            parent = parent.rpartition(".")[0]
+        if parent:
+            children[parent] += total
+    result = FlopCount()
+    for name, total in totals.items():
+        if name != root and not name.startswith(root + "."):
+            continue
+        qualified = name[len(root) + 1 :]
+        module = modules.get(qualified)
+        own = (total - children[name]) // 2
+        if own <= 0:
+            continue
+        weight = getattr(module, "weight", None) if module is not None else None
+        if isinstance(weight, Tensor) and weight.numel() > 0:
+            nonzero = own * int(torch.count_nonzero(weight.detach())) // weight.numel()
+            dense_before, nonzero_before = result.layers.get(qualified, (0, 0))
+            result.layers[qualified] = (dense_before + own, nonzero_before + nonzero)
+        else:
+            result.unattributed += own
+    return result
+
+
+def flops_by_layer(model: nn.Module, input_shape: Any) -> dict[str, tuple[int, int]]:
+    """Multiply-accumulates of every weight-holding layer for one input: ``{name: (dense, nonzero)}``.
+
+    The layers of :func:`count_flops` (which also reports the work no layer's weight owns). A weight is used once
+    per output position: ``output_h * output_w`` times in a 2-D conv, once per leading position in a Linear.
 
     Args:
         model: The model, pruned or not.
-        input_shape: Shape of one example without the batch dimension.
+        input_shape: Shape of one example without the batch dimension (or an example, as :func:`count_flops` takes).
 
     Returns:
-        Counts per qualified module name, in call order (a module called twice counts twice).
+        Counts per qualified module name.
 
     Example:
         >>> model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3))
@@ -215,51 +327,21 @@ def flops_by_layer(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tu
         >>> flops_by_layer(model, (1, 4, 4))
         {'0': (72, 72), '2': (24, 16)}
     """
-    counts: dict[str, tuple[int, int]] = {}
-
-    def hook(name: str):
-        def count(module: nn.Module, args: Any, output: Tensor) -> None:
-            weight = module.weight  # effective weight: weight_orig * weight_mask under torch-style pruning
-            channels = module.out_channels if isinstance(module, nn.modules.conv._ConvNd) else module.out_features
-            positions = output.numel() // channels
-            dense, nonzero = counts.get(name, (0, 0))
-            counts[name] = (dense + weight.numel() * positions, nonzero + int(torch.count_nonzero(weight)) * positions)
-
-        return count
-
-    handles = [
-        module.register_forward_hook(hook(name))
-        for name, module in model.named_modules()
-        if isinstance(module, _COUNTED)
-    ]
-    reference = next(iter(model.parameters()), None)
-    if reference is None:
-        reference = next(iter(model.buffers()), torch.zeros(()))
-    was_training = {module: module.training for module in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(torch.zeros(1, *input_shape, dtype=reference.dtype, device=reference.device))
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, training in was_training.items():
-            module.training = training
-    return counts
+    return count_flops(model, input_shape).layers
 
 
 def dense_flops(model: nn.Module, input_shape: Sequence[int]) -> int:
-    """Multiply-accumulates of all Linear/Conv weights for one input (see :func:`flops_by_layer`).
+    """Multiply-accumulates of one input with every weight (see :func:`count_flops`).
 
     Example:
         >>> dense_flops(LeNet300100(), (784,))
         266200
     """
-    return sum(dense for dense, _ in flops_by_layer(model, input_shape).values())
+    return count_flops(model, input_shape).dense
 
 
 def nonzero_flops(model: nn.Module, input_shape: Sequence[int]) -> int:
-    """Multiply-accumulates of the nonzero Linear/Conv weights for one input (see :func:`flops_by_layer`).
+    """Multiply-accumulates of one input with the nonzero weights (see :func:`count_flops`).
 
     Example:
         >>> model = nn.Linear(10, 2, bias=False)
@@ -268,7 +350,7 @@ def nonzero_flops(model: nn.Module, input_shape: Sequence[int]) -> int:
         >>> nonzero_flops(model, (10,))
         10
     """
-    return sum(nonzero for _, nonzero in flops_by_layer(model, input_shape).values())
+    return count_flops(model, input_shape).nonzero
 
 
 def theoretical_speedup(model: nn.Module, input_shape: Sequence[int]) -> float:
@@ -281,10 +363,8 @@ def theoretical_speedup(model: nn.Module, input_shape: Sequence[int]) -> float:
         >>> theoretical_speedup(model, (10,))
         2.0
     """
-    counts = flops_by_layer(model, input_shape).values()
-    dense = sum(d for d, _ in counts)
-    nonzero = sum(n for _, n in counts)
-    return dense / nonzero if nonzero else math.inf
+    count = count_flops(model, input_shape)
+    return count.dense / count.nonzero if count.nonzero else math.inf
 
 
 def __getattr__(name: str) -> Any:

@@ -230,6 +230,21 @@ def _run_label(run: RunSummary, root: Path) -> str:
     return "-" if run.run_dir is None else _relative(Path(run.run_dir), root)
 
 
+def _attribution_note(runs: Sequence[RunSummary]) -> list[str]:
+    """A line naming the layers FLOPs were attributed to, and how much work no layer's weight owns (counted dense)."""
+    counted = [run for run in runs if run.flops_layers]
+    if not counted:
+        return []
+    layers = list(dict.fromkeys(layer for run in counted for layer in run.flops_layers))
+    shares = [run.flops_unattributed / run.dense_flops for run in counted if run.flops_unattributed and run.dense_flops]
+    shown = ", ".join(layers[:8]) + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
+    note = f"FLOPs attributed to the weights of {shown}"
+    if shares:
+        share = 100 * max(shares)
+        note += f"; {share:.1f}% of the dense FLOPs belong to no weight (attention, functional ops) and count dense"
+    return ["", note + "."]
+
+
 def _md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -323,11 +338,22 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     keys: list[str] = []
     for run_pairs in pairs:
         keys += [key for key in run_pairs if key not in keys]
+    measured = any(run.file_size_ratio is not None or run.latency_ratio is not None for run in runs)
     header = ["run", *keys, "sparsity", "dense acc", "final acc", "compression", "speed-up"]
+    header += ["file size", "latency"] if measured else []
     lines = [
         f"# Pruning report: {root}",
         "",
         f"{len(runs)} run(s). Sparsity and compression over the pruned weights; speed-up = dense / nonzero FLOPs.",
+        *(
+            [
+                "Measured: file size = dense safetensors bytes / model.safetensors bytes; latency = masked model's "
+                "median / the compact (structured) or sparse-Linear model's, batch 64, on the machine of the run."
+            ]
+            if measured
+            else []
+        ),
+        *_attribution_note(runs),
         "",
         "| " + " | ".join(_md_cell(h) for h in header) + " |",
         "|" + "|".join("---" if i <= len(keys) else "---:" for i in range(len(header))) + "|",
@@ -341,6 +367,7 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
             _pct(run.final_test_acc),
             _times(run.compression_ratio),
             _times(run.theoretical_speedup),
+            *([_times(run.file_size_ratio), _times(run.latency_ratio)] if measured else []),
         ]
         lines.append("| " + " | ".join(_md_cell(cell) for cell in cells) + " |")
     lines.append("")

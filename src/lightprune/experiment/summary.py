@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightprune.experiment.models import flops_by_layer
+from lightprune.experiment.models import count_flops
 
 __all__ = ["SUMMARY_FILE", "RunSummary", "format_summary_table", "sparsity_by_layer", "summarize"]
 
@@ -34,7 +34,7 @@ class RunSummary:
     """The result of one prune-finetune run, as written to ``summary.json``.
 
     Fractions (accuracy, sparsity) are in [0, 1]. Sparsity, weight counts and compression are over the pruned
-    selection; FLOPs and speed-up over all Linear/Conv layers (see :func:`summarize`). In JSON, non-finite numbers
+    selection; FLOPs and speed-up over the whole forward pass (see :func:`summarize`). In JSON, non-finite numbers
     (the compression of a fully pruned selection) are written as ``null``.
 
     Attributes:
@@ -61,6 +61,16 @@ class RunSummary:
         dense_cache: How the dense phase was obtained: ``"trained"`` (cache off), ``"stored"`` (trained and put in
             the cache), ``"loaded"`` (taken from the cache).
         dense_time_s: Wall-clock seconds of the dense phase (training and test, or loading it from the cache).
+        flops_layers: The layers whose multiply-accumulates were attributed to their weights (their nonzero count
+            scaled by the weight's density), in call order; see :func:`~lightprune.experiment.models.count_flops`.
+        flops_unattributed: Multiply-accumulates that no weight-holding layer owns (attention products, functional
+            matmuls), counted in full in both ``dense_flops`` and ``nonzero_flops``.
+        file_size_ratio: Measured: bytes of the dense safetensors file of the network / bytes of its
+            ``model.safetensors`` (:func:`lightprune.export.save_sparse`).
+        latency_ratio: Measured: median latency of the masked network / of ``latency_model`` at batch 64 (>1: faster).
+        latency_model: What ``latency_ratio`` measured: ``compact`` (structured runs), ``sparse_linear`` (CSR where
+            faster) or ``masked`` (no faster form: 1.0).
+        export_notes: Why an export step was skipped.
 
     Example:
         >>> s = RunSummary(dense_test_acc=0.98, final_test_acc=0.97, total_sparsity=0.9, compression_ratio=10.0)
@@ -88,6 +98,12 @@ class RunSummary:
     layer_channels: dict[str, list[int]] = field(default_factory=dict)
     dense_cache: str | None = None
     dense_time_s: float | None = None
+    flops_layers: list[str] = field(default_factory=list)
+    flops_unattributed: int | None = None
+    file_size_ratio: float | None = None
+    latency_ratio: float | None = None
+    latency_model: str | None = None
+    export_notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats become ``None``).
@@ -157,13 +173,17 @@ def _plain_config(config: Any) -> dict[str, Any]:
 def _resolve_selection(model: nn.Module, parameters: Selection) -> list[tuple[str, nn.Module, str]]:
     """``(qualified name, module, parameter name)`` for each selected parameter.
 
-    ``None`` selects the ``weight`` of every Linear and Conv layer.
+    ``None`` selects what :class:`lightprune.PruningCallback` selects by default
+    (:func:`lightprune.selection.select_parameters`: the ``weight`` of every Linear and Conv layer, transposed
+    convolutions excepted), so the summary's totals match the callback's logged ones.
     """
     if parameters is None:
+        from lightprune.selection import DEFAULT_MODULE_TYPES
+
         return [
             (f"{name}.weight" if name else "weight", module, "weight")
             for name, module in model.named_modules()
-            if isinstance(module, nn.Linear | nn.modules.conv._ConvNd)
+            if isinstance(module, DEFAULT_MODULE_TYPES) and isinstance(getattr(module, "weight", None), torch.Tensor)
         ]
     names = {id(module): name for name, module in model.named_modules()}
     selection = []
@@ -224,12 +244,13 @@ def summarize(
     metrics: Mapping[str, float] | None = None,
     channel_dim: int | None = None,
     num_classes: int | None = None,
+    example_input: Any = None,
 ) -> RunSummary:
     """Builds the run summary from the (pruned) model and plain values.
 
     Sparsity, weight counts and compression are computed over the selection (the pruned parameters); FLOPs and the
-    theoretical speed-up over every Linear and Conv layer of the model (see
-    :func:`~lightprune.experiment.models.flops_by_layer`), so unpruned layers count at full cost.
+    theoretical speed-up over the whole forward pass of the model (see
+    :func:`~lightprune.experiment.models.count_flops`), so unpruned layers count at full cost.
 
     Args:
         model: The model at the end of the run (plain or reparametrized; effective weights are read).
@@ -242,6 +263,9 @@ def summarize(
         metrics: Further final metrics (tensors are turned into floats).
         channel_dim: For structured pruning, the dimension whose slices are channels: fills ``layer_channels``.
         num_classes: Number of classes of the data, stored to rebuild the model.
+        example_input: The input FLOPs are counted on (a tensor, a tuple of arguments or a dict of keyword
+            arguments, batch of one), when a zero tensor of ``input_shape`` will not do (token ids); it takes
+            precedence over ``input_shape`` for the count.
 
     Returns:
         The summary; write it with ``summary.to_json(run_dir / "summary.json")``.
@@ -269,11 +293,13 @@ def summarize(
         layer_sparsity[name] = (tensor.numel() - count) / tensor.numel() if tensor.numel() else 0.0  # zeros / size
         total += tensor.numel()
         nonzero += count
-    dense = sparse = speedup = None
-    if input_shape is not None:
-        counts = flops_by_layer(model, input_shape).values()
-        dense = sum(d for d, _ in counts)
-        sparse = sum(n for _, n in counts)
+    dense = sparse = speedup = unattributed = None
+    flops_layers: list[str] = []
+    inputs = example_input if example_input is not None else input_shape
+    if inputs is not None:
+        count = count_flops(model, tuple(inputs) if isinstance(inputs, list) else inputs)
+        dense, sparse, unattributed = count.dense, count.nonzero, count.unattributed
+        flops_layers = list(count.layers)
         speedup = dense / sparse if sparse else math.inf
     return RunSummary(
         dense_test_acc=_as_float(dense_test_acc),
@@ -292,6 +318,8 @@ def summarize(
         input_shape=None if input_shape is None else [int(size) for size in input_shape],
         num_classes=num_classes,
         layer_channels=layer_channels,
+        flops_layers=flops_layers,
+        flops_unattributed=unattributed,
     )
 
 
@@ -342,6 +370,15 @@ def format_summary_table(summary: RunSummary) -> str:
         ("theoretical speed-up", _times(summary.theoretical_speedup)),
         ("wall time", wall),
     ]
+    if summary.file_size_ratio is not None:
+        rows.insert(5, ("file size (measured)", f"{_times(summary.file_size_ratio)} smaller (model.safetensors)"))
+    if summary.latency_ratio is not None:
+        faster = f"{_times(summary.latency_ratio)} ({summary.latency_model} vs masked, batch 64)"
+        rows.insert(6, ("latency (measured)", faster))
+    if summary.flops_unattributed and summary.dense_flops:
+        share = summary.flops_unattributed / summary.dense_flops
+        attributed = f"{_pct(share)} (counted dense; {len(summary.flops_layers)} layers were)"
+        rows.insert(5, ("FLOPs not attributed", attributed))
     width = max([len(label) for label, _ in rows] + [len(name) + 2 for name in summary.layer_sparsity]) + 2
     lines = [f"{label:<{width}}{value}" for label, value in rows]
     if summary.layer_sparsity:
