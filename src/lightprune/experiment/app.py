@@ -32,11 +32,9 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from lightprune.config import (
     ConfigError,
@@ -47,6 +45,9 @@ from lightprune.config import (
     validate_config,
 )
 from lightprune.experiment.checks import exclude_patterns, model_kwargs, preflight
+
+if TYPE_CHECKING:  # torch is imported where it is used: a config error is reported before it loads
+    from torch import nn
 
 __all__ = ["DEBUG_ENV", "build_callback", "config_dir", "main", "pruning_callback", "run_experiment"]
 
@@ -120,6 +121,8 @@ def build_callback(
         >>> type(callback).__name__, callback.scope, type(callback.schedule).__name__
         ('PruningCallback', 'global', 'Cubic')
     """
+    import torch
+
     from lightprune.callback import PruningCallback
 
     p = cfg.pruning
@@ -229,6 +232,7 @@ def _module(cfg: DictConfig, datamodule: Any) -> tuple[Any, nn.Module, tuple[int
     is (its own steps, optimizers and metrics; it must log ``test/acc`` for the summary's accuracies).
     """
     import lightning.pytorch as pl
+    from torch import nn
 
     from lightprune.experiment.classifier import Classifier
     from lightprune.experiment.models import make_model
@@ -364,6 +368,8 @@ def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
 @contextlib.contextmanager
 def _torch_threads(num_threads: int | None) -> Iterator[None]:
     """Run with ``torch.set_num_threads(num_threads)`` (``None``: leave it), restoring the previous count after."""
+    import torch
+
     if num_threads is None:
         yield
         return
@@ -538,6 +544,7 @@ def _dense_phase(
 
 def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import lightning.pytorch as pl
+    import torch
 
     from lightprune.callback import PruningCallback
     from lightprune.experiment.plots import plot_layer_sparsity, plot_training_curves
@@ -606,6 +613,8 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
 
 def _export(summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool) -> None:
     """``model.safetensors`` (and the compact model of a structured run), with the measured ratios in the summary."""
+    import torch
+
     from lightprune.experiment.exporting import export_run
 
     example = getattr(module, "example_input_array", None)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
-from torch import nn
 
 from lightprune.config import ConfigError, is_target
 from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, default_root, missing_idx_files
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the value checks come before it loads
+    from torch import nn
 
 __all__ = ["classifier_weight", "exclude_patterns", "model_kwargs", "preflight"]
 
@@ -36,9 +38,12 @@ def classifier_weight(module: nn.Module) -> str:
     """Qualified name of the weight of ``module``'s last ``nn.Linear`` (the classifier head).
 
     Example:
+        >>> from torch import nn
         >>> classifier_weight(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
         '2.weight'
     """
+    from torch import nn
+
     linears = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
     if not linears:
         raise ConfigError("pruning.exclude_classifier=true, but the model has no nn.Linear layer")
@@ -83,6 +88,8 @@ def _selection_problems(cfg: DictConfig) -> list[str]:
         return []
     shape = (1, 8, 8) if cfg.data.name == "digits" else (1, 28, 28)  # names do not depend on the sizes
     try:
+        from torch import nn
+
         container = nn.Module()
         container.model = make_model(cfg.model.name, shape, 10, **model_kwargs(cfg.model))
     except ValueError:  # the real data's shape decides; the run reports it
