@@ -293,6 +293,8 @@ def norm_dim(dim: int, ndim: int) -> int:
 def channel_norms(t: Tensor, n: Any, dim: int) -> Tensor:
     """Norm of every channel along ``dim``, in float64 (the unrounded version of torch's ``_compute_norm``)."""
     dims = [d for d in range(t.dim()) if d != dim]
+    if n == "fro":  # the 2-norm of the entries; torch.norm refuses "fro" over three dims from torch 2.14 on
+        return torch.linalg.vector_norm(t.to(torch.float64), 2, dim=dims)
     return torch.norm(t.to(torch.float64), p=n, dim=dims)
 
 
