@@ -10,15 +10,13 @@ its own ``(seed, event)`` and not from the global generator.
 from __future__ import annotations
 
 import csv
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from processes import run_script
 
 pytestmark = pytest.mark.slow
 
@@ -118,29 +116,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> None:
     script = tmp_path / "ddp_fit.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_script(script, str(tmp_path), timeout=300)
 
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
     # each rank trained on its own shard (else the test would prove nothing about synchronisation) ...

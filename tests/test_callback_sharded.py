@@ -17,10 +17,6 @@ Layers have 13, 10 and 4 output rows: uneven shards for 2 and 3 ranks. The unsha
 from __future__ import annotations
 
 import csv
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -29,6 +25,7 @@ import torch
 from torch import nn
 
 from lightprune import prune
+from processes import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -161,32 +158,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(tmp_path: Path, world: int, cases: str) -> None:
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(world), cases],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(script, str(tmp_path), str(world), cases, timeout=400)
 
 
 NAMES = ("net.0.weight", "net.2.weight", "net.4.weight")
