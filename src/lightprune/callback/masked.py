@@ -294,7 +294,7 @@ class MaskedSelection:
             for qualified, module, name in named:
                 mask = mask_of(module, name)
                 if mask is not None:
-                    counterpart = average.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
+                    counterpart = _owner_in(average, qualified)
                     share_mask(counterpart, name, mask)
                     mirrored.append((counterpart, name))
             _plain_state_dict_of(average).pairs = mirrored
@@ -309,7 +309,7 @@ class MaskedSelection:
                 for qualified, module, name in self.named_pairs():
                     mask = self.inplace.mask(module, name)
                     if mask is not None:
-                        counterpart = average.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
+                        counterpart = _owner_in(average, qualified)
                         weight = getattr(counterpart, name)
                         masked_(weight, mask.to(weight.device))
 
@@ -408,6 +408,11 @@ class MaskedSelection:
             )
         self.averages = averages
         self._share_everywhere()
+
+
+def _owner_in(model: nn.Module, qualified: str) -> nn.Module:
+    """The module of ``model`` that owns the tensor named ``qualified`` (``"features.0.weight"`` -> ``features.0``)."""
+    return model.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
 
 
 def _prune_bias(module: nn.Module) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.prune.base import find_hook, refresh_pruned
+from lightprune.prune.base import find_hook, original_parameter, refresh_pruned
 
 __all__ = ["bias_name", "mask_of", "original", "restore_problems", "share_mask"]
 
@@ -27,8 +27,7 @@ def original(module: nn.Module, name: str) -> Tensor:
         >>> original(prune.identity(layer, "weight"), "weight") is layer.weight_orig
         True
     """
-    _, hook = find_hook(module, name)
-    return module._parameters[name + "_orig"] if hook is not None else getattr(module, name)
+    return original_parameter(module, name, find_hook(module, name)[1])
 
 
 def mask_of(module: nn.Module, name: str) -> Tensor | None:
