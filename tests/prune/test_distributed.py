@@ -152,6 +152,7 @@ SCRIPT = textwrap.dedent(
     assert sizes[0] == sizes[1] and 0 < sizes[0] < 4 * 2**20, sizes
     if rank == 0:
         open(sys.argv[1], "w").write(str(checked))
+    dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts at exit otherwise)
     dist.destroy_process_group()
     """
 )
