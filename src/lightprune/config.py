@@ -25,6 +25,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightprune import choices
+from lightprune.schedules import SCHEDULES as SCHEDULE_CLASSES
+
 __all__ = [
     "CacheConfig",
     "ConfigError",
@@ -42,14 +45,15 @@ __all__ = [
     "validate_config",
 ]
 
-DATASETS = ("digits", "fashion_mnist", "mnist", "idx")
-MODELS = ("lenet300100", "small_cnn")
-OPTIMIZERS = ("adam", "adamw", "sgd")
+DATASETS = choices.DATASETS
+MODELS = choices.MODELS
+OPTIMIZERS = choices.OPTIMIZERS
 PRESETS = ("none", "one_shot", "gmp_cubic", "iterative_rounds", "ln_structured", "custom")
-SCHEDULES = ("constant", "linear", "cubic", "geometric")
-METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured")
-SCOPES = ("global", "layerwise")
-UNITS = ("step", "epoch")
+SCHEDULES = tuple(name for name in SCHEDULE_CLASSES if name != "points")
+"""The schedules a config names (``points`` takes a list of times and sparsities, which the config does not have)."""
+METHODS = choices.METHODS
+SCOPES = choices.SCOPES
+UNITS = choices.UNITS
 MASK_DTYPES = ("bool", "param")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 PRECISIONS = (
@@ -440,7 +444,7 @@ def _check_patterns(problems: list[str], key: str, patterns: Any) -> None:
             problems.append(f"{key}: {pattern!r} is not a regular expression ({err})")
 
 
-STRUCTURED_METHODS = ("ln_structured", "random_structured")
+STRUCTURED_METHODS = choices.STRUCTURED_METHODS
 RAMP_SCHEDULES = ("linear", "cubic")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from torch import Tensor
 
-from lightprune import prune
+from lightprune import choices, prune
 from lightprune._checks import is_int
 from lightprune.schedules import Constant, FromCallable, Schedule
 
@@ -28,20 +28,17 @@ __all__ = [
 ]
 
 METHODS: dict[str, type[prune.BasePruningMethod]] = {
-    "l1_unstructured": prune.L1Unstructured,
-    "random_unstructured": prune.RandomUnstructured,
-    "ln_structured": prune.LnStructured,
-    "random_structured": prune.RandomStructured,
+    name: getattr(prune, class_name) for name, class_name in choices.METHOD_CLASSES.items()
 }
 """Pruning methods the callback accepts by name; any ``BasePruningMethod`` subclass (or its import path) works too."""
 
-SCOPES = ("global", "layerwise")
+SCOPES = choices.SCOPES
 """One ranking across the whole selection, or one per tensor."""
 
-UNITS = ("step", "epoch")
+UNITS = choices.UNITS
 """What the schedule's times count: optimizer steps or epochs."""
 
-MASKING = ("reparametrize", "inplace")
+MASKING = choices.MASKING
 """How masks act during training: torch's reparametrization, or plain Parameters zeroed in place."""
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightprune import choices
 from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, MNIST_ROOT, _find_idx_file
 from lightprune.experiment.idx import read_idx, write_idx
 
@@ -58,7 +59,7 @@ FASHION_MNIST_CLASSES = (
 )
 """Fashion-MNIST class names, indexed by label."""
 
-DATASET_NAMES = ("digits", "fashion_mnist", "mnist", "idx")
+DATASET_NAMES = choices.DATASETS
 """Names accepted by :func:`make_datamodule`."""
 
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightprune import choices
+
 __all__ = [
     "MODEL_NAMES",
     "Classifier",  # noqa: F822  (module __getattr__)
@@ -39,10 +41,10 @@ __all__ = [
     "theoretical_speedup",
 ]
 
-MODEL_NAMES = ("lenet300100", "small_cnn")
+MODEL_NAMES = choices.MODELS
 """Names accepted by :func:`make_model`."""
 
-OPTIMIZERS = ("adam", "adamw", "sgd")
+OPTIMIZERS = choices.OPTIMIZERS
 """Optimizer names accepted by :class:`Classifier`."""
 
 

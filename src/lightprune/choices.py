@@ -1,0 +1,58 @@
+"""The names lightprune accepts for its choices, in one place that imports nothing heavy.
+
+The callback's registries (:data:`lightprune.callback.options.METHODS`, ``SCOPES``, ...), the experiment app's
+bundled models and datasets and the app's config checks all read these tuples, so a name added here is accepted
+everywhere and a name can never be allowed by the config but refused by the library it configures. This module
+imports neither torch nor Lightning: the app checks a config with it in a fraction of a second.
+
+Example:
+    >>> from lightprune import choices
+    >>> choices.METHOD_CLASSES["ln_structured"], choices.SCOPES
+    ('LnStructured', ('global', 'layerwise'))
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DATASETS",
+    "MASKING",
+    "METHODS",
+    "METHOD_CLASSES",
+    "MODELS",
+    "OPTIMIZERS",
+    "SCOPES",
+    "STRUCTURED_METHODS",
+    "UNITS",
+]
+
+METHOD_CLASSES: dict[str, str] = {
+    "l1_unstructured": "L1Unstructured",
+    "random_unstructured": "RandomUnstructured",
+    "ln_structured": "LnStructured",
+    "random_structured": "RandomStructured",
+}
+"""Pruning methods by the name configs and the callback give them -> their class in :mod:`lightprune.prune`."""
+
+METHODS = tuple(METHOD_CLASSES)
+"""The pruning methods' names."""
+
+STRUCTURED_METHODS = ("ln_structured", "random_structured")
+"""The methods that prune whole channels (``PRUNING_TYPE == "structured"``); they need the layerwise scope."""
+
+SCOPES = ("global", "layerwise")
+"""One ranking across the whole selection, or one per tensor."""
+
+UNITS = ("step", "epoch")
+"""What a schedule's times count: optimizer steps or epochs."""
+
+MASKING = ("reparametrize", "inplace")
+"""How masks act during training: torch's reparametrization, or plain Parameters zeroed in place."""
+
+DATASETS = ("digits", "fashion_mnist", "mnist", "idx")
+"""The experiment app's bundled datasets (:func:`lightprune.experiment.data.make_datamodule`)."""
+
+MODELS = ("lenet300100", "small_cnn")
+"""The experiment app's bundled networks (:func:`lightprune.experiment.models.make_model`)."""
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+"""Optimizers the app's classifier builds by name."""
