@@ -38,6 +38,7 @@ class Key(typing.NamedTuple):
 
 
 KEYS: dict[str, Key] = {
+    "data._target_": Key(["[1]"], []),  # another target makes it the user's datamodule (tests/experiment/test_targets)
     "data.name": Key(["[1,2]"], ["cifar", "''"]),
     "data.root": Key(["[1]"], [], ["data=idx"]),  # any path; a missing directory fails when the data is loaded
     "data.batch_size": Key(["abc", "1.5", "[1]"], ["0", "-1"]),
@@ -46,6 +47,7 @@ KEYS: dict[str, Key] = {
     "data.limit": Key(["abc", "2.5"], ["0", "-3"]),
     "data.flatten": Key(["maybe", "[true]"], ["true"], ["model=small_cnn"]),
     "data.seed": Key(["abc", "0.5"], ["-1", str(2**32)]),
+    "model._target_": Key(["[1]"], []),  # another target makes it the user's model (tests/experiment/test_targets)
     "model.name": Key(["[1]"], ["resnet"]),
     "model.hidden": Key(["abc", "[a,b]", "7"], ["[0]", "[300,-1]"]),
     "model.channels": Key(["abc", "[1.5]"], ["[]", "[0]"], ["model=small_cnn"]),

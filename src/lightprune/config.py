@@ -39,6 +39,7 @@ __all__ = [
     "PruningConfig",
     "TrainerConfig",
     "config_warnings",
+    "is_bundled",
     "is_target",
     "register_configs",
     "unknown_keys",
@@ -67,6 +68,12 @@ TARGET_KEYS = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
 """Hydra's instantiation keys."""
 DATA_APP_KEYS = ("input_shape", "num_classes")
 """Keys of a ``data`` node with a ``_target_`` that the app reads instead of passing them to the constructor."""
+MODEL_APP_KEYS = ("lr", "optimizer", "weight_decay")
+"""Keys of a bundled ``model`` preset that configure the app's classifier, not the network's constructor."""
+BUNDLED_DATA_TARGET = "lightprune.experiment.data.bundled_datamodule"
+"""The ``_target_`` of every bundled ``data`` preset."""
+BUNDLED_MODEL_TARGET = "lightprune.experiment.models.make_model"
+"""The ``_target_`` of every bundled ``model`` preset (given the data's ``input_shape`` and ``num_classes``)."""
 MAX_SEED = 2**32 - 1
 """Seeds reach numpy through ``seed_everything``, which accepts 0 ... 2**32 - 1."""
 
@@ -75,7 +82,11 @@ MAX_SEED = 2**32 - 1
 class DataConfig:
     """Which data to train on.
 
+    A bundled preset is itself a Hydra ``_target_`` node (:func:`lightprune.experiment.data.bundled_datamodule`):
+    ``hydra.utils.instantiate(cfg.data)`` builds its datamodule.
+
     Attributes:
+        _target_: the function that builds the datamodule from the other keys.
         name: ``digits`` (bundled with scikit-learn), ``fashion_mnist``, ``mnist`` or ``idx`` (any MNIST-layout dir).
         root: directory of the IDX files; ``None`` for the dataset's default location.
         batch_size: training batch size.
@@ -86,6 +97,7 @@ class DataConfig:
         seed: seed of the split and the shuffling.
     """
 
+    _target_: str = BUNDLED_DATA_TARGET
     name: str = "digits"
     root: str | None = None
     batch_size: int = 64
@@ -100,7 +112,11 @@ class DataConfig:
 class ModelConfig:
     """The network and its optimizer.
 
+    A bundled preset is itself a Hydra ``_target_`` node (:func:`lightprune.experiment.models.make_model`, given the
+    data's ``input_shape`` and ``num_classes``); ``lr``, ``optimizer`` and ``weight_decay`` are the app's classifier's.
+
     Attributes:
+        _target_: the function that builds the network from ``name``, ``hidden`` and ``channels``.
         name: ``lenet300100`` (MLP) or ``small_cnn`` (Conv2d layers, for structured pruning).
         hidden: hidden layer sizes of the MLP.
         channels: output channels of the CNN's conv layers.
@@ -109,6 +125,7 @@ class ModelConfig:
         weight_decay: weight decay.
     """
 
+    _target_: str = BUNDLED_MODEL_TARGET
     name: str = "lenet300100"
     hidden: list[int] = field(default_factory=lambda: [300, 100])
     channels: list[int] = field(default_factory=lambda: [16, 32])
@@ -327,6 +344,21 @@ def is_target(node: Any) -> bool:
     return (isinstance(node, dict) or OmegaConf.is_dict(node)) and "_target_" in node
 
 
+def is_bundled(node: Any) -> bool:
+    """Whether a ``model`` or ``data`` node is one of the app's bundled presets (whose keys the schema checks),
+    rather than a user's ``_target_``.
+
+    Example:
+        >>> is_bundled({"_target_": BUNDLED_MODEL_TARGET, "name": "lenet300100"}), is_bundled({"name": "digits"})
+        (True, True)
+        >>> is_bundled({"_target_": "torch.nn.Linear", "in_features": 4})
+        False
+    """
+    if not (isinstance(node, dict) or OmegaConf.is_dict(node)):
+        return False
+    return node.get("_target_", BUNDLED_DATA_TARGET) in (BUNDLED_DATA_TARGET, BUNDLED_MODEL_TARGET)
+
+
 class ConfigError(ValueError):
     """A problem with the experiment config, fixed by changing the config: the app prints the message alone.
 
@@ -403,11 +435,17 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
             full = f"{prefix}{key}"
             if full not in known:
                 found.append(full)
-            elif OmegaConf.is_dict(node._get_node(key)) and (full == "pruning" or not is_target(node[key])):
+            elif OmegaConf.is_dict(node._get_node(key)) and _schema_node(full, node[key]):
                 walk(node[key], full + ".")
 
     walk(cfg, "")
     return found
+
+
+def _schema_node(key: str, node: Any) -> bool:
+    """Whether the schema describes the keys of ``node``: every group but a user's ``_target_`` node (whose keys are
+    its constructor's arguments); ``pruning``'s ``_target_`` is the schema's own."""
+    return key == "pruning" or not is_target(node) or is_bundled(node)
 
 
 def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
@@ -451,7 +489,7 @@ RAMP_SCHEDULES = ("linear", "cubic")
 def _typed(problems: list[str], cfg: DictConfig, key: str, schema: type) -> Any:
     """``cfg[key]`` checked against ``schema`` (``None`` for a ``_target_`` node, whose targets are checked here)."""
     node = cfg[key]
-    if is_target(node):
+    if is_target(node) and not is_bundled(node):
         _check_target(problems, key, node)
         if key == "data":
             shape = node.get("input_shape")

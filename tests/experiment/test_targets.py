@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from torch import nn
 
 from lightprune.config import ConfigError, register_configs, validate_config
 from lightprune.experiment import load_run
@@ -183,3 +185,46 @@ def test_target_errors_are_one_line_naming_the_key_the_path_and_the_complaint(tm
     cfg = make_config(*TINY, *USER[:2], "~data", "+data={_target_:lp_user_code.Data}")  # no num_classes anywhere
     with pytest.raises(ConfigError, match=r"^data\.num_classes: lp_user_code\.Data has no num_classes attribute"):
         run_experiment(cfg, tmp_path / "run2")
+
+
+@pytest.mark.parametrize("model", ["lenet300100", "small_cnn"])
+def test_the_bundled_presets_are_target_nodes_a_users_app_instantiates(model: str) -> None:
+    """``instantiate(cfg.data)`` and ``build_model(cfg.model, ...)`` give what the app trains, from the presets."""
+    from hydra.utils import instantiate
+
+    from lightprune.config import is_bundled
+    from lightprune.experiment.models import LeNet300100, SmallCNN
+    from lightprune.experiment.targets import build_model
+
+    cfg = make_config(f"model={model}", "model.hidden=[12]", "model.channels=[3]", "data.batch_size=16")
+    assert is_bundled(cfg.model) and is_bundled(cfg.data)
+    datamodule = instantiate(cfg.data)
+    assert datamodule.batch_size == 16 and datamodule.split_sizes == {"train": 1258, "val": 180, "test": 359}
+    network = build_model(cfg.model, datamodule.dims, datamodule.num_classes)
+    if model == "lenet300100":
+        assert isinstance(network, LeNet300100) and (network.fc1.in_features, network.fc1.out_features) == (64, 12)
+    else:
+        assert isinstance(network, SmallCNN) and network.conv1.out_channels == 3
+    for group in ("model", "data"):
+        for preset in (config_dir() / group).glob("*.yaml"):
+            assert "\n_target_: lightprune.experiment." in preset.read_text(), preset
+
+
+def test_a_model_target_gets_the_data_sizes_only_where_its_constructor_requires_them(user_code: object) -> None:
+    from lightprune.experiment.targets import build_model
+
+    class Sized(nn.Module):
+        def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 4) -> None:
+            super().__init__()
+            self.fc = nn.Linear(int(torch.tensor(input_shape).prod()), num_classes)
+
+    class Defaulted(nn.Module):
+        def __init__(self, num_classes: int = 5) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, num_classes)
+
+    user_code.Sized, user_code.Defaulted = Sized, Defaulted
+    sized = build_model({"_target_": "lp_user_code.Sized"}, (2, 3), 7)
+    assert (sized.fc.in_features, sized.fc.out_features) == (6, 7)
+    assert build_model({"_target_": "lp_user_code.Defaulted"}, (2, 3), 7).fc.out_features == 5  # its default holds
+    assert build_model({"_target_": "lp_user_code.Sized", "num_classes": 2}, (2, 3), 7).fc.out_features == 2

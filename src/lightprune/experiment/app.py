@@ -39,12 +39,12 @@ from omegaconf import DictConfig, OmegaConf
 from lightprune.config import (
     ConfigError,
     config_warnings,
-    is_target,
+    is_bundled,
     register_configs,
     unknown_key_message,
     validate_config,
 )
-from lightprune.experiment.checks import exclude_patterns, model_kwargs, preflight
+from lightprune.experiment.checks import exclude_patterns, preflight
 
 if TYPE_CHECKING:  # torch is imported where it is used: a config error is reported before it loads
     from torch import nn
@@ -207,20 +207,9 @@ def _check_selection(callback: Any, module: nn.Module) -> None:
 
 
 def _datamodule(cfg: DictConfig) -> Any:
-    from lightprune.experiment.data import make_datamodule
+    from lightprune.experiment.targets import build_datamodule
 
-    if is_target(cfg.data):
-        from lightprune.experiment.targets import datamodule_node, instantiate
-
-        return instantiate("data", datamodule_node(cfg.data))
-    d = cfg.data
-    kwargs: dict[str, Any] = {"val_size": d.val_size, "seed": d.seed, "flatten": d.flatten, "batch_size": d.batch_size}
-    if d.name == "digits":
-        kwargs["test_size"] = d.test_size
-    else:
-        kwargs["root"] = d.root
-        kwargs["limit"] = d.limit
-    return make_datamodule(d.name, **kwargs)
+    return build_datamodule(cfg.data)
 
 
 def _module(cfg: DictConfig, datamodule: Any) -> tuple[Any, nn.Module, tuple[int, ...] | None, int | None]:
@@ -235,18 +224,12 @@ def _module(cfg: DictConfig, datamodule: Any) -> tuple[Any, nn.Module, tuple[int
     from torch import nn
 
     from lightprune.experiment.classifier import Classifier
-    from lightprune.experiment.models import make_model
-    from lightprune.experiment.targets import data_facts, instantiate
+    from lightprune.experiment.targets import build_model, data_facts
 
-    if not is_target(cfg.model):
-        shape, classes = tuple(datamodule.dims), int(datamodule.num_classes)
-        network = make_model(cfg.model.name, shape, classes, **model_kwargs(cfg.model))
-        m = cfg.model
-        module = Classifier(network, lr=m.lr, optimizer=m.optimizer, weight_decay=m.weight_decay)
-        return module, network, shape, classes
-    built = instantiate("model", cfg.model)
+    bundled = is_bundled(cfg.model)
+    shape, classes = data_facts(cfg.data, datamodule, needed=bundled)  # a bundled network is sized by the data
+    built = build_model(cfg.model, shape, classes)
     if isinstance(built, pl.LightningModule):
-        shape, classes = data_facts(cfg.data, datamodule, needed=False)
         for phase in ("dense", "prune"):
             for part in ("optimizer", "scheduler"):
                 if cfg.optim[phase][part] is not None:
@@ -258,8 +241,10 @@ def _module(cfg: DictConfig, datamodule: Any) -> tuple[Any, nn.Module, tuple[int
     if not isinstance(built, nn.Module):
         raise ConfigError(f"model: {cfg.model._target_} built a {type(built).__name__}, not an nn.Module")
     shape, classes = data_facts(cfg.data, datamodule, needed=True)
-    module = Classifier(built, num_classes=classes)
-    return module, built, shape, classes
+    if bundled:
+        m = cfg.model
+        return Classifier(built, lr=m.lr, optimizer=m.optimizer, weight_decay=m.weight_decay), built, shape, classes
+    return Classifier(built, num_classes=classes), built, shape, classes
 
 
 def _set_optimization(cfg: DictConfig, module: Any, phase: str) -> None:
@@ -272,7 +257,7 @@ def _set_optimization(cfg: DictConfig, module: Any, phase: str) -> None:
     optimizer = chosen.optimizer if chosen.optimizer is not None else dense.optimizer
     scheduler = chosen.scheduler if chosen.scheduler is not None else dense.scheduler
     interval = chosen.interval if chosen.scheduler is not None else dense.interval
-    if optimizer is None and is_target(cfg.model):
+    if optimizer is None and not is_bundled(cfg.model):
         optimizer = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3}
     key = f"optim.{phase if chosen.optimizer is not None or chosen.scheduler is not None else 'dense'}"
     module.set_optimization(optimizer, scheduler, interval, key=key)
@@ -635,11 +620,11 @@ def _export(summary: Any, network: nn.Module, module: Any, output_dir: Path, sha
 
 def _model_name(cfg: DictConfig) -> str:
     """``model.name``, or the class name of ``model._target_``."""
-    return str(cfg.model._target_).rpartition(".")[2] if is_target(cfg.model) else str(cfg.model.name)
+    return str(cfg.model.name) if is_bundled(cfg.model) else str(cfg.model._target_).rpartition(".")[2]
 
 
 def _data_name(cfg: DictConfig) -> str:
-    return str(cfg.data._target_).rpartition(".")[2] if is_target(cfg.data) else str(cfg.data.name)
+    return str(cfg.data.name) if is_bundled(cfg.data) else str(cfg.data._target_).rpartition(".")[2]
 
 
 def _plot_title(cfg: DictConfig) -> str:

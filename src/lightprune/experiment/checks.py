@@ -9,29 +9,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from lightprune.config import ConfigError, is_target
+from lightprune.config import ConfigError, is_bundled
 from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, default_root, missing_idx_files
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the value checks come before it loads
     from torch import nn
 
-__all__ = ["classifier_weight", "exclude_patterns", "model_kwargs", "preflight"]
-
-
-def model_kwargs(model_cfg: Any) -> dict[str, Any]:
-    """Constructor arguments of ``model_cfg``'s network for :func:`~lightprune.experiment.models.make_model`.
-
-    Example:
-        >>> model_kwargs({"name": "small_cnn", "channels": [8, 16]})
-        {'channels': (8, 16)}
-    """
-    if model_cfg["name"] == "lenet300100":
-        return {"hidden": tuple(model_cfg["hidden"])}
-    return {"channels": tuple(model_cfg["channels"])}
+__all__ = ["classifier_weight", "exclude_patterns", "preflight"]
 
 
 def classifier_weight(module: nn.Module) -> str:
@@ -61,7 +49,7 @@ def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | N
 
 
 def _data_problems(cfg: DictConfig) -> list[str]:
-    if is_target(cfg.data):  # a user's datamodule finds its own files
+    if not is_bundled(cfg.data):  # a user's datamodule finds its own files
         return []
     name = cfg.data.name
     root = cfg.data.root or default_root(name)
@@ -80,18 +68,18 @@ def _data_problems(cfg: DictConfig) -> list[str]:
 
 
 def _selection_problems(cfg: DictConfig) -> list[str]:
-    from lightprune.experiment.models import make_model
+    from lightprune.experiment.targets import build_model
     from lightprune.selection import select_parameters
 
     p = cfg.pruning
-    if p.preset == "none" or p.final_sparsity == 0 or is_target(cfg.model):  # a _target_ model: checked when built
+    if p.preset == "none" or p.final_sparsity == 0 or not is_bundled(cfg.model):  # a user's model: checked when built
         return []
     shape = (1, 8, 8) if cfg.data.name == "digits" else (1, 28, 28)  # names do not depend on the sizes
     try:
         from torch import nn
 
         container = nn.Module()
-        container.model = make_model(cfg.model.name, shape, 10, **model_kwargs(cfg.model))
+        container.model = build_model(cfg.model, shape, 10)
     except ValueError:  # the real data's shape decides; the run reports it
         return []
     try:

@@ -37,6 +37,7 @@ __all__ = [
     "IDX_FILES",
     "MNIST_ROOT",
     "ClassificationDataModule",
+    "bundled_datamodule",
     "load_digits_data",
     "load_idx_dataset",
     "make_datamodule",
@@ -527,3 +528,32 @@ def make_datamodule(name: str, /, **kwargs) -> ClassificationDataModule:
             raise ValueError("dataset 'idx' needs root=<directory holding the four MNIST-layout IDX files>")
         return load_idx_dataset(root, **kwargs)
     raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}")
+
+
+def bundled_datamodule(
+    name: str,
+    *,
+    root: str | None = None,
+    batch_size: int = 64,
+    val_size: float = 0.1,
+    test_size: float = 0.2,
+    limit: int | None = None,
+    flatten: bool = False,
+    seed: int = 0,
+) -> ClassificationDataModule:
+    """The ``_target_`` of the app's bundled ``data`` presets: :func:`make_datamodule` with every key of the preset.
+
+    One signature serves every bundled dataset, so one config switches datasets by ``name``: ``test_size`` is
+    ``digits``' alone (the IDX datasets have test files), ``root`` and ``limit`` are the IDX datasets' alone.
+    ``hydra.utils.instantiate(cfg.data)`` in a user's own Hydra app gives the same datamodule as the app.
+
+    Example:
+        >>> bundled_datamodule("digits", batch_size=32).split_sizes
+        {'train': 1258, 'val': 180, 'test': 359}
+    """
+    kwargs: dict = {"val_size": val_size, "seed": seed, "flatten": flatten, "batch_size": batch_size}
+    if name.lower().replace("-", "_") == "digits":
+        kwargs["test_size"] = test_size
+    else:
+        kwargs.update(root=root, limit=limit)
+    return make_datamodule(name, **kwargs)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightprune.experiment.checks import model_kwargs
-from lightprune.experiment.models import make_model
+from lightprune.config import BUNDLED_DATA_TARGET, BUNDLED_MODEL_TARGET, is_bundled
 from lightprune.experiment.summary import SUMMARY_FILE, RunSummary, sparsity_by_layer
+from lightprune.experiment.targets import build_model
 
 __all__ = ["MODEL_FILE", "load_main", "load_run"]
 
@@ -34,7 +34,9 @@ def _shape_and_classes(summary: RunSummary) -> tuple[tuple[int, ...], int]:
 
     from lightprune.experiment.app import _datamodule  # summaries written before these fields: load the data
 
-    datamodule = _datamodule(OmegaConf.create(summary.config))
+    config = dict(summary.config)
+    config["data"] = {"_target_": BUNDLED_DATA_TARGET, **config["data"]}  # written before presets were targets
+    datamodule = _datamodule(OmegaConf.create(config))
     return tuple(datamodule.dims), datamodule.num_classes
 
 
@@ -70,13 +72,12 @@ def load_run(run_dir: str | Path, *, map_location: str | torch.device = "cpu") -
             raise FileNotFoundError(f"{run_dir / name} not found: load_run needs a finished run with save_model=true")
     summary = RunSummary.load(run_dir / SUMMARY_FILE)
     model_cfg = summary.config["model"]
-    if "_target_" in model_cfg:  # the user's model (or LightningModule), built from its config node
-        from lightprune.experiment.targets import instantiate
-
-        network = instantiate("model", model_cfg)
-    else:
+    model_cfg = {"_target_": BUNDLED_MODEL_TARGET, **model_cfg}  # written before the presets were _target_ nodes
+    if is_bundled(model_cfg):
         shape, classes = _shape_and_classes(summary)
-        network = make_model(model_cfg["name"], shape, classes, **model_kwargs(model_cfg))
+    else:  # the user's model (or LightningModule): the sizes the run recorded, if its constructor takes them
+        shape, classes = summary.input_shape, summary.num_classes
+    network = build_model(model_cfg, shape, classes)
     network.load_state_dict(torch.load(run_dir / MODEL_FILE, map_location=map_location, weights_only=True))
     return network.eval()
 

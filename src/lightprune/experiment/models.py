@@ -152,15 +152,27 @@ class SmallCNN(nn.Sequential):
         self.num_classes = num_classes
 
 
-def make_model(name: str, input_shape: Sequence[int], num_classes: int, **kwargs: Any) -> nn.Module:
+def make_model(
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    hidden: Sequence[int] | None = None,
+    channels: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> nn.Module:
     """Builds a model by name, sized from the data (``datamodule.dims`` and ``datamodule.num_classes``).
+
+    It is the ``_target_`` of the app's bundled ``model`` presets, which is why it takes the sizes of both models:
+    one config switches models by ``name``, and the argument of the other model is ignored.
 
     Args:
         name: ``"lenet300100"`` or ``"small_cnn"`` (case and dashes ignored).
         input_shape: Shape of one example without the batch dimension: ``(C, H, W)`` for ``small_cnn``; any shape
             for ``lenet300100``, which flattens it.
         num_classes: Number of classes.
-        **kwargs: Further constructor arguments (``hidden`` for LeNet; ``channels``, ``kernel_size`` for the CNN).
+        hidden: LeNet's hidden layer sizes (``None``: its default).
+        channels: the CNN's conv layers' output channels (``None``: its default).
+        **kwargs: Further constructor arguments of the model (``kernel_size`` for the CNN).
 
     Returns:
         The model.
@@ -171,7 +183,7 @@ def make_model(name: str, input_shape: Sequence[int], num_classes: int, **kwargs
     Example:
         >>> make_model("lenet300100", (1, 8, 8), 10).fc1.in_features
         64
-        >>> make_model("small_cnn", (1, 8, 8), 10, channels=(4,)).feature_shape
+        >>> make_model("small_cnn", (1, 8, 8), 10, hidden=[300, 100], channels=(4,)).feature_shape
         (4, 4, 4)
         >>> make_model("resnet", (1, 8, 8), 10)
         Traceback (most recent call last):
@@ -181,12 +193,16 @@ def make_model(name: str, input_shape: Sequence[int], num_classes: int, **kwargs
     key = name.lower().replace("-", "_")
     shape = tuple(int(d) for d in input_shape)
     if key in ("lenet300100", "lenet_300_100"):
+        if hidden is not None:
+            kwargs["hidden"] = tuple(hidden)
         return LeNet300100(in_features=math.prod(shape), num_classes=num_classes, **kwargs)
     if key == "small_cnn":
         if len(shape) != 3:
             raise ValueError(
                 f"small_cnn needs image inputs of shape (C, H, W), got {shape}; load data with flatten=False"
             )
+        if channels is not None:
+            kwargs["channels"] = tuple(channels)
         return SmallCNN(in_channels=shape[0], image_size=shape[1:], num_classes=num_classes, **kwargs)
     raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
 

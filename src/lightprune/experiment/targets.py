@@ -2,6 +2,8 @@
 
 * :func:`instantiate` - ``hydra.utils.instantiate`` whose failures are one-line config errors naming the config key,
   the import path and the constructor's complaint.
+* :func:`build_datamodule` / :func:`build_model` - the ``data`` and ``model`` nodes, bundled presets and a user's
+  targets alike, built through :func:`instantiate`; a model's constructor gets the data's sizes where it needs them.
 * :func:`data_facts` - what the app needs from a datamodule (input shape, number of classes): its attributes, else
   the ``data.input_shape`` / ``data.num_classes`` keys, else a one-line error naming the missing key.
 * :func:`make_scheduler` - an LR scheduler from a ``_partial_`` node, its length filled in from the phase.
@@ -18,9 +20,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from lightprune.config import DATA_APP_KEYS, ConfigError, is_target
+from lightprune.config import DATA_APP_KEYS, MODEL_APP_KEYS, ConfigError, is_bundled, is_target
 
-__all__ = ["data_facts", "instantiate", "make_scheduler", "source_digest"]
+__all__ = ["build_datamodule", "build_model", "data_facts", "instantiate", "make_scheduler", "source_digest"]
 
 _LENGTH_ARGUMENTS = ("T_max", "total_steps", "total_iters")
 """Scheduler arguments that take the length of the run (CosineAnnealingLR, OneCycleLR, LinearLR / PolynomialLR)."""
@@ -95,8 +97,52 @@ def datamodule_node(data_cfg: Any) -> Any:
         >>> datamodule_node({"_target_": "x.Data", "batch_size": 8, "num_classes": 3})
         {'_target_': 'x.Data', 'batch_size': 8}
     """
-    plain = OmegaConf.to_container(data_cfg, resolve=True) if OmegaConf.is_config(data_cfg) else dict(data_cfg)
-    return {key: value for key, value in plain.items() if key not in DATA_APP_KEYS}  # type: ignore[union-attr]
+    return {key: value for key, value in _plain(data_cfg).items() if key not in DATA_APP_KEYS}
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)  # type: ignore
+
+
+def build_datamodule(data_cfg: Any) -> Any:
+    """The datamodule of a ``data`` node: a bundled preset or a user's ``_target_`` (without the app's keys).
+
+    Example:
+        >>> build_datamodule({"_target_": "lightprune.experiment.data.bundled_datamodule", "name": "digits"}).dims
+        (1, 8, 8)
+    """
+    return instantiate("data", datamodule_node(data_cfg))
+
+
+def build_model(model_cfg: Any, input_shape: Any, num_classes: int | None) -> Any:
+    """The network (or LightningModule) of a ``model`` node: a bundled preset or a user's ``_target_``.
+
+    A constructor argument ``input_shape`` or ``num_classes`` that has no default and that the node leaves unset is
+    given the data's (an argument with a default keeps it: the data never overrides a value silently). The bundled
+    presets' ``lr``, ``optimizer`` and ``weight_decay`` are the app's classifier's, not the constructor's.
+
+    Example:
+        >>> node = {"_target_": "lightprune.experiment.models.make_model", "name": "lenet300100", "lr": 0.1}
+        >>> build_model(node, (1, 8, 8), 10).fc1.in_features
+        64
+    """
+    from hydra._internal.utils import _locate  # hydra.utils.get_object, without its error log line
+
+    node = _plain(model_cfg)
+    if is_bundled(node):
+        node = {key: value for key, value in node.items() if key not in MODEL_APP_KEYS}
+    facts = {"input_shape": None if input_shape is None else tuple(input_shape), "num_classes": num_classes}
+    try:
+        target = _locate(str(node["_target_"]))
+        params = inspect.signature(target).parameters
+    except Exception:  # not importable or no signature: instantiate reports it, or calls it as it is
+        params = {}
+    extra = {
+        name: value
+        for name, value in facts.items()
+        if name in params and params[name].default is inspect.Parameter.empty and name not in node and value is not None
+    }
+    return instantiate("model", node, **extra)
 
 
 def make_scheduler(key: str, node: Any, optimizer: Any, length: int) -> Any:
@@ -140,7 +186,7 @@ def source_digest(cfg: Mapping[str, Any]) -> str | None:
     found = False
     for group in ("model", "data"):
         node = cfg.get(group)
-        if not is_target(node):
+        if not is_target(node) or is_bundled(node):  # the bundled ones are part of lightprune's version
             continue
         found = True
         digest.update(str(node["_target_"]).encode())
