@@ -133,8 +133,8 @@ class Schedule(ABC):
     Subclasses describe a finite, sorted set of integer *event* times and the sparsity *level* reached at each
     event; this base class derives the public queries from them. See the module docstring for the shared semantics.
 
-    Subclasses implement :meth:`_params`, :meth:`_last_event_at_or_before`, :meth:`_level`, :meth:`events`,
-    :attr:`first_event` and :attr:`last_event`, and list the names of their time arguments in ``_position_args``
+    Subclasses implement :meth:`_params`, :meth:`_last_event_at_or_before`, :meth:`_level` and :meth:`events` (from
+    which :attr:`first_event` and :attr:`last_event` follow), and list the names of their time arguments in ``_position_args``
     (points in time) and ``_period_args`` (durations) so that :meth:`resolve` can convert fractions.
 
     Example:
@@ -178,14 +178,24 @@ class Schedule(ABC):
         """
 
     @property
-    @abstractmethod
     def first_event(self) -> int:
-        """The time of the first event."""
+        """The time of the first event.
+
+        Example:
+            >>> Geometric(0.5, start=2, frequency=3, rounds=3).first_event
+            2
+        """
+        return self.events()[0]
 
     @property
-    @abstractmethod
     def last_event(self) -> int:
-        """The time of the last event, after which the target stays at :attr:`final_sparsity`."""
+        """The time of the last event, after which the target stays at :attr:`final_sparsity`.
+
+        Example:
+            >>> Geometric(0.5, start=2, frequency=3, rounds=3).last_event
+            8
+        """
+        return self.events()[-1]
 
     # -- public queries ------------------------------------------------------------------------------------------------
 
@@ -384,17 +394,6 @@ class Constant(Schedule):
         self._require_resolved()
         return [self.at]  # type: ignore[list-item]
 
-    @property
-    def first_event(self) -> int:
-        """The event time ``at``."""
-        self._require_resolved()
-        return self.at  # type: ignore[return-value]
-
-    @property
-    def last_event(self) -> int:
-        """The event time ``at``."""
-        return self.first_event
-
 
 class _Ramp(Schedule):
     """Shared event grid of :class:`Linear`, :class:`Cubic` and :class:`FromCallable`.
@@ -430,18 +429,6 @@ class _Ramp(Schedule):
         """
         self._require_resolved()
         return [*range(int(self.start), int(self.end), int(self.frequency)), int(self.end)]
-
-    @property
-    def first_event(self) -> int:
-        """The time ``start``."""
-        self._require_resolved()
-        return int(self.start)
-
-    @property
-    def last_event(self) -> int:
-        """The time ``end``."""
-        self._require_resolved()
-        return int(self.end)
 
 
 class _MonotoneRamp(_Ramp):
@@ -632,17 +619,6 @@ class Geometric(Schedule):
         start, frequency = int(self.start), int(self.frequency)
         return [start + k * frequency for k in range(self.num_events)]
 
-    @property
-    def first_event(self) -> int:
-        """The time ``start``."""
-        self._require_resolved()
-        return int(self.start)
-
-    @property
-    def last_event(self) -> int:
-        """The time ``start + (num_events - 1) * frequency``."""
-        return self.first_event + (self.num_events - 1) * int(self.frequency)
-
 
 class Points(Schedule):
     """Explicit ``(time, sparsity)`` pairs; each time is an event and the target is a step function through them.
@@ -718,18 +694,6 @@ class Points(Schedule):
         """
         self._require_resolved()
         return [int(time) for time in self._times]
-
-    @property
-    def first_event(self) -> int:
-        """The earliest time of the points."""
-        self._require_resolved()
-        return int(self._times[0])
-
-    @property
-    def last_event(self) -> int:
-        """The latest time of the points."""
-        self._require_resolved()
-        return int(self._times[-1])
 
 
 class FromCallable(_Ramp):
