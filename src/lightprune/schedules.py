@@ -451,7 +451,7 @@ class _MonotoneRamp(_Ramp):
         }
 
     @abstractmethod
-    def _shape(self, done: int, length: int) -> tuple[int, int]:
+    def _fraction_done(self, done: int, length: int) -> tuple[int, int]:
         """Return the fraction of ``final - initial`` reached after ``done`` of ``length`` units, as integers.
 
         Returning ``(numerator, denominator)`` keeps the arithmetic exact until a single final float division.
@@ -464,7 +464,7 @@ class _MonotoneRamp(_Ramp):
             return self.initial
         if event >= self.end:
             return self.final
-        numerator, denominator = self._shape(event - int(self.start), int(self.end) - int(self.start))
+        numerator, denominator = self._fraction_done(event - int(self.start), int(self.end) - int(self.start))
         level = self.initial + (self.final - self.initial) * numerator / denominator
         return min(max(level, self.initial), self.final)
 
@@ -489,7 +489,7 @@ class Linear(_MonotoneRamp):
 
     """
 
-    def _shape(self, done: int, length: int) -> tuple[int, int]:
+    def _fraction_done(self, done: int, length: int) -> tuple[int, int]:
         return done, length
 
 
@@ -516,7 +516,7 @@ class Cubic(_MonotoneRamp):
 
     """
 
-    def _shape(self, done: int, length: int) -> tuple[int, int]:
+    def _fraction_done(self, done: int, length: int) -> tuple[int, int]:
         # 1 - (1 - done / length) ** 3 == (length**3 - (length - done)**3) / length**3, exact in integers.
         return length**3 - (length - done) ** 3, length**3
 

@@ -174,17 +174,16 @@ def _resolve_selection(model: nn.Module, parameters: Selection) -> list[tuple[st
     """``(qualified name, module, parameter name)`` for each selected parameter.
 
     ``None`` selects what :class:`lightprune.PruningCallback` selects by default
-    (:func:`lightprune.selection.select_parameters`: the ``weight`` of every Linear and Conv layer, transposed
-    convolutions excepted), so the summary's totals match the callback's logged ones.
+    (:func:`lightprune.selection.select_parameters` itself: the ``weight`` of every Linear and Conv layer, a tied
+    weight once), so the summary's totals match the callback's logged ones.
     """
     if parameters is None:
-        from lightprune.selection import DEFAULT_MODULE_TYPES
+        from lightprune.selection import select_parameters
 
-        return [
-            (f"{name}.weight" if name else "weight", module, "weight")
-            for name, module in model.named_modules()
-            if isinstance(module, DEFAULT_MODULE_TYPES) and isinstance(getattr(module, "weight", None), torch.Tensor)
-        ]
+        try:
+            return select_parameters(model)
+        except ValueError:  # nothing the callback would select: nothing to summarize
+            return []
     names = {id(module): name for name, module in model.named_modules()}
     selection = []
     for entry in parameters:
