@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
-from lightprune.prune.base import pruning_hooks
+from lightprune.prune._reparam import pruning_hooks
 from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
 from tiny_lightning import TinyNet, folded, loader
 
