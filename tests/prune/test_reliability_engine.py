@@ -21,7 +21,7 @@ that many; structured counts are in channels). After every step:
   same methods in each container), attributes, LSTM flat-weight lists and state_dict values are exactly as before.
 
 Bounded for CI (``max_examples=40, stateful_step_count=25``); the ``nightly`` Hypothesis profile runs far more:
-``LIGHTPRUNE_HYPOTHESIS_PROFILE=nightly python -m pytest tests/test_reliability_engine.py`` (see RELIABILITY.md).
+``LIGHTPRUNE_HYPOTHESIS_PROFILE=nightly python -m pytest tests/prune/test_reliability_engine.py`` (see RELIABILITY.md).
 """
 
 from __future__ import annotations
