@@ -958,6 +958,26 @@ def test_mask_dtype(mask_dtype: torch.dtype | None, model_dtype: torch.dtype) ->
     assert sum(zeros(mask) for mask in masks(model).values()) == round(TARGET * N)
 
 
+@pytest.mark.parametrize("scope", ["global", "layerwise"])
+def test_events_pass_the_mask_dtype_and_leave_the_users_setting_alone(scope: str) -> None:
+    """The callback's mask_dtype reaches the masks as an argument: the process-wide prune.mask_dtype setting a
+    method sees during an event is still the user's."""
+    seen: list[torch.dtype | None] = []
+
+    class Spy(prune.L1Unstructured):
+        def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+            seen.append(prune.get_mask_dtype())
+            return super().compute_mask(t, default_mask)
+
+    callback = PruningCallback(RAMP, scope=scope, method=Spy, make_permanent=False)
+    with prune.mask_dtype(torch.float64):
+        model, _ = fit(callback)
+        assert prune.get_mask_dtype() == torch.float64
+    assert seen and set(seen) == {torch.float64}
+    assert {mask.dtype for mask in masks(model).values()} == {torch.bool}
+    assert sum(zeros(mask) for mask in masks(model).values()) == round(TARGET * N)
+
+
 def test_defaults_bool_masks_weights_only_no_rewind() -> None:
     callback = PruningCallback(0.5)
     assert callback.mask_dtype == torch.bool
