@@ -113,7 +113,12 @@ def run(steps: int, frequency: int, warmup: int, sample_every: int, pruning: boo
     gc.collect()
     samples = dict(sampler.samples)
     start_rss, end_rss = samples[warmup], samples[max(samples)]
-    history = [len(hook) for m in model.modules() for _, hook in prune.base.pruning_hooks(m)]
+    history = [
+        len(hook)
+        for m in model.modules()
+        for hook in m._forward_pre_hooks.values()
+        if isinstance(hook, prune.BasePruningMethod)  # lightprune's pruning hooks (PruningContainers by now)
+    ]
     weights = [m.weight_mask for m in model.net if isinstance(m, nn.Linear) and hasattr(m, "weight_mask")]
     pruned = sum(int((mask == 0).sum()) for mask in weights)
     total = sum(m.weight.numel() for m in model.net if isinstance(m, nn.Linear))

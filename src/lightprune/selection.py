@@ -27,6 +27,8 @@ from typing import Any
 
 from torch import nn
 
+from lightprune import prune
+
 __all__ = [
     "DEFAULT_MODULE_TYPES",
     "compile_patterns",
@@ -47,8 +49,9 @@ _ORIG_SUFFIX = "_orig"
 def pruned_tensor_names(module: nn.Module) -> set[str]:
     """Return the names of the tensors of ``module`` that are currently pruned (reparametrized).
 
-    A tensor ``X`` is pruned when one of the module's forward pre-hooks has ``_tensor_name == "X"`` and a
-    ``compute_mask`` method; this works for hooks of both ``torch.nn.utils.prune`` and ``lightprune.prune``.
+    :func:`lightprune.prune.pruned_names` as a set: a tensor ``X`` is pruned when one of the module's forward
+    pre-hooks has ``_tensor_name == "X"`` and a ``compute_mask`` method; this works for hooks of both
+    ``torch.nn.utils.prune`` and ``lightprune.prune``.
 
     Args:
         module: the module to inspect (its own hooks only, not its children's).
@@ -64,12 +67,7 @@ def pruned_tensor_names(module: nn.Module) -> set[str]:
         {'weight'}
 
     """
-    names = set()
-    for hook in module._forward_pre_hooks.values():
-        tensor_name = getattr(hook, "_tensor_name", None)
-        if isinstance(tensor_name, str) and callable(getattr(hook, "compute_mask", None)):
-            names.add(tensor_name)
-    return names
+    return set(prune.pruned_names(module))
 
 
 def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

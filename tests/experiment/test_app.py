@@ -34,13 +34,6 @@ from lightprune.experiment.app import config_dir, main, run_experiment
 from lightprune.experiment.data import write_idx
 from lightprune.experiment.report import RunSummary
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
-    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
-]
-
 TINY = ["experiment=smoke", "data.batch_size=256"]
 """1 dense epoch and 2 pruning epochs of 5 steps each, one CPU thread: a run takes a second or two."""
 

@@ -22,9 +22,6 @@ from lightprune.experiment.models import (
     theoretical_speedup,
 )
 
-# Lightning's own use of a torch API that torch deprecated; nothing the tests can change
-pytestmark = pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\)")
-
 # --------------------------------------------------------------------------------------------------------------------
 # Architectures
 # --------------------------------------------------------------------------------------------------------------------

@@ -22,9 +22,6 @@ from lightprune.experiment import load_run
 from lightprune.experiment.app import config_dir, run_experiment
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
     pytest.mark.filterwarnings("ignore:.*no `validation_step`.*"),
 ]
 

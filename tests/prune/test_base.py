@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune as tp
 
 from lightprune import prune as lp
-from lightprune.prune import base
+from lightprune.prune import _reparam, base
 
 
 def linear(in_features: int = 4, out_features: int = 3, seed: int = 0, **kwargs) -> nn.Linear:
@@ -795,9 +795,9 @@ def test_importance_scores_shape_is_checked_first_like_torch() -> None:
 def test_move_key_keeps_the_dict_object() -> None:
     table = {"a": 1, "b": 2, "c": 3}
     same = table
-    base.move_key(table, "c", 0)
+    _reparam._move_key(table, "c", 0)
     assert same is table and list(table.items()) == [("c", 3), ("a", 1), ("b", 2)]
-    base.move_key(table, "c", 2)
+    _reparam._move_key(table, "c", 2)
     assert list(table) == ["a", "b", "c"]
 
 
@@ -805,11 +805,11 @@ def test_refresh_machinery_is_installed_and_uninstalled() -> None:
     layer = linear()
     lp.l1_unstructured(layer, "weight", amount=2)
     lp.l1_unstructured(layer, "bias", amount=1)
-    assert isinstance(layer.__dict__["_apply"], base._RefreshingApply)
-    assert list(layer._load_state_dict_post_hooks.values()).count(base._refresh_after_load) == 1
+    assert isinstance(layer.__dict__["_apply"], _reparam._RefreshingApply)
+    assert list(layer._load_state_dict_post_hooks.values()).count(_reparam._refresh_after_load) == 1
     lp.remove(layer, "weight")
     assert "_apply" in layer.__dict__  # bias is still pruned
     lp.remove(layer, "bias")
     assert "_apply" not in layer.__dict__
-    assert base._refresh_after_load not in layer._load_state_dict_post_hooks.values()
+    assert _reparam._refresh_after_load not in layer._load_state_dict_post_hooks.values()
     assert not lp.is_pruned(layer)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune as tp
 
 from lightprune import prune as lp
-from lightprune.prune import base
+from lightprune.prune import _reparam, base
 from lightprune.prune import select as select_module
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -235,14 +235,14 @@ def test_failure_in_the_second_global_commit_restores_both_modules(monkeypatch: 
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
     lp.l1_unstructured(second, "weight", amount=2)
     states = [ModuleState.of(first), ModuleState.of(second)]
-    real_commit = base.Attachment.commit
+    real_commit = _reparam._Attachment.commit
 
-    def commit(self: base.Attachment) -> base.BasePruningMethod:
+    def commit(self: _reparam._Attachment) -> base.BasePruningMethod:
         if self.module is second:
             raise KeyboardInterrupt  # even an interrupt leaves nothing half-done
         return real_commit(self)
 
-    monkeypatch.setattr(base.Attachment, "commit", commit)
+    monkeypatch.setattr(_reparam._Attachment, "commit", commit)
     with pytest.raises(KeyboardInterrupt):
         lp.global_unstructured([(first, "weight"), (second, "weight")], lp.L1Unstructured, amount=5)
     monkeypatch.undo()
@@ -679,14 +679,14 @@ def test_rollback_restores_an_rnns_flat_weights(monkeypatch: pytest.MonkeyPatch,
     expected = lstm(x)[0].detach()
     flat = lstm._flat_weights  # after the forward: an LSTM's forward may rebuild the list
     contents = list(flat)
-    real_commit = base.Attachment.commit
+    real_commit = _reparam._Attachment.commit
 
-    def commit(self: base.Attachment) -> base.BasePruningMethod:
+    def commit(self: _reparam._Attachment) -> base.BasePruningMethod:
         if self.module is linear:
             raise RuntimeError("second attachment failed")
         return real_commit(self)
 
-    monkeypatch.setattr(base.Attachment, "commit", commit)
+    monkeypatch.setattr(_reparam._Attachment, "commit", commit)
     with pytest.raises(RuntimeError, match="second attachment failed"):
         lp.global_unstructured([(lstm, "weight_hh_l0"), (linear, "weight")], lp.L1Unstructured, amount=6)
     monkeypatch.undo()
@@ -694,7 +694,7 @@ def test_rollback_restores_an_rnns_flat_weights(monkeypatch: pytest.MonkeyPatch,
     assert torch.equal(lstm(x)[0], expected)
 
 
-@pytest.mark.parametrize("point", ["move_key", "uninstall_refresh_if_unpruned"])
+@pytest.mark.parametrize("point", ["_move_key", "uninstall_refresh_if_unpruned"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_interrupted_remove_leaves_the_module_pruned(
     monkeypatch: pytest.MonkeyPatch, point: str, error: type[BaseException]
@@ -712,7 +712,7 @@ def test_interrupted_remove_leaves_the_module_pruned(
     def fail(*args: Any, **kwargs: Any) -> None:
         raise error("injected")
 
-    monkeypatch.setattr(base if point == "move_key" else functional, point, fail)
+    monkeypatch.setattr(_reparam if point == "_move_key" else functional, point, fail)
     with pytest.raises(error):
         lp.remove(lstm, "weight_hh_l0")
     monkeypatch.undo()

@@ -73,7 +73,7 @@ def masks_sync_free(scores, k, eligible=None, magnitude=False, largest=False):
     """Like select_smallest, but through the apply path used on accelerators (no host syncs)."""
     cut = find_cut(scores, k, eligible=eligible, magnitude=magnitude, largest=largest)
     outs = [torch.empty(s.shape, dtype=torch.bool) for s in scores]
-    keys = select._Keys(select._common_dtype(scores), magnitude, largest)
+    keys = select.Keys(select.common_dtype(scores), magnitude, largest)
     elig = [None] * len(scores) if eligible is None else list(eligible)
     select._apply(list(scores), cut, outs, elig, [None] * len(scores), keys, select.CHUNK_CPU, sync_free=True)
     return [o.logical_not_() for o in outs]

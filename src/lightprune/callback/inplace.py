@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback.masks import mask_of, original
+from lightprune.callback.masks import mask_of
 from lightprune.prune.distributed import local_of
 from lightprune.prune.masking import masked_
 
@@ -52,7 +52,7 @@ class InPlaceMasks:
             mask = mask_of(module, name)
             if mask is None:
                 continue
-            parameter = original(module, name)
+            parameter = prune.original(module, name)
             prune.remove(module, name)
             self._entries[(id(module), name)] = (module, name, mask)
             self._by_parameter[id(parameter)] = (parameter, mask)
@@ -65,7 +65,7 @@ class InPlaceMasks:
         For a DTensor (a sharded parameter), ``mask`` is the mask of this rank's local shard: the reparametrization
         never applies to it, and weights and gradients are masked on the local shard.
         """
-        parameter = original(module, name)
+        parameter = prune.original(module, name)
         self._entries[(id(module), name)] = (module, name, mask)
         self._by_parameter[id(parameter)] = (parameter, mask)
         if id(parameter) not in self._handles:
@@ -82,8 +82,7 @@ class InPlaceMasks:
         """Put every mask back under the reparametrization (for an event) and forget them here; returns them."""
         entries = list(self._entries.values())
         for module, name, mask in entries:
-            with prune.mask_dtype(mask.dtype):
-                prune.custom_from_mask(module, name, mask=mask)
+            prune.custom_from_mask(module, name, mask=mask, mask_dtype=mask.dtype)
         self._entries.clear()
         self._by_parameter.clear()
         return entries

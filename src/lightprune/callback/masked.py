@@ -18,9 +18,8 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.inplace import InPlaceMasks
-from lightprune.callback.masks import bias_name, mask_of, original, restore_problems, share_mask
+from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
 from lightprune.prune import distributed
-from lightprune.prune.base import ModuleSnapshot, find_hook
 from lightprune.prune.masking import masked_
 from lightprune.prune.state_dict import PlainStateDict
 
@@ -74,7 +73,7 @@ class MaskedSelection:
         self.mask_dtype, self.seed = mask_dtype, seed
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
-        tensors = [original(module, name) for _, module, name in selection]
+        tensors = [prune.original(module, name) for _, module, name in selection]
         self.sharded = any(distributed.is_sharded(t) for t in tensors)
         self.group = distributed.group_of(tensors) if self.sharded else None
         self.inplace = InPlaceMasks() if inplace or self.sharded else None
@@ -105,7 +104,7 @@ class MaskedSelection:
         """``(units, pruned units)`` of a tensor: entries, or channels along ``dim`` for structured methods."""
         if self.sharded:
             return self._sharded_counts([(module, name)])[0]
-        tensor = original(module, name)
+        tensor = prune.original(module, name)
         mask = self.mask(module, name)
         if not self.structured:
             pruned = 0 if mask is None else tensor.numel() - int(torch.count_nonzero(mask))
@@ -123,7 +122,7 @@ class MaskedSelection:
         return [self.units(module, name) for _, module, name in self.selection]
 
     def _sharded_counts(self, pairs: list[tuple[nn.Module, str]]) -> list[tuple[int, int]]:
-        tensors = [original(module, name) for module, name in pairs]
+        tensors = [prune.original(module, name) for module, name in pairs]
         masks = [self.mask(module, name) for module, name in pairs]
         dim = self.method_kwargs["dim"] if self.structured else None
         return distributed.pruned_units(tensors, masks, dim=dim, group=self.group)
@@ -135,7 +134,7 @@ class MaskedSelection:
     @contextlib.contextmanager
     def _seeded(self, event: int) -> Iterator[None]:
         """Draw random masks from ``(seed, event)`` alone, leaving the global generators as they were."""
-        tensors = [original(module, name) for _, module, name in self.selection]
+        tensors = [prune.original(module, name) for _, module, name in self.selection]
         devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((self.seed * 1_000_003 + event) % (2**63))
@@ -149,13 +148,8 @@ class MaskedSelection:
         failure at the second tensor would leave the first one at the new target (a half-applied event, in the model
         and in any checkpoint written on the exception).
         """
-        snapshots = [(ModuleSnapshot.take(module, name), name) for module, name in self.pairs()]
-        try:
+        with prune.transaction(self.pairs()):
             yield
-        except BaseException:
-            for snapshot, name in reversed(snapshots):
-                snapshot.restore(name)
-            raise
 
     @contextlib.contextmanager
     def reparametrized(self) -> Iterator[None]:
@@ -175,22 +169,26 @@ class MaskedSelection:
             with self._seeded(event):
                 self._prune_sharded(target)
             return
-        with self.reparametrized(), prune.mask_dtype(self.mask_dtype), self._seeded(event), self.all_or_nothing():
+        # new masks get self.mask_dtype through the calls' mask_dtype= (the user's prune.mask_dtype setting is theirs)
+        with self.reparametrized(), self._seeded(event), self.all_or_nothing():
             if self.scope == "global":
                 counts = self.counts()
                 total = sum(units for units, _ in counts)
                 increment = round(target * total) - sum(pruned for _, pruned in counts)
                 if increment > 0:
                     pairs = [(module, name) for _, module, name in self.selection]
-                    prune.global_unstructured(pairs, self.method, amount=increment, **self.method_kwargs)
+                    prune.global_unstructured(
+                        pairs, self.method, mask_dtype=self.mask_dtype, amount=increment, **self.method_kwargs
+                    )
             else:
                 for _, module, name in self.selection:
                     units, pruned = self.units(module, name)
                     increment = round(target * units) - pruned
                     if increment > 0:
-                        self.method.apply(module, name, amount=increment, **self.method_kwargs)
+                        method = self.method(amount=increment, **self.method_kwargs)
+                        prune.apply_method(module, name, method, mask_dtype=self.mask_dtype)
             for module in self.biases:
-                _prune_bias(module)
+                _prune_bias(module, self.mask_dtype)
             self._share_everywhere()
 
     def _prune_sharded(self, target: float) -> None:
@@ -201,7 +199,7 @@ class MaskedSelection:
         """
         assert self.inplace is not None
         pairs = [(module, name) for _, module, name in self.selection]
-        tensors = [original(module, name) for module, name in pairs]
+        tensors = [prune.original(module, name) for module, name in pairs]
         current = [self.mask(module, name) for module, name in pairs]
         counts = self.counts()
         new: dict[int, Tensor] = {}
@@ -263,7 +261,7 @@ class MaskedSelection:
         if weight_mask is None:
             return
         keep = torch.count_nonzero(weight_mask, dim=list(range(1, weight_mask.dim()))) > 0
-        bias = distributed.local_of(original(module, "bias"))
+        bias = distributed.local_of(prune.original(module, "bias"))
         if keep.shape != bias.shape:
             raise ValueError(
                 f"the local bias of {type(module).__name__} has shape {tuple(bias.shape)} but its weight's local "
@@ -321,7 +319,7 @@ class MaskedSelection:
             self.inplace.remove_hooks()
             return
         for module, name in self.pairs():
-            if find_hook(module, name)[1] is not None:
+            if name in prune.pruned_names(module):
                 prune.remove(module, name)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -340,7 +338,7 @@ class MaskedSelection:
         found = {key: self.mask(module, name) for key, (module, name) in targets.items()}
         if self.sharded:  # each rank's local shard, as a DTensor of the parameter's layout
             return {
-                key: distributed.as_dtensor(mask, original(*targets[key]))
+                key: distributed.as_dtensor(mask, prune.original(*targets[key]))
                 for key, mask in found.items()
                 if mask is not None
             }
@@ -366,8 +364,7 @@ class MaskedSelection:
                     continue
                 if current is not None:
                     prune.remove(module, name)
-                with prune.mask_dtype(mask.dtype):
-                    prune.custom_from_mask(module, name, mask=mask)
+                prune.custom_from_mask(module, name, mask=mask, mask_dtype=mask.dtype)
             self._share_everywhere()
 
     def _restore_sharded(
@@ -382,7 +379,7 @@ class MaskedSelection:
             if key not in targets:
                 problems.append(f"{key!r} is not selected by this callback (the selection is {sorted(targets)})")
                 continue
-            tensor = original(*targets[key])
+            tensor = prune.original(*targets[key])
             if tuple(mask.shape) != tuple(tensor.shape):
                 problems.append(
                     f"the mask of {key!r} has shape {tuple(mask.shape)}, the parameter {tuple(tensor.shape)}"
@@ -415,8 +412,9 @@ def _owner_in(model: nn.Module, qualified: str) -> nn.Module:
     return model.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
 
 
-def _prune_bias(module: nn.Module) -> None:
-    """Zero the bias entries of the output channels the weight's mask has removed entirely."""
+def _prune_bias(module: nn.Module, mask_dtype: torch.dtype | None) -> None:
+    """Zero the bias entries of the output channels the weight's mask has removed entirely (a new bias mask in
+    ``mask_dtype``, ``None`` being the bias's dtype)."""
     weight_mask = module._buffers.get("weight_mask")
     if weight_mask is None:
         return
@@ -424,7 +422,7 @@ def _prune_bias(module: nn.Module) -> None:
     bias_mask = mask_of(module, "bias")
     if bias_mask is not None and torch.equal(bias_mask != 0, keep):
         return
-    prune.custom_from_mask(module, "bias", mask=keep)
+    prune.custom_from_mask(module, "bias", mask=keep, mask_dtype=mask_dtype)
 
 
 def _plain_state_dict_of(module: nn.Module) -> PlainStateDict:

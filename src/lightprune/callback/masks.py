@@ -14,20 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.prune.base import find_hook, original_parameter, refresh_pruned
 
-__all__ = ["bias_name", "mask_of", "original", "restore_problems", "share_mask"]
-
-
-def original(module: nn.Module, name: str) -> Tensor:
-    """The Parameter behind ``module.<name>``: ``name_orig`` when pruned, else ``name`` itself.
-
-    Example:
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> original(prune.identity(layer, "weight"), "weight") is layer.weight_orig
-        True
-    """
-    return original_parameter(module, name, find_hook(module, name)[1])
+__all__ = ["bias_name", "mask_of", "restore_problems", "share_mask"]
 
 
 def mask_of(module: nn.Module, name: str) -> Tensor | None:
@@ -38,8 +26,7 @@ def mask_of(module: nn.Module, name: str) -> Tensor | None:
         >>> mask_of(layer, "weight") is None, mask_of(prune.identity(layer, "weight"), "weight").shape
         (True, torch.Size([2, 2]))
     """
-    _, hook = find_hook(module, name)
-    return module._buffers[name + "_mask"] if hook is not None else None
+    return module._buffers[name + "_mask"] if name in prune.pruned_names(module) else None
 
 
 def bias_name(weight_name: str) -> str:
@@ -63,12 +50,11 @@ def share_mask(module: nn.Module, name: str, mask: Tensor) -> None:
         >>> b.weight_mask is a.weight_mask, b.weight_orig is a.weight_orig, torch.equal(a.weight, b.weight)
         (True, True, True)
     """
-    if find_hook(module, name)[1] is None:
-        with prune.mask_dtype(mask.dtype):
-            prune.custom_from_mask(module, name, mask=mask)
-    device = module._parameters[name + "_orig"].device
+    if name not in prune.pruned_names(module):
+        prune.custom_from_mask(module, name, mask=mask, mask_dtype=mask.dtype)
+    device = prune.original(module, name).device
     module._buffers[name + "_mask"] = mask if mask.device == device else mask.to(device)
-    refresh_pruned(module)
+    prune.refresh_pruned(module)
 
 
 def restore_problems(masks: Mapping[str, Tensor], targets: Mapping[str, tuple[nn.Module, str]]) -> list[str]:
@@ -88,7 +74,7 @@ def restore_problems(masks: Mapping[str, Tensor], targets: Mapping[str, tuple[nn
                 f"is {sorted(targets)})"
             )
             continue
-        shape = tuple(original(*targets[key]).shape)
+        shape = tuple(prune.original(*targets[key]).shape)
         if tuple(mask.shape) != shape:
             problems.append(f"the mask of {key!r} has shape {tuple(mask.shape)}, the parameter {shape}")
         elif mask.dtype != torch.bool and not mask.dtype.is_floating_point:

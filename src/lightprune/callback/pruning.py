@@ -27,7 +27,6 @@ from lightprune import prune
 from lightprune._checks import is_int
 from lightprune.callback import neighbours, reporting, rewinding, selecting
 from lightprune.callback.masked import MaskedSelection
-from lightprune.callback.masks import original
 from lightprune.callback.options import (
     MASKING,
     UNITS,
@@ -486,7 +485,7 @@ class PruningCallback(Callback):
             )
         holders = {}
         for key in names:
-            tensor = original(*targets[key])
+            tensor = prune.original(*targets[key])
             holders[self._sharded_prefix + key] = as_dtensor(
                 torch.empty(
                     local_of(tensor).shape, dtype=self.mask_dtype or torch.bool, device=local_of(tensor).device
@@ -569,12 +568,12 @@ class PruningCallback(Callback):
         current = {}
         for qualified, module, name in self._masked.selection:
             mask = self._masked.mask(module, name)
-            tensor = original(module, name)
+            tensor = prune.original(module, name)
             if self._masked.sharded:  # local shards; a plain tensor, the same on every rank, counts on rank 0 only
                 from lightprune.prune.distributed import is_sharded, local_of
 
                 tensor = local_of(tensor)
-                if not is_sharded(original(module, name)) and trainer.global_rank != 0:
+                if not is_sharded(prune.original(module, name)) and trainer.global_rank != 0:
                     tensor, mask = tensor.new_empty(0), None
             current[qualified] = torch.ones_like(tensor, dtype=torch.bool) if mask is None else mask
         values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
@@ -619,7 +618,7 @@ class PruningCallback(Callback):
         if self._masked is None:
             return "PruningCallback: nothing selected yet"
         unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
-        rows = [(q, tuple(original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
+        rows = [(q, tuple(prune.original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
         title = "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
         return reporting.summary_table(f"{title}: pruned {self.scope}, {self.method.__name__}", unit, rows)
 

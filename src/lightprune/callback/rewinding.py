@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from lightprune.prune.base import pruning_hooks, refresh_pruned
+from lightprune import prune
 
 __all__ = ["named_weights", "rewind_into", "snapshot_weights"]
 
@@ -20,7 +20,7 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         ['weight', 'bias']
     """
     for module_name, module in model.named_modules():
-        pruned = {hook._tensor_name for _, hook in pruning_hooks(module)}
+        pruned = prune.pruned_names(module)
         for name, parameter in module._parameters.items():
             if parameter is None:
                 continue
@@ -58,4 +58,4 @@ def rewind_into(model: nn.Module, snapshot: Mapping[str, Tensor]) -> None:
             if saved is not None and saved.shape == parameter.shape:
                 parameter.copy_(saved)
     for module in model.modules():
-        refresh_pruned(module)
+        prune.refresh_pruned(module)

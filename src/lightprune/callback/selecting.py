@@ -8,8 +8,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightprune import prune
 from lightprune._checks import is_int
-from lightprune.callback.masks import original
 
 __all__ = ["SMALL_SHARE", "check_dims", "check_sharded", "find_ties", "refuse_overlaps", "warn_small_share"]
 
@@ -22,10 +22,10 @@ SMALL_SHARE = 0.5
 def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str) -> None:
     """Another PruningCallback (``others``, whose selection is made) prunes some of the same tensors, or logs to the
     same keys: refuse, naming them."""
-    mine = {id(original(module, name)) for _, module, name in selection}
+    mine = {id(prune.original(module, name)) for _, module, name in selection}
     others = list(others)
     for other in others:
-        shared = [q for q, module, name in other._masked.selection if id(original(module, name)) in mine]
+        shared = [q for q, module, name in other._masked.selection if id(prune.original(module, name)) in mine]
         if shared:
             raise ValueError(f"two PruningCallbacks select the same parameters {shared}: make them disjoint")
     for other in others:
@@ -54,7 +54,7 @@ def check_sharded(
         )
     from lightprune.prune.distributed import is_sharded
 
-    sharded = [qualified for qualified, module, name in selection if is_sharded(original(module, name))]
+    sharded = [qualified for qualified, module, name in selection if is_sharded(prune.original(module, name))]
     if not sharded:
         return
     if type(strategy).__name__ != "ModelParallelStrategy":
@@ -63,8 +63,6 @@ def check_sharded(
             f"{type(strategy).__name__}); sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Shard with "
             "ModelParallelStrategy and fully_shard in configure_model, or exclude them."
         )
-    from lightprune import prune
-
     supported = (prune.L1Unstructured, prune.RandomUnstructured, prune.LnStructured, prune.RandomStructured)
     if method not in supported:
         raise ValueError(
@@ -82,7 +80,7 @@ def check_dims(selection: Selection, method_kwargs: Mapping[str, Any]) -> None:
     fails, mid-training)."""
     dim = method_kwargs.get("dim")
     for qualified, module, name in selection:
-        tensor = original(module, name)
+        tensor = prune.original(module, name)
         if tensor.dim() < 2:
             raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: structured pruning needs >= 2 dims")
         if is_int(dim) and not -tensor.dim() <= dim < tensor.dim():
@@ -98,7 +96,7 @@ def find_ties(
     """For each selected tensor registered on other modules too (tied weights): ``(module, name, other owners)``."""
     ties = []
     for _, module, name in selection:
-        others = [(q, m, n) for q, m, n in owners.get(id(original(module, name)), []) if (m, n) != (module, name)]
+        others = [(q, m, n) for q, m, n in owners.get(id(prune.original(module, name)), []) if (m, n) != (module, name)]
         if others:
             ties.append((module, name, others))
     return ties
@@ -107,12 +105,12 @@ def find_ties(
 def warn_small_share(selection: Selection, owners: Mapping[int, Selection]) -> None:
     """Say so once when the selection leaves most of the model's weights out (GPT-2's ``Conv1D`` layers are not
     ``nn.Linear``), naming the largest unselected module types."""
-    selected = {id(original(module, name)) for _, module, name in selection}
+    selected = {id(prune.original(module, name)) for _, module, name in selection}
     total = chosen = 0
     unselected: dict[str, int] = {}
     for parameter_id, places in owners.items():
         _, module, name = places[0]
-        tensor = original(module, name)
+        tensor = prune.original(module, name)
         if tensor.dim() < 2:
             continue
         total += tensor.numel()

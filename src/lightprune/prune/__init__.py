@@ -3,6 +3,12 @@
 Swap ``from torch.nn.utils import prune`` for ``from lightprune import prune`` and keep your code: the names,
 signatures, reparametrization (``name_orig``, ``name_mask``, forward pre-hook) and state_dict keys are torch's.
 
+Beyond torch's API: :func:`mask_dtype` (boolean masks), :func:`prepare_for_state_dict` (load checkpoints across the
+reparametrization), :func:`pruned_names` and :func:`original` (which tensors are pruned, and the Parameter behind
+one), :func:`refresh_pruned`, :func:`transaction` (all or nothing over several calls) and :func:`apply_method` (a
+method object, with the new mask's dtype as an argument). The rest of lightprune (the callback, selection, export)
+reaches the engine through these names only.
+
 Example:
     >>> import torch
     >>> from lightprune import prune
@@ -14,6 +20,15 @@ Example:
     40
 """
 
+from lightprune.prune._reparam import (
+    get_mask_dtype,
+    mask_dtype,
+    original,
+    pruned_names,
+    refresh_pruned,
+    set_mask_dtype,
+    transaction,
+)
 from lightprune.prune.amount import (
     _compute_norm,
     _compute_nparams_toprune,
@@ -22,8 +37,9 @@ from lightprune.prune.amount import (
     _validate_pruning_dim,
     _validate_structured_pruning,
 )
-from lightprune.prune.base import BasePruningMethod, PruningContainer, get_mask_dtype, mask_dtype, set_mask_dtype
+from lightprune.prune.base import BasePruningMethod, PruningContainer
 from lightprune.prune.functional import (
+    apply_method,
     custom_from_mask,
     global_unstructured,
     identity,
@@ -59,6 +75,7 @@ __all__ = [
     "_validate_pruning_amount_init",
     "_validate_pruning_dim",
     "_validate_structured_pruning",
+    "apply_method",
     "custom_from_mask",
     "get_mask_dtype",
     "global_unstructured",
@@ -67,9 +84,13 @@ __all__ = [
     "l1_unstructured",
     "ln_structured",
     "mask_dtype",
+    "original",
     "prepare_for_state_dict",
+    "pruned_names",
     "random_structured",
     "random_unstructured",
+    "refresh_pruned",
     "remove",
     "set_mask_dtype",
+    "transaction",
 ]

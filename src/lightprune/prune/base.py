@@ -1,10 +1,11 @@
-"""The pruning reparametrization: ``BasePruningMethod``, ``PruningContainer`` and how a mask is attached to a module.
+"""The pruning methods: ``BasePruningMethod``, ``PruningContainer`` and the rules that combine a new mask with the old.
 
 The contract is torch.nn.utils.prune's, so checkpoints and code move between the two: pruning parameter ``name``
 of a module renames the Parameter to ``name_orig`` (the same object, so optimizers keep working), registers the
 mask as buffer ``name_mask``, stores ``name_orig * name_mask`` as the plain attribute ``name`` and registers the
 method object as a forward pre-hook that recomputes that attribute before every forward. A second method on the
-same tensor is combined with the first through a ``PruningContainer``.
+same tensor is combined with the first through a ``PruningContainer``. How the mask is attached to a module, kept
+current and rolled back on failure lives in :mod:`lightprune.prune._reparam`.
 
 What differs from torch is behind that contract:
 
@@ -13,19 +14,19 @@ What differs from torch is behind that contract:
 * a later call replaces the hook in place, so the order of the module's other forward pre-hooks is kept, and
   ``name_orig`` takes ``name``'s place among the parameters, so ``module.parameters()`` keeps its order (an optimizer
   created after pruning, e.g. when resuming from a checkpoint, lines up with the saved optimizer state);
-* the pruned attribute survives ``copy.deepcopy`` and ``pickle``, and is recomputed after ``.to()``, ``.half()``,
-  ``.double()``, ``.cuda()``, every other conversion and ``load_state_dict``, so it is never stale;
-* masks may be stored as ``torch.bool`` (1 byte an entry) instead of the parameter's dtype, see :func:`mask_dtype`;
+* the pruned attribute survives ``copy.deepcopy`` and ``pickle`` (:class:`_PrunedTensor`, the type the hook writes),
+  and is recomputed after ``.to()``, ``.half()``, ``.double()``, ``.cuda()``, every other conversion and
+  ``load_state_dict``, so it is never stale;
+* masks may be stored as ``torch.bool`` (1 byte an entry) instead of the parameter's dtype, see
+  :func:`~lightprune.prune.mask_dtype`;
 * the built-in methods select with an exact O(n) threshold pass (``select.py``) instead of ``topk`` or boolean
   indexing, so tensors of any size work and ties are broken by flat index.
 """
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,83 +34,10 @@ from torch import Tensor, nn
 
 from lightprune.prune.masking import masked
 
-__all__ = [
-    "BasePruningMethod",
-    "PruningContainer",
-    "get_mask_dtype",
-    "mask_dtype",
-    "set_mask_dtype",
-]
-
-_MASK_DTYPE: torch.dtype | None = None
+__all__ = ["BasePruningMethod", "PruningContainer"]
 
 _OWN_COMPUTE_MASK: dict[type, Any] = {}
 """Per class defining ``_next_mask``: the ``compute_mask`` function defined beside it (recorded at class creation)."""
-
-
-def set_mask_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
-    """Choose the dtype of masks created from now on; ``None`` (the default) means the parameter's own dtype.
-
-    ``torch.bool`` stores 1 byte per entry instead of 4 (float32) and is what large models want. A tensor keeps
-    the mask dtype it was first pruned with; later pruning calls on it reuse that dtype.
-
-    Args:
-        dtype: ``torch.bool``, a floating dtype, or ``None`` for the parameter's dtype.
-
-    Returns:
-        The previous setting.
-
-    Raises:
-        TypeError: ``dtype`` is neither ``None`` nor a ``torch.dtype``.
-        ValueError: ``dtype`` is neither ``torch.bool`` nor a floating dtype (an integer mask would silently
-            truncate fractional masks; a parameter of an integer dtype still gets a mask of its own dtype by
-            default, as in torch).
-
-    Example:
-        >>> previous = set_mask_dtype(torch.bool)
-        >>> get_mask_dtype()
-        torch.bool
-        >>> set_mask_dtype(previous)
-        torch.bool
-    """
-    global _MASK_DTYPE
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"mask dtype must be a torch.dtype or None (the parameter's dtype), got {dtype!r}")
-    if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
-        raise ValueError(
-            f"mask dtype must be torch.bool, a floating dtype or None (the parameter's dtype), got {dtype}"
-        )
-    previous, _MASK_DTYPE = _MASK_DTYPE, dtype
-    return previous
-
-
-def get_mask_dtype() -> torch.dtype | None:
-    """Return the dtype new masks are created with, ``None`` meaning the parameter's dtype.
-
-    Example:
-        >>> get_mask_dtype() is None
-        True
-    """
-    return _MASK_DTYPE
-
-
-@contextlib.contextmanager
-def mask_dtype(dtype: torch.dtype | None) -> Iterator[None]:
-    """Context manager form of :func:`set_mask_dtype`; the previous setting is restored on exit.
-
-    Example:
-        >>> from lightprune import prune
-        >>> layer = torch.nn.Linear(3, 2)
-        >>> with prune.mask_dtype(torch.bool):
-        ...     _ = prune.l1_unstructured(layer, "weight", amount=2)
-        >>> layer.weight_mask.dtype, int((layer.weight == 0).sum())
-        (torch.bool, 2)
-    """
-    previous = set_mask_dtype(dtype)
-    try:
-        yield
-    finally:
-        set_mask_dtype(previous)
 
 
 class _PrunedTensor(Tensor):
@@ -229,8 +157,10 @@ class BasePruningMethod(ABC):
             importance_scores: ranking input with the parameter's shape; defaults to the parameter's current value
                 (``orig * mask`` once it is pruned, as in torch).
         """
+        from lightprune.prune._reparam import _attach  # _reparam builds on this module's classes
+
         method = cls(*args, **kwargs)
-        return attach(module, name, method, importance_scores=importance_scores)
+        return _attach(module, name, method, importance_scores=importance_scores)
 
     def prune(self, t: Tensor, default_mask: Tensor | None = None, importance_scores: Tensor | None = None) -> Tensor:
         """Return ``t`` multiplied by the mask this method computes for it (no module involved).
@@ -253,6 +183,8 @@ class BasePruningMethod(ABC):
         it stay valid, and it takes back its place among the module's parameters. The caller (``prune.remove``)
         also removes the hook from the module.
         """
+        from lightprune.prune._reparam import _move_key  # _reparam builds on this module's classes
+
         name = self._attached_name()
         with torch.no_grad():
             pruned = self.apply_mask(module)
@@ -263,7 +195,7 @@ class BasePruningMethod(ABC):
         del module._parameters[name + "_orig"]
         del module._buffers[name + "_mask"]
         setattr(module, name, orig)
-        move_key(module._parameters, name, position)
+        _move_key(module._parameters, name, position)
 
     def _attached_name(self) -> str:
         if self._tensor_name is None:
@@ -342,8 +274,8 @@ class PruningContainer(BasePruningMethod):
         """Apply the newest method to what ``default_mask`` still keeps and return the combined mask.
 
         The result has ``t``'s dtype, as torch's container returns, whatever ``default_mask``'s dtype; a
-        ``torch.bool`` ``default_mask`` (a mask stored as bool, see :func:`mask_dtype`) gives a ``torch.bool``
-        result instead, so bool masks stay bool.
+        ``torch.bool`` ``default_mask`` (a mask stored as bool, see :func:`~lightprune.prune.mask_dtype`) gives a
+        ``torch.bool`` result instead, so bool masks stay bool.
 
         Example:
             >>> from lightprune import prune
@@ -469,269 +401,3 @@ def _check_same_shape(scores: Tensor, t: Tensor, scores_label: str, t_label: str
         raise ValueError(
             f"{scores_label} must have the shape of {t_label}: got {tuple(scores.shape)} vs {tuple(t.shape)}"
         )
-
-
-def pruning_hooks(module: nn.Module) -> Iterator[tuple[int, BasePruningMethod]]:
-    """Yield ``(key, hook)`` for every lightprune pruning hook registered on ``module`` itself."""
-    for key, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, BasePruningMethod):
-            yield key, hook
-
-
-def _is_foreign_pruning_hook(hook: Any, name: str) -> bool:
-    """A pruning hook from torch.nn.utils.prune (or another copy of the API) acting on ``name``."""
-    return (
-        not isinstance(hook, BasePruningMethod)
-        and getattr(hook, "_tensor_name", None) == name
-        and callable(getattr(hook, "compute_mask", None))
-    )
-
-
-def find_hook(module: nn.Module, name: str) -> tuple[int | None, BasePruningMethod | None]:
-    """Return ``(key, hook)`` of the pruning hook acting on ``module.<name>``, or ``(None, None)``."""
-    found = [(key, hook) for key, hook in pruning_hooks(module) if hook._tensor_name == name]
-    if len(found) > 1:
-        raise RuntimeError(
-            f"{len(found)} pruning hooks act on {name!r} of {type(module).__name__}; there must be at most one "
-            "(a PruningContainer combines several methods)"
-        )
-    if not found and any(_is_foreign_pruning_hook(h, name) for h in module._forward_pre_hooks.values()):
-        raise ValueError(
-            f"{name!r} of {type(module).__name__} is pruned by torch.nn.utils.prune; make that pruning permanent "
-            "with torch.nn.utils.prune.remove(module, name) before pruning it with lightprune"
-        )
-    return found[0] if found else (None, None)
-
-
-def original_parameter(module: nn.Module, name: str, hook: BasePruningMethod | None) -> Tensor:
-    """The tensor to prune: ``name_orig`` if ``name`` is already pruned, else the Parameter ``name``."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str naming a parameter, got {name!r} ({type(name).__name__})")
-    if hook is not None:
-        return module._parameters[name + "_orig"]
-    if name in module._parameters and module._parameters[name] is not None:
-        return module._parameters[name]
-    params = ", ".join(repr(p) for p, v in module._parameters.items() if v is not None) or "none"
-    if hasattr(module, name) and isinstance(getattr(module, name), Tensor):
-        raise TypeError(
-            f"{name!r} of {type(module).__name__} is a tensor but not a Parameter; only parameters can be pruned "
-            f"(its parameters: {params})"
-        )
-    raise AttributeError(f"{type(module).__name__} has no parameter {name!r}; its parameters are: {params}")
-
-
-def refresh_pruned(module: nn.Module) -> None:
-    """Recompute ``module.<name>`` for every tensor of ``module`` under a lightprune hook."""
-    for _, hook in pruning_hooks(module):
-        name = hook._tensor_name
-        if name is not None and name + "_orig" in module._parameters and name + "_mask" in module._buffers:
-            hook(module, ())
-
-
-class _RefreshingApply:
-    """Installed as ``module._apply`` on pruned modules: after a conversion, recompute the pruned attributes.
-
-    ``Module.to()``, ``.half()``, ``.double()``, ``.cuda()``... convert parameters and buffers through ``_apply``
-    but know nothing of the plain attribute holding ``orig * mask``, which torch leaves stale until the next
-    forward. This wrapper runs the class's own ``_apply`` and then recomputes every pruned attribute.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        result = type(self.module)._apply(self.module, fn, *args, **kwargs)
-        refresh_pruned(self.module)
-        return result
-
-
-def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    """``load_state_dict`` post-hook: the loaded ``orig`` and ``mask`` make the pruned attribute stale."""
-    refresh_pruned(module)
-
-
-def install_refresh(module: nn.Module) -> None:
-    """Keep ``module``'s pruned attributes current across conversions (``.to()``...) and ``load_state_dict``."""
-    if not isinstance(module.__dict__.get("_apply"), _RefreshingApply):
-        module.__dict__["_apply"] = _RefreshingApply(module)
-    if _refresh_after_load not in module._load_state_dict_post_hooks.values():
-        module.register_load_state_dict_post_hook(_refresh_after_load)
-
-
-def uninstall_refresh_if_unpruned(module: nn.Module) -> None:
-    if any(True for _ in pruning_hooks(module)):
-        return
-    if isinstance(module.__dict__.get("_apply"), _RefreshingApply):
-        del module.__dict__["_apply"]
-    for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is _refresh_after_load]:
-        del module._load_state_dict_post_hooks[key]
-
-
-def move_key(table: dict[str, Any], key: str, position: int) -> None:
-    """Move ``key`` of an insertion-ordered dict to ``position``, in place (the dict object is kept)."""
-    items = [(k, v) for k, v in table.items() if k != key]
-    items.insert(position, (key, table[key]))
-    table.clear()
-    table.update(items)
-
-
-@dataclass
-class ModuleSnapshot:
-    """What attaching a mask may change on one module, saved so that a failure can restore it exactly."""
-
-    module: nn.Module
-    parameters: dict[str, Any] = field(default_factory=dict)
-    buffers: dict[str, Any] = field(default_factory=dict)
-    non_persistent: set[str] = field(default_factory=set)
-    hooks: dict[int, Any] = field(default_factory=dict)
-    load_hooks: dict[int, Any] = field(default_factory=dict)
-    attributes: dict[str, Any] = field(default_factory=dict)
-    containers: list[tuple[PruningContainer, tuple[BasePruningMethod, ...]]] = field(default_factory=list)
-    # RNNs keep their weights in the list ``_flat_weights`` too, updated by their ``__setattr__``
-    flat_weights: tuple[list[Any], list[Any]] | None = None
-
-    @classmethod
-    def take(cls, module: nn.Module, name: str) -> ModuleSnapshot:
-        flat = module.__dict__.get("_flat_weights")
-        return cls(
-            module=module,
-            parameters=dict(module._parameters),
-            buffers=dict(module._buffers),
-            non_persistent=set(module._non_persistent_buffers_set),
-            hooks=dict(module._forward_pre_hooks),
-            load_hooks=dict(module._load_state_dict_post_hooks),
-            attributes={k: module.__dict__[k] for k in (name, "_apply") if k in module.__dict__},
-            containers=[(h, h._pruning_methods) for _, h in pruning_hooks(module) if isinstance(h, PruningContainer)],
-            flat_weights=(flat, list(flat)) if isinstance(flat, list) else None,
-        )
-
-    def restore(self, name: str) -> None:
-        module = self.module
-        module._parameters.clear()
-        module._parameters.update(self.parameters)
-        module._buffers.clear()
-        module._buffers.update(self.buffers)
-        module._non_persistent_buffers_set.clear()
-        module._non_persistent_buffers_set.update(self.non_persistent)
-        module._forward_pre_hooks.clear()
-        module._forward_pre_hooks.update(self.hooks)
-        module._load_state_dict_post_hooks.clear()
-        module._load_state_dict_post_hooks.update(self.load_hooks)
-        for key in (name, "_apply"):
-            module.__dict__.pop(key, None)
-        module.__dict__.update(self.attributes)
-        for container, methods in self.containers:
-            container._pruning_methods = methods
-        if self.flat_weights is not None:
-            flat, contents = self.flat_weights
-            flat[:] = contents
-            module.__dict__["_flat_weights"] = flat
-
-
-@dataclass
-class Attachment:
-    """A planned change: put ``mask`` on ``module.<name>`` under ``method``, combined with any existing hook."""
-
-    module: nn.Module
-    name: str
-    method: BasePruningMethod
-    orig: Tensor
-    hook_key: int | None
-    hook: BasePruningMethod | None
-    mask: Tensor | None = None
-
-    @classmethod
-    def plan(cls, module: nn.Module, name: str, method: BasePruningMethod) -> Attachment:
-        """Look up the tensor and its current hook; changes nothing."""
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        key, hook = find_hook(module, name)
-        orig = original_parameter(module, name, hook)
-        method._tensor_name = name
-        return cls(module=module, name=name, method=method, orig=orig, hook_key=key, hook=hook)
-
-    @property
-    def current_mask(self) -> Tensor | None:
-        return None if self.hook is None else self.module._buffers[self.name + "_mask"]
-
-    def default_scores(self, method: BasePruningMethod) -> Tensor:
-        """What ranks the tensor when no importance scores are given: its current value, as in torch.
-
-        Torch ranks by ``module.<name>``, which is ``orig * mask`` once the tensor is pruned: a structured method
-        compares the norms of what is left of each channel, and a user's method sees the masked values. Built-in
-        methods that choose among entries whose mask is 1, or that ignore the values, get the same result from
-        ``orig`` itself, so no full-size product is made for them.
-        """
-        if self.hook is None or not _ranks_current_values(method):
-            return self.orig
-        with torch.no_grad():
-            return self.hook.apply_mask(self.module)
-
-    def mask_dtype(self) -> torch.dtype:
-        current = self.current_mask
-        if current is not None:
-            return current.dtype
-        return _MASK_DTYPE if _MASK_DTYPE is not None else self.orig.dtype
-
-    def commit(self) -> BasePruningMethod:
-        """Register parameter, buffer, hook and attribute. Call through :func:`commit_all` for rollback."""
-        module, name, mask = self.module, self.name, self.mask
-        assert mask is not None, "compute the mask before committing"
-        if mask.shape != self.orig.shape:
-            raise ValueError(f"mask shape {tuple(mask.shape)} differs from {name!r}'s shape {tuple(self.orig.shape)}")
-        if mask.device != self.orig.device:
-            mask = mask.to(self.orig.device)
-        if self.hook is None:
-            position = list(module._parameters).index(name)
-            module.register_parameter(name + "_orig", self.orig)
-            del module._parameters[name]
-            move_key(module._parameters, name + "_orig", position)
-            module.register_buffer(name + "_mask", mask)
-            module.register_forward_pre_hook(self.method)
-            install_refresh(module)
-            hook = self.method
-        else:
-            module._buffers[name + "_mask"] = mask
-            if isinstance(self.hook, PruningContainer):
-                self.hook.add_pruning_method(self.method)
-                hook = self.hook
-            else:
-                hook = PruningContainer(self.hook, self.method)
-                module._forward_pre_hooks[self.hook_key] = hook
-        hook(module, ())
-        return hook
-
-
-def commit_all(attachments: list[Attachment]) -> list[BasePruningMethod]:
-    """Commit every attachment, or none: on any exception each module is restored exactly, then it re-raises."""
-    snapshots = [ModuleSnapshot.take(a.module, a.name) for a in attachments]
-    done = 0
-    try:
-        hooks = []
-        for attachment in attachments:
-            hooks.append(attachment.commit())
-            done += 1
-        return hooks
-    except BaseException:
-        for attachment, snapshot in reversed(list(zip(attachments[: done + 1], snapshots[: done + 1], strict=True))):
-            snapshot.restore(attachment.name)
-        raise
-
-
-def attach(
-    module: nn.Module, name: str, method: BasePruningMethod, *, importance_scores: Tensor | None = None
-) -> BasePruningMethod:
-    """Prune ``module.<name>`` with ``method`` (on top of any existing pruning) and return the attached hook."""
-    if importance_scores is not None and isinstance(name, str):
-        # torch checks the scores' shape first: keep its order of errors (e.g. for a buffer's name)
-        target = getattr(module, name, None)
-        if isinstance(target, Tensor):
-            _check_same_shape(importance_scores, target, "importance_scores", f"parameter {name!r}")
-    attachment = Attachment.plan(module, name, method)
-    scores = attachment.default_scores(method) if importance_scores is None else importance_scores
-    _check_same_shape(scores, attachment.orig, "importance_scores", f"parameter {name!r}")
-    scores = scores.to(attachment.orig.device)  # scores elsewhere (CPU scores for a CUDA weight) work on every call
-    attachment.mask = next_mask(
-        method, scores, attachment.current_mask, attachment.mask_dtype(), first_default_dtype=attachment.orig.dtype
-    )
-    return commit_all([attachment])[0]

@@ -48,14 +48,14 @@ from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_
 from lightprune.prune.select import (
     RADIX_BITS,
     Cut,
-    _check,
-    _chunk_size,
-    _chunks,
-    _common_dtype,
-    _histogram,
-    _Keys,
+    Keys,
     apply_cut,
+    check_scores,
+    chunk_size,
+    chunks,
+    common_dtype,
     count_eligible,
+    histogram,
     select_smallest,
 )
 
@@ -262,14 +262,14 @@ def find_cuts(
                 [ True, False]])
     """
     pieces = list(pieces)
-    scores, elig = _check([p.local for p in pieces], eligible)
+    scores, elig = check_scores([p.local for p in pieces], eligible)
     if k < 0:
         raise ValueError(f"k={k} must be non-negative")
     if not pieces:
         if k:
             raise ValueError(f"k={k} exceeds the number of eligible entries (0)")
         return []
-    keys = _Keys(_common_dtype(scores), magnitude, largest)
+    keys = Keys(common_dtype(scores), magnitude, largest)
     own = [i for i, p in enumerate(pieces) if p.owner and p.local.numel()]
     own_scores = [scores[i] for i in own]
     own_elig = [elig[i] for i in own]
@@ -279,11 +279,12 @@ def find_cuts(
     per_piece_ok = len(pieces) <= PER_PIECE_PIECES
     local_final: list[Tensor] | None = None
 
-    def histogram(shift: int, offset: int, nbins: int, within: tuple[int, int] | None) -> Tensor:
+    def global_histogram(shift: int, offset: int, nbins: int, within: tuple[int, int] | None) -> Tensor:
+        """The histogram of every rank's own scores, summed across ranks."""
         nonlocal local_final
         if shift == 0 and per_piece_ok:
             local_final = [
-                _histogram([s], [e], keys, shift, offset, nbins, within)
+                histogram([s], [e], keys, shift, offset, nbins, within)
                 if s.numel()
                 else torch.zeros(nbins, dtype=torch.int64)
                 for s, e in zip(scores, elig, strict=True)
@@ -292,7 +293,7 @@ def find_cuts(
             for i in own:
                 hist += local_final[i]
         elif own_scores:
-            hist = _histogram(own_scores, own_elig, keys, shift, offset, nbins, within)
+            hist = histogram(own_scores, own_elig, keys, shift, offset, nbins, within)
         else:
             hist = torch.zeros(nbins, dtype=torch.int64)
         return _all_reduce(hist, group)
@@ -300,7 +301,7 @@ def find_cuts(
     shift = max(0, keys.bits - RADIX_BITS)
     offset = keys.lo >> shift
     nbins = (keys.hi >> shift) - offset + 1
-    hist = histogram(shift, offset, nbins, None)
+    hist = global_histogram(shift, offset, nbins, None)
     total = int(hist.sum())
     if k > total:
         raise ValueError(f"k={k} exceeds the number of eligible entries ({total})")
@@ -321,7 +322,7 @@ def find_cuts(
         new_shift = max(0, shift - RADIX_BITS)
         offset = prefix << (shift - new_shift)
         nbins = 1 << (shift - new_shift)
-        hist = histogram(new_shift, offset, nbins, (shift, prefix))
+        hist = global_histogram(new_shift, offset, nbins, (shift, prefix))
         shift = new_shift
     if ties == equal and key < keys.dmax:
         return [Cut(key + 1, 0)] * len(pieces)
@@ -338,7 +339,7 @@ def _split_ties(
     pieces: list[Piece],
     scores: list[Tensor],
     elig: list[Tensor | None],
-    keys: _Keys,
+    keys: Keys,
     key: int,
     ties: int,
     group: Any,
@@ -355,7 +356,7 @@ def _split_ties(
             local[i, 1] = counts[i]
             continue
         count = 0
-        for x, ek in _chunks([s], [e], _chunk_size(s.device)):  # bounded temporaries, never a full key tensor
+        for x, ek in chunks([s], [e], chunk_size(s.device)):  # bounded temporaries, never a full key tensor
             equal = keys(x) == key
             if ek is not None:
                 equal &= ek

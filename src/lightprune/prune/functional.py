@@ -1,4 +1,7 @@
-"""The functional forms: prune a module's parameter in one call, prune many globally, remove, is_pruned."""
+"""The functional forms: prune a module's parameter in one call, prune many globally, remove, is_pruned.
+
+Every function here that changes modules is all or nothing, through :func:`lightprune.prune._reparam.transaction`.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +11,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount
-from lightprune.prune.base import (
-    Attachment,
-    BasePruningMethod,
-    ModuleSnapshot,
-    _check_same_shape,
-    _has_fast_path,
-    _to_mask_dtype,
-    commit_all,
+from lightprune.prune._reparam import (
+    FROM_SETTING,
+    _attach,
+    _Attachment,
+    _commit_all,
     find_hook,
-    mask_dtype,
-    next_mask,
     pruning_hooks,
+    transaction,
     uninstall_refresh_if_unpruned,
 )
+from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount
+from lightprune.prune.base import BasePruningMethod, _check_same_shape, _has_fast_path, _to_mask_dtype, next_mask
 from lightprune.prune.methods import (
     CustomFromMask,
     Identity,
@@ -35,6 +35,7 @@ from lightprune.prune.methods import (
 from lightprune.prune.select import apply_cut, count_eligible, find_cut
 
 __all__ = [
+    "apply_method",
     "custom_from_mask",
     "global_unstructured",
     "identity",
@@ -137,22 +138,68 @@ def ln_structured(
     return module
 
 
-def custom_from_mask(module: nn.Module, name: str, mask: Tensor) -> nn.Module:
+def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: Any = FROM_SETTING) -> nn.Module:
     """Prune ``module.<name>`` with a given mask (zeros prune), on top of any existing pruning; returns ``module``.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        mask: the mask, of the parameter's shape.
+        mask_dtype: the stored mask's dtype if ``name`` is not pruned yet (``None``: the parameter's); by default the
+            :func:`~lightprune.prune.mask_dtype` setting. ``mask.dtype`` keeps the given mask's own dtype.
 
     Example:
         >>> layer = custom_from_mask(torch.nn.Linear(3, 1), "bias", mask=torch.tensor([0.0]))
         >>> layer.bias_mask, float(layer.bias.detach().abs())
         (tensor([0.]), 0.0)
+        >>> mask = torch.tensor([[True, False, True]])
+        >>> custom_from_mask(layer, "weight", mask=mask, mask_dtype=mask.dtype).weight_mask
+        tensor([[ True, False,  True]])
     """
-    CustomFromMask.apply(module, name, mask=mask)
+    _attach(module, name, CustomFromMask(mask=mask), mask_dtype=mask_dtype)
     return module
+
+
+def apply_method(
+    module: nn.Module,
+    name: str,
+    method: BasePruningMethod,
+    *,
+    importance_scores: Tensor | None = None,
+    mask_dtype: Any = FROM_SETTING,
+) -> BasePruningMethod:
+    """Prune ``module.<name>`` with a method object already built, on top of any existing pruning.
+
+    ``Method.apply(module, name, **arguments)`` is ``apply_method(module, name, Method(**arguments))``; this form
+    also takes the dtype of a new mask as an argument, for code that must not change the
+    :func:`~lightprune.prune.mask_dtype` setting (a library, a callback). All or nothing, as every pruning call.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        method: the pruning method object (not attached to another tensor yet).
+        importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
+        mask_dtype: the stored mask's dtype if ``name`` is not pruned yet (``None``: the parameter's); by default the
+            :func:`~lightprune.prune.mask_dtype` setting. A pruned tensor keeps its mask's dtype.
+
+    Returns:
+        The hook now acting on ``module.<name>``: ``method``, or the tensor's ``PruningContainer``.
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 2)
+        >>> hook = apply_method(layer, "weight", L1Unstructured(amount=3), mask_dtype=torch.bool)
+        >>> type(hook).__name__, layer.weight_mask.dtype, int((layer.weight == 0).sum())
+        ('L1Unstructured', torch.bool, 3)
+    """
+    return _attach(module, name, method, importance_scores=importance_scores, mask_dtype=mask_dtype)
 
 
 def global_unstructured(
     parameters: Iterable[tuple[nn.Module, str]],
     pruning_method: type[BasePruningMethod],
     importance_scores: dict[tuple[nn.Module, str], Tensor] | None = None,
+    *,
+    mask_dtype: Any = FROM_SETTING,
     **kwargs: Any,
 ) -> None:
     """Prune many parameters with one ranking across all of them (e.g. the smallest 90% of all weights).
@@ -177,6 +224,8 @@ def global_unstructured(
         parameters: ``(module, name)`` pairs.
         pruning_method: an unstructured ``BasePruningMethod`` subclass.
         importance_scores: optional ``{(module, name): scores}``; parameters not in it are ranked by their values.
+        mask_dtype: the dtype of the masks of parameters not pruned yet (``None``: each parameter's); by default
+            the :func:`~lightprune.prune.mask_dtype` setting. Pruned parameters keep their masks' dtypes.
         **kwargs: the method's arguments, e.g. ``amount=0.9``.
 
     Raises:
@@ -207,7 +256,7 @@ def global_unstructured(
             f"{getattr(pruning_method, '__name__', pruning_method)} is {getattr(method, 'PRUNING_TYPE', None)!r}"
         )
     seen: set[tuple[int, str]] = set()
-    attachments: list[Attachment] = []
+    attachments: list[_Attachment] = []
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise TypeError(f"global_unstructured(): each parameter must be a (module, name) pair, got {pair!r}")
@@ -215,11 +264,11 @@ def global_unstructured(
         if (id(module), name) in seen:
             raise ValueError(f"global_unstructured(): ({type(module).__name__}, {name!r}) appears more than once")
         seen.add((id(module), name))
-        attachments.append(Attachment.plan(module, name, CustomFromMask(mask=torch.empty(0))))
+        attachments.append(_Attachment.plan(module, name, CustomFromMask(mask=torch.empty(0)), mask_dtype=mask_dtype))
     if not attachments:
         return
     # a Parameter registered on several modules (tied weights) is ranked once and all its owners share one mask
-    first: dict[int, Attachment] = {}
+    first: dict[int, _Attachment] = {}
     for attachment in attachments:
         first.setdefault(id(attachment.orig), attachment)
     unique = list(first.values())
@@ -240,7 +289,7 @@ def global_unstructured(
     for attachment in attachments:
         attachment.mask = by_parameter[id(attachment.orig)]
         attachment.method.mask = attachment.mask
-    commit_all(attachments)
+    _commit_all(attachments)
     for attachment in attachments:
         # the mask lives on as the buffer <name>_mask; a copy held by the hook would outlive the buffer once a
         # later call or a conversion (.half(), .to()) replaces it, one more full mask per pruning step
@@ -248,7 +297,7 @@ def global_unstructured(
 
 
 def _global_masks_fast(
-    method: L1Unstructured | RandomUnstructured, attachments: list[Attachment], scores: list[Tensor]
+    method: L1Unstructured | RandomUnstructured, attachments: list[_Attachment], scores: list[Tensor]
 ) -> list[Tensor]:
     """One exact threshold across all tensors, written into one new mask per tensor."""
     current = [a.current_mask for a in attachments]
@@ -266,7 +315,7 @@ def _global_masks_fast(
 
 
 def _global_masks_like_torch(
-    method: BasePruningMethod, attachments: list[Attachment], scores: list[Tensor]
+    method: BasePruningMethod, attachments: list[_Attachment], scores: list[Tensor]
 ) -> list[Tensor]:
     """For a user's method: the method sees all scores as one vector, as in torch; each mask is then copied out."""
     flat_scores = torch.cat([s.reshape(-1) for s in scores])
@@ -316,17 +365,10 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         )
     # all or nothing, as for pruning calls: an exception or a KeyboardInterrupt part-way through would leave a
     # plain Parameter next to a hook that still looks for <name>_orig (every forward then fails)
-    snapshot = ModuleSnapshot.take(module, name)
-    orig = module._parameters[name + "_orig"]
-    data = orig.data
-    try:
+    with transaction([(module, name)]):
         hook.remove(module)
         del module._forward_pre_hooks[key]
         uninstall_refresh_if_unpruned(module)
-    except BaseException:
-        orig.data = data
-        snapshot.restore(name)
-        raise
     return module
 
 
@@ -413,31 +455,18 @@ def pair_problems(plan: list[tuple[str, nn.Module, str, str]], state_dict: Mappi
 
 def apply_adaptation(plan: list[tuple[str, nn.Module, str, str]], state_dict: Mapping[str, Any]) -> Callable[[], None]:
     """Carry out ``plan`` all or nothing; returns a function that undoes it (masks and values included)."""
-    undo: list[tuple[ModuleSnapshot, str, Tensor, Tensor]] = []
-
-    def undo_all() -> None:
-        for snapshot, name, parameter, data in reversed(undo):
-            parameter.data = data
-            snapshot.restore(name)
-
-    try:
+    with transaction() as saved:
         for key, submodule, name, action in plan:
-            snapshot = ModuleSnapshot.take(submodule, name)
-            parameter = submodule._parameters[name if action == "identity" else name + "_orig"]
-            undo.append((snapshot, name, parameter, parameter.data))
+            saved.save(submodule, name)
             if action == "identity":
                 saved_mask = state_dict[key + "_mask"]
                 dtype = saved_mask.dtype if isinstance(saved_mask, Tensor) else None
                 if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
                     dtype = None  # an integer mask (an integer parameter's): the parameter's dtype, as saved
-                with mask_dtype(dtype):
-                    identity(submodule, name)
+                _attach(submodule, name, Identity(), mask_dtype=dtype)
             else:
                 remove(submodule, name)
-    except BaseException:
-        undo_all()
-        raise
-    return undo_all
+    return saved.undo
 
 
 def is_pruned(module: nn.Module) -> bool:

@@ -41,6 +41,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["Cut", "apply_cut", "count_eligible", "find_cut", "select_smallest"]
+# Shared with distributed.py, which runs the same passes across ranks (package-internal, hence not in __all__):
+# Keys, common_dtype, chunk_size, check_scores, chunks, histogram and RADIX_BITS.
 
 #: Elements per chunk on CPU (about L2-sized for 32-bit keys).
 CHUNK_CPU = 1 << 18
@@ -94,7 +96,7 @@ class Cut:
     ties: int
 
 
-class _Keys:
+class Keys:
     """Maps score chunks of one common dtype to integer keys, in the wanted order.
 
     Keys are ``int32`` or ``int64`` tensors whose values lie in ``[lo, hi]``; a smaller
@@ -165,18 +167,18 @@ class _Keys:
         return (self.hi - self.lo).bit_length()
 
 
-def _common_dtype(scores: Sequence[Tensor]) -> torch.dtype:
+def common_dtype(scores: Sequence[Tensor]) -> torch.dtype:
     dtype = scores[0].dtype
     for s in scores[1:]:
         dtype = torch.promote_types(dtype, s.dtype)
     return dtype
 
 
-def _chunk_size(device: torch.device) -> int:
+def chunk_size(device: torch.device) -> int:
     return CHUNK_CPU if device.type == "cpu" else CHUNK_CUDA
 
 
-def _check(
+def check_scores(
     scores: Sequence[Tensor], eligible: Sequence[Tensor | None] | None, name: str = "eligible"
 ) -> tuple[list[Tensor], list[Tensor | None]]:
     scores = list(scores)
@@ -244,7 +246,7 @@ def _as_bool(e: Tensor) -> Tensor:
     return e if e.dtype == torch.bool else e == 1
 
 
-def _chunks(
+def chunks(
     scores: Sequence[Tensor], eligible: Sequence[Tensor | None], chunk: int
 ) -> Iterator[tuple[Tensor, Tensor | None]]:
     """Yields ``(score chunk, eligible chunk as bool or None)`` over all tensors, in order."""
@@ -253,10 +255,10 @@ def _chunks(
             yield _take(s, flat, index), (None if e is None else _as_bool(_take(e, flat, index)))
 
 
-def _histogram(
+def histogram(
     scores: Sequence[Tensor],
     eligible: Sequence[Tensor | None],
-    keys: _Keys,
+    keys: Keys,
     shift: int,
     offset: int,
     nbins: int,
@@ -269,7 +271,7 @@ def _histogram(
     device = scores[0].device
     # Bin 0 collects the entries not counted; bin b + 1 counts bin b.
     hist = torch.zeros(nbins + 1, dtype=torch.int64, device=device)
-    for x, e in _chunks(scores, eligible, _chunk_size(device)):
+    for x, e in chunks(scores, eligible, chunk_size(device)):
         idx = keys(x)  # a new tensor: modified in place below
         keep = e
         if within is not None:
@@ -296,7 +298,7 @@ def _histogram(
 def _gather(
     scores: Sequence[Tensor],
     eligible: Sequence[Tensor | None],
-    keys: _Keys,
+    keys: Keys,
     capacity: int,
     within: tuple[int, int] | None,
 ) -> Tensor:
@@ -308,7 +310,7 @@ def _gather(
     # One buffer allocated up front: many small per-chunk results would fragment the heap.
     found = torch.empty(capacity, dtype=keys.key_dtype, device=device)
     pos = 0
-    for x, e in _chunks(scores, eligible, _chunk_size(device)):
+    for x, e in chunks(scores, eligible, chunk_size(device)):
         key = keys(x)
         keep = e
         if within is not None:
@@ -373,7 +375,7 @@ def find_cut(
         [tensor([False,  True]), tensor([[ True, False],
                 [ True, False]])]
     """
-    scores, elig = _check(scores, eligible)
+    scores, elig = check_scores(scores, eligible)
     if isinstance(k, bool):
         raise TypeError("k must be an integer, got bool")
     k = operator.index(k)
@@ -383,7 +385,7 @@ def find_cut(
         if k > 0:
             raise ValueError(f"k={k} exceeds the number of eligible entries (0)")
         return Cut(0, 0)
-    keys = _Keys(_common_dtype(scores), magnitude, largest)
+    keys = Keys(common_dtype(scores), magnitude, largest)
 
     numel = sum(s.numel() for s in scores)
     if numel <= BIN_LIMIT:  # small enough to sort all eligible keys at once
@@ -397,7 +399,7 @@ def find_cut(
     shift = max(0, keys.bits - RADIX_BITS)
     offset = keys.lo >> shift
     nbins = (keys.hi >> shift) - offset + 1
-    hist = _histogram(scores, elig, keys, shift, offset, nbins, None)
+    hist = histogram(scores, elig, keys, shift, offset, nbins, None)
     _check_k(k, int(hist.sum()))
     if k == 0:
         return Cut(keys.lo, 0)
@@ -420,7 +422,7 @@ def find_cut(
         new_shift = max(0, shift - RADIX_BITS)
         offset = prefix << (shift - new_shift)
         nbins = 1 << (shift - new_shift)
-        hist = _histogram(scores, elig, keys, new_shift, offset, nbins, (shift, prefix))
+        hist = histogram(scores, elig, keys, new_shift, offset, nbins, (shift, prefix))
         shift = new_shift
     return _canonical(key, ties, equal, keys)
 
@@ -430,7 +432,7 @@ def _check_k(k: int, total: int) -> None:
         raise ValueError(f"k={k} exceeds the number of eligible entries ({total})")
 
 
-def _canonical(key: int, ties: int, equal: int, keys: _Keys) -> Cut:
+def _canonical(key: int, ties: int, equal: int, keys: Keys) -> Cut:
     if ties == equal and key < keys.dmax:
         return Cut(key + 1, 0)  # every equal key is selected: a plain threshold suffices
     return Cut(key, ties)
@@ -474,8 +476,8 @@ def apply_cut(
         tensor([[1., 0.],
                 [1., 0.]])
     """
-    scores, elig = _check(scores, eligible)
-    _, bases = _check(scores, base, "base")
+    scores, elig = check_scores(scores, eligible)
+    _, bases = check_scores(scores, base, "base")
     outs = list(out)
     if len(outs) != len(scores):
         raise ValueError(f"got {len(outs)} out tensors for {len(scores)} score tensors")
@@ -488,9 +490,9 @@ def apply_cut(
             raise ValueError(f"out[{i}] is on {o.device}, scores[{i}] on {s.device}")
     if not scores:
         return
-    keys = _Keys(_common_dtype(scores), magnitude, largest)
+    keys = Keys(common_dtype(scores), magnitude, largest)
     device = scores[0].device
-    _apply(scores, cut, outs, elig, bases, keys, _chunk_size(device), sync_free=device.type != "cpu")
+    _apply(scores, cut, outs, elig, bases, keys, chunk_size(device), sync_free=device.type != "cpu")
 
 
 def _apply(
@@ -499,7 +501,7 @@ def _apply(
     outs: list[Tensor],
     elig: list[Tensor | None],
     bases: list[Tensor | None],
-    keys: _Keys,
+    keys: Keys,
     chunk: int,
     sync_free: bool,
 ) -> None:
@@ -618,14 +620,14 @@ def count_eligible(eligible: Sequence[Tensor | None], scores: Sequence[Tensor]) 
         >>> count_eligible([None, torch.tensor([1.0, 0.0, 1.0])], [torch.zeros(2, 3), torch.zeros(3)])
         8
     """
-    scores, elig = _check(scores, eligible)
+    scores, elig = check_scores(scores, eligible)
     total = 0
     for s, e in zip(scores, elig, strict=True):
         if e is None:
             total += s.numel()
             continue
         count = torch.zeros((), dtype=torch.int64, device=e.device)
-        for flat, index in _pieces((e,), _chunk_size(e.device)):
+        for flat, index in _pieces((e,), chunk_size(e.device)):
             count += _as_bool(_take(e, flat, index)).sum()
         total += int(count)
     return total

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
-from lightprune.prune.base import find_hook
+from lightprune.prune._reparam import find_hook
 
 __all__ = ["StaleRefresher"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightprune.prune.base import find_hook
+from lightprune.prune._reparam import find_hook
 
 __all__ = ["PlainStateDict"]
 

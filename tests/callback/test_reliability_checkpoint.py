@@ -30,21 +30,17 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
+from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, folded, pruning_state
 from tiny_lightning import TinyNet as Net
-from tiny_lightning import folded
+from tiny_lightning import state as state_of
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
     pytest.mark.filterwarnings("ignore:.*checkpoint directory.*"),
-    pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*"),
     pytest.mark.filterwarnings("ignore:.*dirpath has changed.*"),
 ]
 
-PRUNED = ["net.0.weight", "net.2.weight", "net.4.weight"]
-STEPS_PER_EPOCH = 8
+PRUNED = list(WEIGHTS)
 
 
 X = torch.randn(5, 8, generator=torch.Generator().manual_seed(7))
@@ -72,10 +68,6 @@ def pruned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Net, Path]:
     root = tmp_path_factory.mktemp("pruned")
     model, _ = run(root, rewind="init")
     return model, root / "ckpt" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
-
-
-def state_of(model: nn.Module) -> dict[str, Tensor]:
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
 class Fingerprint:
@@ -114,11 +106,6 @@ class Fingerprint:
         assert list(values) == list(self.values)
         for key, value in self.values.items():
             assert torch.equal(values[key], value), f"{key} changed by a failed load"
-
-
-def pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    (found,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("PruningCallback")]
-    return found
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -21,18 +21,12 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Points
-from tiny_lightning import TinyNet, loader
+from tiny_lightning import WEIGHTS, N, TinyNet, loader
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
     pytest.mark.filterwarnings("ignore:.*val_check_interval.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
 ]
-
-WEIGHTS = ["net.0.weight", "net.2.weight", "net.4.weight"]
-N = 128 + 192 + 48
 
 
 def trainer(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> L.Trainer:

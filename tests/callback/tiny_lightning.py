@@ -1,4 +1,4 @@
-"""The tiny LightningModule, data and state-dict helper that the callback test files share.
+"""The tiny LightningModule, its data, constants and the state-dict helpers that the callback test files share.
 
 ``TinyNet`` is Linear 8-16-12-4 with ReLUs, seeded so that every instance with the same seed starts from the same
 weights, trained with SGD with momentum (so resuming needs the optimizer state to line up with the parameters).
@@ -12,6 +12,13 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+
+WEIGHTS = {"net.0.weight": (16, 8), "net.2.weight": (12, 16), "net.4.weight": (4, 12)}
+"""TinyNet's weights that the callback selects by default, with their shapes."""
+N = sum(rows * cols for rows, cols in WEIGHTS.values())  # 368
+"""How many entries :data:`WEIGHTS` hold."""
+STEPS_PER_EPOCH = 8
+"""Optimizer steps in an epoch of :func:`loader`'s default data."""
 
 
 def loader(samples: int = 64, seed: int = 1) -> DataLoader:
@@ -54,3 +61,14 @@ def folded(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         elif not key.endswith("_mask"):
             plain[key] = value
     return plain
+
+
+def state(model: nn.Module) -> dict[str, Tensor]:
+    """A detached copy of ``model``'s state_dict."""
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+def pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The one PruningCallback's state in a checkpoint."""
+    (found,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("PruningCallback")]
+    return found

@@ -16,17 +16,12 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Linear
-from tiny_lightning import TinyNet
+from tiny_lightning import WEIGHTS, N, TinyNet
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
 ]
 
-WEIGHTS = ["net.0.weight", "net.2.weight", "net.4.weight"]
-N = 128 + 192 + 48
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.1),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_run.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "long_run.py"
 LIMIT_MB = 20
 
 

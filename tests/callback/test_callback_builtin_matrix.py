@@ -43,9 +43,6 @@ from lightprune.schedules import Cubic
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
     pytest.mark.filterwarnings("ignore:.*(ThroughputMonitor|SpikeDetection|swa_lrs|lr_find|Skipping|psutil).*"),
     pytest.mark.filterwarnings("ignore::UserWarning:lightning.*"),
 ]

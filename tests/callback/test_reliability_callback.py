@@ -16,7 +16,7 @@ Faults injected:
 (c) the training process killed with SIGKILL right after a checkpoint was written, and while one was being saved
     (this file run as a script in a subprocess).
 
-This file is also the script of (c): ``python tests/test_reliability_callback.py ROOT MODE STEP``.
+This file is also the script of (c): ``python tests/callback/test_reliability_callback.py ROOT MODE STEP``.
 """
 
 from __future__ import annotations
@@ -33,27 +33,19 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
+from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, N, folded, pruning_state, state
 from tiny_lightning import TinyNet as Net
-from tiny_lightning import folded
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
-    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
     pytest.mark.filterwarnings("ignore:.*checkpoint directory.*"),
-    pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*"),
 ]
 
-WEIGHTS = {"net.0.weight": (16, 8), "net.2.weight": (12, 16), "net.4.weight": (4, 12)}
-N = sum(rows * cols for rows, cols in WEIGHTS.values())  # 368
-STEPS_PER_EPOCH = 8
 EPOCHS = 4
 SCHEDULE = dict(final=0.7, start=2, end=28, frequency=2)  # events at steps 2, 4, ..., 28
 
@@ -170,10 +162,6 @@ def fit(
     return model, trainer
 
 
-def state(model: nn.Module) -> dict[str, Tensor]:
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
-
-
 def assert_same_state(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
     assert sorted(actual) == sorted(expected)
     for key, value in expected.items():
@@ -229,11 +217,6 @@ def assert_complete_event(state_dict: dict[str, Tensor], last_event: int, scope:
     else:
         expected = {name: round(target * rows * cols) for name, (rows, cols) in WEIGHTS.items()}
         assert counts == expected, f"{where}: half-applied event? {counts} != {expected} (event {last_event})"
-
-
-def pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    (found,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("PruningCallback")]
-    return found
 
 
 def assert_checkpoints_hold_complete_events(root: Path, scope: str) -> list[Path]:

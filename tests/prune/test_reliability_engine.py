@@ -21,7 +21,7 @@ that many; structured counts are in channels). After every step:
   same methods in each container), attributes, LSTM flat-weight lists and state_dict values are exactly as before.
 
 Bounded for CI (``max_examples=40, stateful_step_count=25``); the ``nightly`` Hypothesis profile runs far more:
-``LIGHTPRUNE_HYPOTHESIS_PROFILE=nightly python -m pytest tests/test_reliability_engine.py`` (see RELIABILITY.md).
+``LIGHTPRUNE_HYPOTHESIS_PROFILE=nightly python -m pytest tests/prune/test_reliability_engine.py`` (see RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.prune import base, functional
+from lightprune.prune import _reparam, base, functional
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Hypothesis profiles: bounded in CI, large nightly (LIGHTPRUNE_HYPOTHESIS_PROFILE=nightly)
@@ -159,7 +159,7 @@ NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 
 
 def hook_of(module: nn.Module, name: str) -> base.BasePruningMethod | None:
-    return base.find_hook(module, name)[1]
+    return _reparam.find_hook(module, name)[1]
 
 
 def orig_of(module: nn.Module, name: str) -> Tensor:
@@ -763,10 +763,10 @@ class EngineMachine(RuleBasedStateMachine):
         after_commit = data.draw(st.booleans(), label="after the change")
         error = data.draw(st.sampled_from([RuntimeError, KeyboardInterrupt, MemoryError]), label="error")
         mode = data.draw(MASK_MODES, label="mask dtype")
-        real = base.Attachment.commit
+        real = _reparam._Attachment.commit
         seen = []
 
-        def commit(attachment: base.Attachment) -> base.BasePruningMethod:
+        def commit(attachment: _reparam._Attachment) -> base.BasePruningMethod:
             seen.append(attachment)
             if len(seen) == fail_at and not after_commit:
                 raise error("injected")
@@ -776,7 +776,7 @@ class EngineMachine(RuleBasedStateMachine):
             return hook
 
         before = ModelState.of(self.model)
-        with mock.patch.object(base.Attachment, "commit", commit), pytest.raises(error), prune.mask_dtype(mode):
+        with mock.patch.object(_reparam._Attachment, "commit", commit), pytest.raises(error), prune.mask_dtype(mode):
             if len(keys) == 1 and data.draw(st.booleans(), label="single call"):
                 prune.l1_unstructured(self.module(keys[0]), keys[0][1], amount=0.5)
             else:
@@ -789,9 +789,9 @@ class EngineMachine(RuleBasedStateMachine):
     def fault_while_removing(self, data: st.DataObject) -> None:
         """remove() is interrupted after it made part of its change."""
         key = self.draw_key(data, lambda key: self.expect[key].pruned)
-        point = data.draw(st.sampled_from(["move_key", "uninstall_refresh_if_unpruned"]), label="fault point")
+        point = data.draw(st.sampled_from(["_move_key", "uninstall_refresh_if_unpruned"]), label="fault point")
         error = data.draw(st.sampled_from([RuntimeError, KeyboardInterrupt]), label="error")
-        target = base if point == "move_key" else functional
+        target = _reparam if point == "_move_key" else functional
 
         def fail(*args: Any, **kwargs: Any) -> None:
             raise error("injected")
@@ -862,7 +862,7 @@ def test_engine_state_machine() -> None:
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-@pytest.mark.parametrize(("target", "point"), [(base, "move_key"), (functional, "uninstall_refresh_if_unpruned")])
+@pytest.mark.parametrize(("target", "point"), [(_reparam, "_move_key"), (functional, "uninstall_refresh_if_unpruned")])
 @pytest.mark.parametrize("kind", ["linear", "lstm"])
 def test_remove_interrupted_part_way_leaves_the_module_pruned(
     kind: str, target: Any, point: str, error: type[BaseException]

@@ -26,10 +26,6 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
-    pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*"),
     pytest.mark.filterwarnings("ignore:.*must be `None` or an integer within the vocabulary.*"),
 ]
 

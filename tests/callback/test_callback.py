@@ -25,22 +25,14 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
-from lightprune.prune.base import pruning_hooks
+from lightprune.prune._reparam import pruning_hooks
 from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
-from tiny_lightning import TinyNet, folded, loader
+from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, N, TinyNet, folded, loader, pruning_state, state
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
-    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
     pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`.*"),
 ]
-
-WEIGHTS = {"net.0.weight": (16, 8), "net.2.weight": (12, 16), "net.4.weight": (4, 12)}
-N = sum(rows * cols for rows, cols in WEIGHTS.values())  # 368
-STEPS_PER_EPOCH = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -117,12 +109,6 @@ def events_logged(rows: list[dict[str, float]]) -> dict[int, float]:
     return {int(row["step"]): row["pruning/target"] for row in rows if "pruning/target" in row}
 
 
-def pruning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The one PruningCallback's state in a checkpoint."""
-    (found,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("PruningCallback")]
-    return found
-
-
 def zeros(tensor: Tensor) -> int:
     return int((tensor == 0).sum())
 
@@ -139,10 +125,6 @@ def masks(model: nn.Module) -> dict[str, Tensor]:
 def zero_channels(tensor: Tensor, dim: int) -> int:
     other = [d for d in range(tensor.dim()) if d != dim]
     return int((torch.count_nonzero(tensor, dim=other) == 0).sum())
-
-
-def state(model: nn.Module) -> dict[str, Tensor]:
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
 def assert_same_state(actual: dict[str, Tensor], expected: dict[str, Tensor], ordered: bool = True) -> None:
@@ -505,7 +487,6 @@ class UnprunedBiasNet(Net):
     """Net whose checkpoint is loaded without lightprune: the user's own bias pruning is not part of the test."""
 
 
-@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")
 def test_a_checkpoint_written_during_fit_loads_the_lightning_way(tmp_path: Path) -> None:
     checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
     callback = PruningCallback(Cubic(final=0.6, start=0, end=12, frequency=4), make_permanent=False)
@@ -974,6 +955,26 @@ def test_mask_dtype(mask_dtype: torch.dtype | None, model_dtype: torch.dtype) ->
     fit(callback, model, precision="64-true" if model_dtype == torch.float64 else "32-true")
     expected = model_dtype if mask_dtype is None else mask_dtype
     assert {mask.dtype for mask in masks(model).values()} == {expected}
+    assert sum(zeros(mask) for mask in masks(model).values()) == round(TARGET * N)
+
+
+@pytest.mark.parametrize("scope", ["global", "layerwise"])
+def test_events_pass_the_mask_dtype_and_leave_the_users_setting_alone(scope: str) -> None:
+    """The callback's mask_dtype reaches the masks as an argument: the process-wide prune.mask_dtype setting a
+    method sees during an event is still the user's."""
+    seen: list[torch.dtype | None] = []
+
+    class Spy(prune.L1Unstructured):
+        def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+            seen.append(prune.get_mask_dtype())
+            return super().compute_mask(t, default_mask)
+
+    callback = PruningCallback(RAMP, scope=scope, method=Spy, make_permanent=False)
+    with prune.mask_dtype(torch.float64):
+        model, _ = fit(callback)
+        assert prune.get_mask_dtype() == torch.float64
+    assert seen and set(seen) == {torch.float64}
+    assert {mask.dtype for mask in masks(model).values()} == {torch.bool}
     assert sum(zeros(mask) for mask in masks(model).values()) == round(TARGET * N)
 
 
