@@ -134,8 +134,9 @@ class Schedule(ABC):
     event; this base class derives the public queries from them. See the module docstring for the shared semantics.
 
     Subclasses implement :meth:`_params`, :meth:`_last_event_at_or_before`, :meth:`_level` and :meth:`events` (from
-    which :attr:`first_event` and :attr:`last_event` follow), and list the names of their time arguments in ``_position_args``
-    (points in time) and ``_period_args`` (durations) so that :meth:`resolve` can convert fractions.
+    which :attr:`first_event` and :attr:`last_event` follow), and list the names of their time arguments in
+    ``_position_args`` (points in time) and ``_period_args`` (durations) so that :meth:`resolve` can convert
+    fractions.
 
     Example:
         >>> schedule = Linear(initial=0.2, final=0.8, start=10, end=40, frequency=10)
