@@ -12,7 +12,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 
-from lightprune.experiment.models import OPTIMIZERS, LeNet300100, SmallCNN  # noqa: F401  (doctests use the models)
+from lightprune.choices import OPTIMIZERS
 
 __all__ = ["Classifier"]
 
@@ -35,6 +35,7 @@ class Classifier(pl.LightningModule):
             ``nn.Linear``.
 
     Example:
+        >>> from lightprune.experiment.models import LeNet300100
         >>> module = Classifier(LeNet300100(in_features=4, hidden=(8,), num_classes=3), lr=0.1, optimizer="sgd")
         >>> module.hparams
         "lr":           0.1
@@ -109,6 +110,7 @@ class Classifier(pl.LightningModule):
         ``optimizer`` / ``lr`` / ``weight_decay`` given to the constructor; no scheduler).
 
         Example:
+            >>> from lightprune.experiment.models import LeNet300100
             >>> module = Classifier(LeNet300100(in_features=4, hidden=(8,), num_classes=3))
             >>> module.set_optimization({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.5})
             >>> module.configure_optimizers().param_groups[0]["lr"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightprune.config import BUNDLED_DATA_TARGET, BUNDLED_MODEL_TARGET, is_bundled
 from lightprune.experiment.summary import SUMMARY_FILE, RunSummary, sparsity_by_layer
-from lightprune.experiment.targets import build_model
+from lightprune.experiment.targets import build_datamodule, build_model
 
 __all__ = ["MODEL_FILE", "load_main", "load_run"]
 
@@ -30,13 +30,8 @@ def _shape_and_classes(summary: RunSummary) -> tuple[tuple[int, ...], int]:
     """The input shape and class count of the run's data: stored in the summary, else read from the data."""
     if summary.input_shape is not None and summary.num_classes is not None:
         return tuple(summary.input_shape), summary.num_classes
-    from omegaconf import OmegaConf
-
-    from lightprune.experiment.app import _datamodule  # summaries written before these fields: load the data
-
-    config = dict(summary.config)
-    config["data"] = {"_target_": BUNDLED_DATA_TARGET, **config["data"]}  # written before presets were targets
-    datamodule = _datamodule(OmegaConf.create(config))
+    data = {"_target_": BUNDLED_DATA_TARGET, **summary.config["data"]}  # written before presets were targets
+    datamodule = build_datamodule(data)  # a summary written before these fields: load the data
     return tuple(datamodule.dims), datamodule.num_classes
 
 
