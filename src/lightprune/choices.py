@@ -8,18 +8,20 @@ imports neither torch nor Lightning: the app checks a config with it in a fracti
 Example:
     >>> from lightprune import choices
     >>> choices.METHOD_CLASSES["ln_structured"], choices.SCOPES
-    ('LnStructured', ('global', 'layerwise'))
+    ('LnStructured', ('global', 'layerwise', 'row'))
 """
 
 from __future__ import annotations
 
 __all__ = [
     "DATASETS",
+    "IMPORTANCES",
     "MASKING",
     "METHODS",
     "METHOD_CLASSES",
     "MODELS",
     "OPTIMIZERS",
+    "RANDOM_METHODS",
     "SCOPES",
     "STRUCTURED_METHODS",
     "UNITS",
@@ -30,6 +32,7 @@ METHOD_CLASSES: dict[str, str] = {
     "random_unstructured": "RandomUnstructured",
     "ln_structured": "LnStructured",
     "random_structured": "RandomStructured",
+    "semi_structured": "SemiStructured",
 }
 """Pruning methods by the name configs and the callback give them -> their class in :mod:`lightprune.prune`."""
 
@@ -39,8 +42,14 @@ METHODS = tuple(METHOD_CLASSES)
 STRUCTURED_METHODS = ("ln_structured", "random_structured")
 """The methods that prune whole channels (``PRUNING_TYPE == "structured"``); they need the layerwise scope."""
 
-SCOPES = ("global", "layerwise")
-"""One ranking across the whole selection, or one per tensor."""
+RANDOM_METHODS = ("random_unstructured", "random_structured")
+"""The methods that draw their masks at random: they ignore every importance score."""
+
+IMPORTANCES = ("magnitude", "activation", "movement")
+"""The callback's built-in pruning criteria (a callable returning scores is accepted too)."""
+
+SCOPES = ("global", "layerwise", "row")
+"""One ranking across the whole selection, one per tensor, or one per row of every tensor (``l1_unstructured``)."""
 
 UNITS = ("step", "epoch")
 """What a schedule's times count: optimizer steps or epochs."""

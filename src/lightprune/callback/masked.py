@@ -18,9 +18,12 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.inplace import InPlaceMasks
+from lightprune.callback.layouts import input_dim
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
 from lightprune.prune import distributed
 from lightprune.prune.masking import masked_
+from lightprune.prune.rowwise import RowwiseToSparsity
+from lightprune.prune.signed import signed_variant
 from lightprune.prune.state_dict import PlainStateDict
 
 __all__ = ["MaskedSelection"]
@@ -36,7 +39,7 @@ class MaskedSelection:
         ties: for each selected tensor held by other modules too, ``(module, name, [(qualified, other, name)])``.
         biases: modules whose bias follows the weight's pruned output channels.
         method: the pruning method class; ``method_kwargs`` its arguments besides ``amount``.
-        scope: ``"global"`` (one ranking) or ``"layerwise"``.
+        scope: ``"global"`` (one ranking), ``"layerwise"`` or ``"row"`` (every row of every tensor to the target).
         mask_dtype: dtype of new masks (``None``: the parameter's).
         seed: seed of the random methods' draws, combined with each event's time.
         inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
@@ -163,32 +166,70 @@ class MaskedSelection:
         finally:
             self.inplace.take(self.pairs())
 
-    def prune_to(self, target: float, event: int) -> None:
-        """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing."""
+    def prune_to(
+        self, target: float, event: int, scores: Mapping[str, Tensor] | None = None, signed: bool = False
+    ) -> None:
+        """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing.
+
+        ``scores`` (by qualified name) rank instead of the weights, as ``importance_scores``; ``signed`` ranks them
+        by value, higher kept (:mod:`lightprune.prune.signed`). The ``"row"`` scope prunes every row (dim 0) to
+        ``target``; ``SemiStructured`` applies its N:M pattern whatever ``target`` says.
+        """
         if self.sharded:
             with self._seeded(event):
                 self._prune_sharded(target)
             return
         # new masks get self.mask_dtype through the calls' mask_dtype= (the user's prune.mask_dtype setting is theirs)
         with self.reparametrized(), self._seeded(event), self.all_or_nothing():
-            if self.scope == "global":
+            method = signed_variant(self.method) if signed else self.method
+            if issubclass(self.method, prune.SemiStructured):
+                for qualified, module, name in self.selection:
+                    pattern = method(**{**self.method_kwargs, "dim": input_dim(module)})
+                    self._apply(module, name, pattern, scores, qualified)
+            elif self.scope == "row":
+                for qualified, module, name in self.selection:
+                    self._apply(module, name, RowwiseToSparsity(target, by_magnitude=not signed), scores, qualified)
+            elif self.scope == "global":
                 counts = self.counts()
                 total = sum(units for units, _ in counts)
                 increment = round(target * total) - sum(pruned for _, pruned in counts)
                 if increment > 0:
                     pairs = [(module, name) for _, module, name in self.selection]
+                    by_pair = None if scores is None else {(m, n): scores[q] for q, m, n in self.selection}
                     prune.global_unstructured(
-                        pairs, self.method, mask_dtype=self.mask_dtype, amount=increment, **self.method_kwargs
+                        pairs,
+                        method,
+                        importance_scores=by_pair,
+                        mask_dtype=self.mask_dtype,
+                        amount=increment,
+                        **self.method_kwargs,
                     )
             else:
-                for _, module, name in self.selection:
+                for qualified, module, name in self.selection:
                     units, pruned = self.units(module, name)
                     increment = round(target * units) - pruned
                     if increment > 0:
-                        method = self.method(amount=increment, **self.method_kwargs)
-                        prune.apply_method(module, name, method, mask_dtype=self.mask_dtype)
+                        self._apply(module, name, method(amount=increment, **self.method_kwargs), scores, qualified)
             for module in self.biases:
                 _prune_bias(module, self.mask_dtype)
+            self._share_everywhere()
+
+    def _apply(
+        self, module: nn.Module, name: str, method: prune.BasePruningMethod, scores: Any, qualified: str
+    ) -> None:
+        """Prune ``module.<name>`` with the built ``method``, ranked by this event's scores if there are any."""
+        ranking = None if scores is None else scores.get(qualified)
+        prune.apply_method(module, name, method, importance_scores=ranking, mask_dtype=self.mask_dtype)
+
+    def adopt_zeros(self) -> None:
+        """Mask every entry of the selected tensors that is exactly zero now (weights pruned by another tool), on top
+        of any mask already there, as one change: all of it or nothing."""
+        with self.reparametrized(), self.all_or_nothing():
+            for _, module, name in self.selection:
+                with torch.no_grad():
+                    keep = getattr(module, name) != 0
+                if not bool(keep.all()):
+                    prune.custom_from_mask(module, name, mask=keep, mask_dtype=self.mask_dtype)
             self._share_everywhere()
 
     def _prune_sharded(self, target: float) -> None:

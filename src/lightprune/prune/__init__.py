@@ -50,6 +50,8 @@ from lightprune.prune.functional import (
     random_structured,
     random_unstructured,
     remove,
+    rowwise_l1_unstructured,
+    semi_structured,
 )
 from lightprune.prune.methods import (
     CustomFromMask,
@@ -59,6 +61,8 @@ from lightprune.prune.methods import (
     RandomStructured,
     RandomUnstructured,
 )
+from lightprune.prune.rowwise import RowwiseL1Unstructured
+from lightprune.prune.semi_structured import SemiStructured
 
 __all__ = [
     "BasePruningMethod",
@@ -69,6 +73,8 @@ __all__ = [
     "PruningContainer",
     "RandomStructured",
     "RandomUnstructured",
+    "RowwiseL1Unstructured",
+    "SemiStructured",
     "_compute_norm",
     "_compute_nparams_toprune",
     "_validate_pruning_amount",
@@ -91,6 +97,8 @@ __all__ = [
     "random_unstructured",
     "refresh_pruned",
     "remove",
+    "rowwise_l1_unstructured",
+    "semi_structured",
     "set_mask_dtype",
     "transaction",
 ]
