@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightprune import prune
 from lightprune.callback.layouts import feature_layout, input_dim
 
 __all__ = ["ActivationStats"]
@@ -55,14 +56,14 @@ class ActivationStats:
         self._handles: list[Any] = []
 
     def _features(self, module: nn.Module, name: str) -> int:
-        return original(module, name).shape[input_dim(module)]
+        return prune.original(module, name).shape[input_dim(module)]
 
     def start(self) -> None:
         """Collect the inputs of the selected layers from now on (until :meth:`finish_batch`)."""
         if self._handles:
             return
         for qualified, module, name in self.selection:
-            weight = original(module, name)
+            weight = prune.original(module, name)
             features = self._features(module, name)
             self._pending[qualified] = torch.zeros(features, dtype=torch.float32, device=weight.device)
             self._pending_calls[qualified] = 0
@@ -70,7 +71,7 @@ class ActivationStats:
 
     def _hook(self, qualified: str, module: nn.Module, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         channels = feature_layout(module, name) == "channels"
-        weight_dims = original(module, name).dim()
+        weight_dims = prune.original(module, name).dim()
 
         def collect(layer: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0] if args else None
@@ -126,7 +127,7 @@ class ActivationStats:
             )
         found = {}
         for qualified, module, name in self.selection:
-            weight = original(module, name).detach()
+            weight = prune.original(module, name).detach()
             norms = self.totals[qualified].to(weight.device).sqrt()
             shape = [1] * weight.dim()
             shape[input_dim(module)] = norms.numel()
@@ -163,5 +164,5 @@ class ActivationStats:
                     f"layer has {self._features(module, name)} input features"
                 )
         self.reset()
-        self.totals = {q: t.to(original(*expected[q]).device) for q, t in totals.items()}
+        self.totals = {q: t.to(prune.original(*expected[q]).device) for q, t in totals.items()}
         self.calls = {q: int(c) for q, c in calls.items()}

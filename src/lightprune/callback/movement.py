@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightprune import prune
+
 __all__ = ["MovementScores"]
 
 
@@ -41,7 +43,7 @@ class MovementScores:
         stepped = {id(p) for p in parameters}
         with torch.no_grad():
             for qualified, module, name in self.selection:
-                weight = original(module, name)
+                weight = prune.original(module, name)
                 if id(weight) not in stepped or weight.grad is None:
                     continue
                 total = self.totals.get(qualified)
@@ -55,7 +57,7 @@ class MovementScores:
         ``reduce`` (a mean all-reduce; DDP's gradients, and so the scores, are the same on every rank already)."""
         found = {}
         for qualified, module, name in self.selection:
-            weight = original(module, name)
+            weight = prune.original(module, name)
             total = self.totals.get(qualified)
             if total is None:
                 total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -72,7 +74,7 @@ class MovementScores:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s sums, checked against the selection, onto the weights' devices."""
-        expected = {q: original(module, name) for q, module, name in self.selection}
+        expected = {q: prune.original(module, name) for q, module, name in self.selection}
         totals = dict(state.get("totals", {}))
         for qualified, total in totals.items():
             if qualified not in expected or tuple(total.shape) != tuple(expected[qualified].shape):

@@ -96,7 +96,7 @@ def refuse_sharded_criteria(selection: Selection, importance: str, scope: str, a
     """
     from lightprune.prune.distributed import is_sharded
 
-    sharded = [qualified for qualified, module, name in selection if is_sharded(original(module, name))]
+    sharded = [qualified for qualified, module, name in selection if is_sharded(prune.original(module, name))]
     if not sharded:
         return
     refused = [
@@ -125,7 +125,7 @@ def check_rows(selection: Selection) -> None:
         ValueError: fc.bias has shape (3,): scope='row' needs >= 2 dims (rows: dim 0)
     """
     for qualified, module, name in selection:
-        tensor = original(module, name)
+        tensor = prune.original(module, name)
         if tensor.dim() < 2:
             raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: scope='row' needs >= 2 dims (rows: dim 0)")
 
@@ -143,7 +143,7 @@ fc.weight has shape (2, 6); exclude it or choose another m
     from lightprune.callback.layouts import input_dim
 
     for qualified, module, name in selection:
-        tensor = original(module, name)
+        tensor = prune.original(module, name)
         dim = input_dim(module)
         if tensor.dim() < 2 or tensor.shape[dim] % m:
             raise ValueError(
