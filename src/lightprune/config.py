@@ -559,6 +559,7 @@ def _check_criterion(problems: list[str], pruning: Any) -> None:
     )
     if method != "semi_structured":
         return
+    _check(problems, pruning.nm_m >= 2, "pruning.nm_m", pruning.nm_m, "a group of >= 2 weights")
     _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")
     _check(problems, pruning.scope == "layerwise", "pruning.scope", pruning.scope, "semi_structured needs layerwise")
     if 1 <= pruning.nm_n < pruning.nm_m:
