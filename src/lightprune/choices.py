@@ -23,6 +23,7 @@ __all__ = [
     "OPTIMIZERS",
     "RANDOM_METHODS",
     "SCOPES",
+    "SIGNED_SCORE_METHODS",
     "STRUCTURED_METHODS",
     "UNITS",
 ]
@@ -44,6 +45,9 @@ STRUCTURED_METHODS = ("ln_structured", "random_structured")
 
 RANDOM_METHODS = ("random_unstructured", "random_structured")
 """The methods that draw their masks at random: they ignore every importance score."""
+
+SIGNED_SCORE_METHODS = ("l1_unstructured", "semi_structured")
+"""The methods that can rank signed scores (``importance="movement"``): a norm or a random draw would lose the sign."""
 
 IMPORTANCES = ("magnitude", "activation", "movement")
 """The callback's built-in pruning criteria (a callable returning scores is accepted too)."""

@@ -530,7 +530,7 @@ def _check_criterion(problems: list[str], pruning: Any) -> None:
     )
     _check(
         problems,
-        importance != "movement" or method in ("l1_unstructured", "semi_structured"),
+        importance != "movement" or method in choices.SIGNED_SCORE_METHODS,
         "pruning.importance",
         importance,
         "movement scores are signed: needs pruning.method=l1_unstructured or semi_structured",

@@ -62,13 +62,17 @@ callable (qualified_name, module, parameter_name, weight) -> scores
         )
     if importance == "magnitude":
         return
-    if method in (prune.RandomUnstructured, prune.RandomStructured):
+    if method in _classes(choices.RANDOM_METHODS):
         raise ValueError(f"importance={importance!r} does not apply to {method.__name__}, which ignores scores")
-    if importance == "movement" and method not in (prune.L1Unstructured, prune.SemiStructured):
+    if importance == "movement" and method not in _classes(choices.SIGNED_SCORE_METHODS):
         raise ValueError(
             f"importance='movement' ranks signed scores, which {method.__name__} cannot (a norm or a custom method "
             "would drop their sign): use method='l1_unstructured' or 'semi_structured'"
         )
+
+
+def _classes(names: tuple[str, ...]) -> tuple[type[prune.BasePruningMethod], ...]:
+    return tuple(getattr(prune, choices.METHOD_CLASSES[name]) for name in names)
 
 
 class Importance:

@@ -128,8 +128,9 @@ def build_callback(
     p = cfg.pruning
     if p.preset == "none" or p.final_sparsity == 0:
         return None
-    structured = p.method in ("ln_structured", "random_structured")
-    method_kwargs: dict[str, Any] = {"dim": p.dim} if structured else {}
+    from lightprune.choices import STRUCTURED_METHODS
+
+    method_kwargs: dict[str, Any] = {"dim": p.dim} if p.method in STRUCTURED_METHODS else {}
     if p.method == "ln_structured":
         method_kwargs["n"] = p.n
     if p.method == "semi_structured":
@@ -569,7 +570,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
             metrics[f"{phase}/test_acc"] = final_acc
             metrics[f"{phase}/sparsity"] = target
     last_callback = plan[-1][2]
-    structured = last_callback is not None and cfg.pruning.method in ("ln_structured", "random_structured")
+    structured = last_callback is not None and last_callback.structured
 
     summary = summarize(
         module,
