@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightprune import choices
+from lightprune import choices, rules
 from lightprune.schedules import SCHEDULES as SCHEDULE_CLASSES
 
 __all__ = [
@@ -508,33 +508,33 @@ RAMP_SCHEDULES = ("linear", "cubic")
 RANDOM_METHODS = choices.RANDOM_METHODS
 
 
-def _check_criterion(problems: list[str], pruning: Any) -> None:
-    """The importance, row scope and N:M keys, together with the method and the schedule (as the callback checks
-    them, but before any training)."""
+def _check_rules(problems: list[str], pruning: Any) -> None:
+    """The rules tying method, scope, criterion and N:M pattern together: :mod:`lightprune.rules`, the callback's
+    own, listed under the ``pruning.`` keys; then what only the config's fractions of the run can break."""
     importance, method = pruning.importance, pruning.method
     _check(problems, importance in IMPORTANCES, "pruning.importance", importance, f"one of {IMPORTANCES}")
     _check(problems, pruning.activation_window >= 1, "pruning.activation_window", pruning.activation_window, ">= 1")
     _check(
-        problems,
-        pruning.calibration_batches == 0 or (pruning.calibration_batches > 0 and importance == "activation"),
-        "pruning.calibration_batches",
-        pruning.calibration_batches,
-        "must be 0, or > 0 with pruning.importance=activation",
+        problems, pruning.calibration_batches >= 0, "pruning.calibration_batches", pruning.calibration_batches, ">= 0"
     )
-    _check(
-        problems,
-        importance == "magnitude" or method not in RANDOM_METHODS,
-        "pruning.importance",
-        importance,
-        f"pruning.method={method} ignores scores",
+    kind = rules.kind_of(method)
+    found = rules.method_problems(
+        method, kind, scope=pruning.scope, prune_channel_bias=pruning.prune_channel_bias, dim=pruning.dim
     )
-    _check(
-        problems,
-        importance != "movement" or method in choices.SIGNED_SCORE_METHODS,
-        "pruning.importance",
-        importance,
-        "movement scores are signed: needs pruning.method=l1_unstructured or semi_structured",
-    )
+    found += rules.importance_problems(importance, method, calibration_batches=pruning.calibration_batches)
+    if method == "semi_structured":
+        _check(problems, pruning.nm_m >= 2, "pruning.nm_m", pruning.nm_m, "a group of >= 2 weights")
+        _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")
+        if 1 <= pruning.nm_n < pruning.nm_m:
+            one_event = pruning.schedule == "constant"
+            found += rules.semi_structured_problems(
+                pruning.nm_n,
+                pruning.nm_m,
+                one_event=one_event,
+                sparsity=pruning.final_sparsity,
+                schedule=pruning.schedule,
+            )
+    problems += [problem.format("pruning.") for problem in found]
     first_at_start = pruning.start == 0  # every schedule's first event is at `start`
     _check(
         problems,
@@ -550,28 +550,6 @@ def _check_criterion(problems: list[str], pruning: Any) -> None:
         pruning.start,
         "pruning.importance=activation with an event at the start needs pruning.calibration_batches > 0",
     )
-    _check(
-        problems,
-        pruning.scope != "row" or method == "l1_unstructured",
-        "pruning.scope",
-        pruning.scope,
-        f"row ranks entries per row and needs pruning.method=l1_unstructured, not {method}",
-    )
-    if method != "semi_structured":
-        return
-    _check(problems, pruning.nm_m >= 2, "pruning.nm_m", pruning.nm_m, "a group of >= 2 weights")
-    _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")
-    _check(problems, pruning.scope == "layerwise", "pruning.scope", pruning.scope, "semi_structured needs layerwise")
-    if 1 <= pruning.nm_n < pruning.nm_m:
-        fixed = 1 - pruning.nm_n / pruning.nm_m
-        _check(
-            problems,
-            pruning.schedule == "constant" and math.isclose(pruning.final_sparsity, fixed, abs_tol=1e-9),
-            "pruning.schedule",
-            pruning.schedule,
-            f"semi_structured prunes 1 - nm_n/nm_m = {fixed:g} in one event: needs pruning.schedule=constant and "
-            f"pruning.final_sparsity={fixed:g} (got {pruning.final_sparsity})",
-        )
 
 
 def _typed(problems: list[str], cfg: DictConfig, key: str, schema: type) -> Any:
@@ -730,13 +708,6 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     )
     structured = pruning.method in STRUCTURED_METHODS
     _check(problems, pruning.scope in SCOPES, "pruning.scope", pruning.scope, f"one of {SCOPES}")
-    _check(
-        problems,
-        not (pruning.scope == "global" and structured),
-        "pruning.scope",
-        pruning.scope,
-        f"pruning.method={pruning.method} is structured and needs pruning.scope=layerwise",
-    )
     _check(problems, pruning.schedule in SCHEDULES, "pruning.schedule", pruning.schedule, f"one of {SCHEDULES}")
     for key in ("initial_sparsity", "final_sparsity"):
         value = pruning[key]
@@ -766,14 +737,7 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         allowed = f"must be in [{-ndim}, {ndim - 1}]: {why}"
         if model is not None:  # a model given by _target_: its weights decide (the callback checks them)
             _check(problems, -ndim <= pruning.dim < ndim, "pruning.dim", pruning.dim, allowed)
-    _check(
-        problems,
-        not pruning.prune_channel_bias or (structured and pruning.dim == 0),
-        "pruning.prune_channel_bias",
-        pruning.prune_channel_bias,
-        "needs a structured pruning.method pruning output channels (pruning.dim=0)",
-    )
-    _check_criterion(problems, pruning)
+    _check_rules(problems, pruning)
     _check_patterns(problems, "pruning.include", pruning.include)
     _check_patterns(problems, "pruning.exclude", pruning.exclude)
     _check(

@@ -100,8 +100,8 @@ def test_each_bad_value_is_named(groups: dict, expected: str) -> None:
 
 def test_structured_methods_need_layerwise_scope() -> None:
     cfg = config(pruning={"method": "ln_structured", "scope": "global"})
-    assert problems(cfg) == ["pruning.scope='global': pruning.method=ln_structured is structured and needs "
-                             "pruning.scope=layerwise"]  # fmt: skip
+    assert problems(cfg) == ["pruning.scope='global': a global ranking needs an unstructured method, and "
+                             "ln_structured is structured: use scope=layerwise"]  # fmt: skip
     assert problems(config(pruning={"method": "random_structured", "scope": "layerwise"})) == []
 
 

@@ -66,17 +66,26 @@ def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, exp
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["pruning=nm_2_4", "pruning.final_sparsity=0.7"], r"pruning\.schedule='constant': semi_structured prunes"),
+        (
+            ["pruning=nm_2_4", "pruning.final_sparsity=0.7"],
+            r"pruning\.schedule='constant': semi_structured with n=2, m=4 prunes .* \(this one prunes to 0\.7\)",
+        ),
         (["pruning=nm_2_4", "pruning.nm_n=4"], r"pruning\.nm_n=4: in \[1, nm_m=4\)"),
         (["pruning=movement", "pruning.start=0.0"], r"pruning\.start=0\.0: pruning\.importance=movement needs"),
         (["pruning=wanda_gradual", "pruning.calibration_batches=0"], r"needs pruning\.calibration_batches > 0"),
         (
             ["pruning=movement", "pruning.method=ln_structured", "pruning.scope=layerwise"],
-            r"movement scores are signed",
+            r"pruning\.importance='movement': movement ranks signed scores, which ln_structured cannot",
         ),
         (["pruning=gmp_cubic", "pruning.importance=gradient"], r"pruning\.importance='gradient': one of"),
-        (["pruning=gmp_cubic", "pruning.calibration_batches=2"], r"pruning\.calibration_batches=2: must be 0"),
-        (["pruning=gmp_cubic", "pruning.scope=row", "pruning.method=random_unstructured"], r"row ranks entries"),
+        (
+            ["pruning=gmp_cubic", "pruning.calibration_batches=2"],
+            r"pruning\.calibration_batches=2: collects input statistics, which only importance=activation uses",
+        ),
+        (
+            ["pruning=gmp_cubic", "pruning.scope=row", "pruning.method=random_unstructured"],
+            r"pruning\.scope='row': row ranks every row's entries as l1_unstructured does, not random_unstructured",
+        ),
     ],
 )
 def test_inconsistent_overrides_are_refused_by_validation(overrides: list[str], message: str) -> None:

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightprune import choices, prune
+from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.callback.activations import ActivationStats
 from lightprune.callback.movement import MovementScores
+from lightprune.callback.options import method_name, raise_problems
 
 __all__ = ["IMPORTANCES", "Importance", "ScoreFunction", "check_importance"]
 
@@ -55,24 +56,9 @@ callable (qualified_name, module, parameter_name, weight) -> scores
         raise ValueError(f"activation_window={activation_window!r} must be an int >= 1")
     if not (is_int(calibration_batches) and calibration_batches >= 0):
         raise ValueError(f"calibration_batches={calibration_batches!r} must be an int >= 0")
-    if calibration_batches and importance != "activation":
-        raise ValueError(
-            f"calibration_batches={calibration_batches} collects input statistics, which only "
-            f"importance='activation' uses; got importance={importance!r}"
-        )
-    if importance == "magnitude":
-        return
-    if method in _classes(choices.RANDOM_METHODS):
-        raise ValueError(f"importance={importance!r} does not apply to {method.__name__}, which ignores scores")
-    if importance == "movement" and method not in _classes(choices.SIGNED_SCORE_METHODS):
-        raise ValueError(
-            f"importance='movement' ranks signed scores, which {method.__name__} cannot (a norm or a custom method "
-            "would drop their sign): use method='l1_unstructured' or 'semi_structured'"
-        )
-
-
-def _classes(names: tuple[str, ...]) -> tuple[type[prune.BasePruningMethod], ...]:
-    return tuple(getattr(prune, choices.METHOD_CLASSES[name]) for name in names)
+    named = "callable" if callable(importance) else importance
+    label = method_name(method) or method.__name__
+    raise_problems(rules.importance_problems(named, label, calibration_batches=calibration_batches))
 
 
 class Importance:

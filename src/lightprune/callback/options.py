@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from torch import Tensor
 
-from lightprune import choices, prune
+from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.schedules import Constant, FromCallable, Schedule
 
@@ -21,6 +21,8 @@ __all__ = [
     "UNITS",
     "check_choice",
     "check_semi_structured_schedule",
+    "method_name",
+    "raise_problems",
     "resolve_method",
     "resolve_method_options",
     "resolve_rewind",
@@ -113,6 +115,29 @@ def resolve_rewind(rewind: str | int | Mapping[str, Tensor] | None, unit: str) -
     return rewind, None
 
 
+def method_name(cls: type[prune.BasePruningMethod]) -> str | None:
+    """The :data:`METHODS` name of a method class (``None`` for a user's own class).
+
+    Example:
+        >>> method_name(prune.LnStructured), method_name(prune.Identity)
+        ('ln_structured', None)
+    """
+    return next((name for name, known in METHODS.items() if known is cls), None)
+
+
+def raise_problems(problems: list[rules.Problem]) -> None:
+    """Raise one ``ValueError`` naming every broken rule (nothing when there is none).
+
+    Example:
+        >>> raise_problems(rules.method_problems("ln_structured", "structured", scope="row"))
+        Traceback (most recent call last):
+        ...
+        ValueError: scope='row': row ranks every row's entries as l1_unstructured does, not ln_structured
+    """
+    if problems:
+        raise ValueError("; ".join(problem.format() for problem in problems))
+
+
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     """Raise naming ``value`` and ``allowed`` unless ``value`` is one of them.
 
@@ -162,20 +187,7 @@ def resolve_method_options(
     if scope is None:
         scope = "layerwise" if kind == "structured" or semi else "global"
     check_choice("scope", scope, SCOPES)
-    if semi and scope != "layerwise":
-        raise ValueError(
-            f"scope={scope!r} does not apply to semi_structured, whose N:M groups are ranked within each layer: "
-            "use scope='layerwise' (or leave it out)"
-        )
-    if scope == "global" and kind != "unstructured":
-        raise ValueError(
-            f"scope='global' needs an unstructured method, but {cls.__name__} is {kind!r}: use scope='layerwise'"
-        )
-    if scope == "row" and cls is not prune.L1Unstructured:
-        raise ValueError(
-            f"scope='row' ranks the entries of every row by their scores, as l1_unstructured does; got "
-            f"{cls.__name__}: use method='l1_unstructured'"
-        )
+    raise_problems(rules.method_problems(method_name(cls) or cls.__name__, kind, scope=scope))
     return cls, kwargs, scope
 
 
@@ -187,14 +199,11 @@ def check_semi_structured_schedule(schedule: Schedule, n: int, m: int) -> None:
         >>> check_semi_structured_schedule(Constant(0.75), 2, 4)
         Traceback (most recent call last):
         ...
-        ValueError: method='semi_structured' with n=2, m=4 prunes 1 - n/m = 0.5 of the weights in one event: ...
+        ValueError: schedule=Constant(sparsity=0.75, at=0): semi_structured with n=2, m=4 prunes 1 - n/m = 0.5 ...
     """
-    sparsity = 1 - n / m
-    if not (isinstance(schedule, Constant) and abs(schedule.sparsity - sparsity) < 1e-9):
-        raise ValueError(
-            f"method='semi_structured' with n={n}, m={m} prunes 1 - n/m = {sparsity:g} of the weights in one event: "
-            f"give schedule={sparsity:g} or Constant({sparsity:g}, at=t); got {schedule!r}"
-        )
+    one_event = isinstance(schedule, Constant)
+    sparsity = getattr(schedule, "sparsity", None)
+    raise_problems(rules.semi_structured_problems(n, m, one_event=one_event, sparsity=sparsity, schedule=schedule))
 
 
 def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:

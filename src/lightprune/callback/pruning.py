@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightprune import prune
+from lightprune import prune, rules
 from lightprune._checks import is_int
 from lightprune.callback import neighbours, reporting, rewinding, selecting
 from lightprune.callback.calibration import calibrate
@@ -34,6 +34,8 @@ from lightprune.callback.options import (
     UNITS,
     check_choice,
     check_semi_structured_schedule,
+    method_name,
+    raise_problems,
     resolve_method_options,
     resolve_rewind,
     resolve_schedule,
@@ -200,11 +202,15 @@ class PruningCallback(Callback):
             raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
         check_choice("unit", unit, UNITS)
         check_choice("masking", masking, MASKING)
-        if prune_channel_bias and not (self.structured and self.method_kwargs.get("dim") == 0):
-            raise ValueError(
-                "prune_channel_bias=True needs a structured method pruning output channels (dim=0); got "
-                f"method={self.method.__name__} with method_kwargs={self.method_kwargs!r}"
+        raise_problems(
+            rules.method_problems(
+                method_name(self.method) or self.method.__name__,
+                self.method.PRUNING_TYPE,
+                scope=scope,  # its rules held in resolve_method_options: only the channel-bias rule can fail here
+                prune_channel_bias=prune_channel_bias,
+                dim=self.method_kwargs.get("dim"),
             )
+        )
         rewind_at, snapshot = resolve_rewind(rewind, unit)
         if mask_dtype is not None and not isinstance(mask_dtype, torch.dtype):
             raise ValueError(f"mask_dtype={mask_dtype!r} must be a torch.dtype (e.g. torch.bool) or None")

@@ -1,0 +1,153 @@
+"""The rules that tie the pruning choices together: one set of checks and messages for the callback and the app.
+
+:class:`lightprune.PruningCallback` raises the first problem these functions find when it is built; the experiment
+app's :func:`~lightprune.config.validate_config` lists every one of them under its ``pruning.`` keys before anything
+is imported or trained. Methods are named as :mod:`lightprune.choices` names them; any other name (a user's own
+class, by its class name) or ``None`` is a custom method, which only its ``PRUNING_TYPE`` describes. Like
+:mod:`lightprune.choices`, this module imports nothing heavy.
+
+Example:
+    >>> method_problems("ln_structured", "structured", scope="global")
+    [Problem(key='scope', value='global', message='a global ranking needs an unstructured method, and ln_structured \
+is structured: use scope=layerwise')]
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from lightprune import choices
+
+__all__ = ["Problem", "importance_problems", "kind_of", "method_problems", "semi_structured_problems"]
+
+
+class Problem(NamedTuple):
+    """One broken rule: the key whose value breaks it, that value, and why (with what to do instead)."""
+
+    key: str
+    value: Any
+    message: str
+
+    def format(self, prefix: str = "") -> str:
+        """``"<prefix><key>=<value>: <message>"``, the form of every configuration error.
+
+        Example:
+            >>> Problem("scope", "row", "needs l1_unstructured").format("pruning.")
+            "pruning.scope='row': needs l1_unstructured"
+        """
+        return f"{prefix}{self.key}={self.value!r}: {self.message}"
+
+
+def kind_of(method: str) -> str | None:
+    """The ``PRUNING_TYPE`` of a method named in :data:`lightprune.choices.METHODS` (``None`` for another name).
+
+    Example:
+        >>> kind_of("ln_structured"), kind_of("l1_unstructured"), kind_of("semi_structured"), kind_of("my.Method")
+        ('structured', 'unstructured', 'global', None)
+    """
+    if method in choices.STRUCTURED_METHODS:
+        return "structured"
+    if method == "semi_structured":
+        return "global"  # it ranks within groups of the whole tensor, as PruningContainer's "global" methods do
+    return "unstructured" if method in choices.METHODS else None
+
+
+def method_problems(
+    method: str | None, kind: str | None, *, scope: str, prune_channel_bias: bool = False, dim: int | None = None
+) -> list[Problem]:
+    """The scope and channel-bias rules for ``method`` (a :mod:`~lightprune.choices` name, else ``None``) of
+    ``PRUNING_TYPE`` ``kind`` (``None`` when unknown: the rules that need it are left to the built method).
+
+    Example:
+        >>> method_problems("l1_unstructured", "unstructured", scope="global")
+        []
+        >>> [p.key for p in method_problems("l1_unstructured", "unstructured", scope="global", prune_channel_bias=True)]
+        ['prune_channel_bias']
+    """
+    label = method or "a custom method"
+    problems: list[Problem] = []
+    if method == "semi_structured" and scope != "layerwise":
+        problems.append(
+            Problem("scope", scope, "semi_structured ranks its N:M groups within each layer: use scope=layerwise")
+        )
+    elif scope == "global" and kind is not None and kind != "unstructured":
+        problems.append(
+            Problem(
+                "scope",
+                scope,
+                f"a global ranking needs an unstructured method, and {label} is {kind}: use scope=layerwise",
+            )
+        )
+    if scope == "row" and method != "l1_unstructured":
+        problems.append(Problem("scope", scope, f"row ranks every row's entries as l1_unstructured does, not {label}"))
+    if prune_channel_bias and not (kind == "structured" and dim == 0):
+        problems.append(
+            Problem(
+                "prune_channel_bias",
+                prune_channel_bias,
+                f"needs a structured method pruning output channels (dim=0); got {label} with dim={dim}",
+            )
+        )
+    return problems
+
+
+def importance_problems(importance: Any, method: str | None, *, calibration_batches: int = 0) -> list[Problem]:
+    """The rules between a criterion (:data:`lightprune.choices.IMPORTANCES`, or a callable: ``"callable"``), the
+    method ranking by it and the calibration batches collecting its statistics.
+
+    Example:
+        >>> print(importance_problems("movement", "ln_structured")[0].message)
+        movement ranks signed scores, which ln_structured cannot (a norm or a custom method would drop their sign): use
+        method l1_unstructured or semi_structured
+        >>> importance_problems("activation", "l1_unstructured", calibration_batches=4)
+        []
+    """
+    label = method or "a custom method"
+    problems: list[Problem] = []
+    if calibration_batches and importance != "activation":
+        problems.append(
+            Problem(
+                "calibration_batches",
+                calibration_batches,
+                f"collects input statistics, which only importance=activation uses (importance={importance})",
+            )
+        )
+    if importance != "magnitude" and method in choices.RANDOM_METHODS:
+        problems.append(Problem("importance", importance, f"{label} draws at random and ignores scores"))
+    if importance == "movement" and method not in choices.SIGNED_SCORE_METHODS + choices.RANDOM_METHODS:
+        problems.append(
+            Problem(
+                "importance",
+                importance,
+                f"movement ranks signed scores, which {label} cannot (a norm or a custom method would drop their "
+                "sign): use method l1_unstructured or semi_structured",
+            )
+        )
+    return problems
+
+
+def semi_structured_problems(
+    n: int, m: int, *, one_event: bool, sparsity: float | None, schedule: Any = None
+) -> list[Problem]:
+    """An N:M pattern is fixed: its run is one event (``one_event``) to ``1 - n/m`` (``sparsity``); ``schedule`` is
+    what a problem shows as the bad value (by default the sparsity, or that there are several events).
+
+    Example:
+        >>> semi_structured_problems(2, 4, one_event=True, sparsity=0.5)
+        []
+        >>> semi_structured_problems(2, 4, one_event=False, sparsity=0.9)[0].format()
+        "schedule='a schedule of several events': semi_structured with n=2, m=4 prunes 1 - n/m = 0.5 of the weights \
+in one event: give a one-shot schedule to 0.5"
+    """
+    fixed = 1 - n / m
+    if one_event and sparsity is not None and abs(sparsity - fixed) < 1e-9:
+        return []
+    return [
+        Problem(
+            "schedule",
+            schedule if schedule is not None else (sparsity if one_event else "a schedule of several events"),
+            f"semi_structured with n={n}, m={m} prunes 1 - n/m = {fixed:g} of the weights in one event: give a "
+            f"one-shot schedule to {fixed:g}"
+            + (f" (this one prunes to {sparsity:g})" if one_event and sparsity else ""),
+        )
+    ]
