@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.callback import sharded
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.layouts import input_dim
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
@@ -242,73 +243,24 @@ class MaskedSelection:
         pairs = [(module, name) for _, module, name in self.selection]
         tensors = [prune.original(module, name) for module, name in pairs]
         current = [self.mask(module, name) for module, name in pairs]
-        counts = self.counts()
-        new: dict[int, Tensor] = {}
-        if self.structured:
-            n = self.method_kwargs.get("n")  # None: RandomStructured
-            dim = self.method_kwargs["dim"]
-            for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-                increment = round(target * units) - pruned
-                if increment > 0:
-                    new[i] = distributed.sharded_structured_mask(
-                        tensor,
-                        increment,
-                        dim=dim,
-                        n=n,
-                        current=mask,
-                        dtype=self._sharded_dtype(tensor),
-                        group=self.group,
-                    )
-        else:
-            method = "random" if self.method is prune.RandomUnstructured else "l1"
-            if self.scope == "global":
-                increment = round(target * sum(u for u, _ in counts)) - sum(p for _, p in counts)
-                if increment > 0:
-                    masks = distributed.sharded_unstructured_masks(
-                        tensors,
-                        increment,
-                        method=method,
-                        current=current,
-                        dtype=self._sharded_dtype(tensors[0]),
-                        group=self.group,
-                    )
-                    new = dict(enumerate(masks))
-            else:
-                for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-                    increment = round(target * units) - pruned
-                    if increment > 0:
-                        new[i] = distributed.sharded_unstructured_masks(
-                            [tensor],
-                            increment,
-                            method=method,
-                            current=[mask],
-                            dtype=self._sharded_dtype(tensor),
-                            group=self.group,
-                        )[0]
+        new = sharded.new_masks(
+            tensors, current, self.counts(), target, self.method, self.method_kwargs, self.scope, self._sharded_dtype,
+            self.group,
+        )  # fmt: skip
         for i, mask in new.items():
             module, name = pairs[i]
             self.inplace.put(module, name, mask)
         for _, module, name in self.selection:
             if module in self.biases:
-                self._prune_sharded_bias(module, name)
+                weight_mask = self.inplace.mask(module, name)
+                if weight_mask is not None:
+                    bias = distributed.local_of(prune.original(module, "bias"))
+                    keep = sharded.bias_keep(weight_mask, bias, type(module).__name__)
+                    self.inplace.put(module, "bias", keep.to(self._sharded_dtype))
 
-    def _sharded_dtype(self, tensor: Tensor) -> torch.dtype:
+    @property
+    def _sharded_dtype(self) -> torch.dtype:
         return torch.bool if self.mask_dtype is None else self.mask_dtype
-
-    def _prune_sharded_bias(self, module: nn.Module, name: str) -> None:
-        """Zero the local bias entries of the output channels (rows) whose local weight mask is all zero."""
-        assert self.inplace is not None
-        weight_mask = self.inplace.mask(module, name)
-        if weight_mask is None:
-            return
-        keep = torch.count_nonzero(weight_mask, dim=list(range(1, weight_mask.dim()))) > 0
-        bias = distributed.local_of(prune.original(module, "bias"))
-        if keep.shape != bias.shape:
-            raise ValueError(
-                f"the local bias of {type(module).__name__} has shape {tuple(bias.shape)} but its weight's local "
-                f"shard has {keep.numel()} rows: bias and weight must be sharded alike along dim 0"
-            )
-        self.inplace.put(module, "bias", keep.to(self._sharded_dtype(bias)))
 
     def _share_everywhere(self) -> None:
         """Give every other place a selected tensor lives the very mask of the selected owner.
@@ -367,7 +319,7 @@ class MaskedSelection:
     # Checkpoints
     # ------------------------------------------------------------------------------------------------------------
 
-    def _mask_targets(self) -> dict[str, tuple[nn.Module, str]]:
+    def mask_targets(self) -> dict[str, tuple[nn.Module, str]]:
         """The tensors whose masks go into checkpoints, by qualified name: the selection and the channel biases."""
         targets = {qualified: (module, name) for qualified, module, name in self.selection}
         targets.update((bias_name(q), (m, "bias")) for q, m, _ in self.selection if m in self.biases)
@@ -375,7 +327,7 @@ class MaskedSelection:
 
     def masks(self) -> dict[str, Tensor]:
         """The masks by qualified name, for a checkpoint (tensors not pruned yet have none)."""
-        targets = self._mask_targets()
+        targets = self.mask_targets()
         found = {key: self.mask(module, name) for key, (module, name) in targets.items()}
         if self.sharded:  # each rank's local shard, as a DTensor of the parameter's layout
             return {
@@ -387,7 +339,7 @@ class MaskedSelection:
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
         """Put a checkpoint's masks back, checked first (``owner`` names the state in messages), all or nothing."""
-        targets = self._mask_targets()
+        targets = self.mask_targets()
         if self.sharded:
             self._restore_sharded(saved, targets, owner)
             return
@@ -411,29 +363,9 @@ class MaskedSelection:
     def _restore_sharded(
         self, saved: Mapping[str, Tensor], targets: dict[str, tuple[nn.Module, str]], owner: str
     ) -> None:
-        """Sharded tensors: each saved mask is a DTensor (its local shard is taken) or a full tensor (a consolidated
-        checkpoint: this rank's rows are taken)."""
+        """Sharded tensors: each saved mask's local part (checked first: all or nothing) put in place."""
         assert self.inplace is not None
-        local: dict[str, Tensor] = {}
-        problems = []
-        for key, mask in saved.items():
-            if key not in targets:
-                problems.append(f"{key!r} is not selected by this callback (the selection is {sorted(targets)})")
-                continue
-            tensor = prune.original(*targets[key])
-            if tuple(mask.shape) != tuple(tensor.shape):
-                problems.append(
-                    f"the mask of {key!r} has shape {tuple(mask.shape)}, the parameter {tuple(tensor.shape)}"
-                )
-                continue
-            part = distributed.local_of(mask) if distributed.is_sharded(mask) else distributed.local_part(mask, tensor)
-            local[key] = part.to(distributed.local_of(tensor).device)
-        if problems:
-            raise ValueError(
-                f"{owner}: the checkpoint's masks do not fit the model (nothing was changed):\n  "
-                + "\n  ".join(problems)
-            )
-        for key, mask in local.items():
+        for key, mask in sharded.local_masks(saved, targets, owner).items():
             module, name = targets[key]
             self.inplace.put(module, name, mask)
 

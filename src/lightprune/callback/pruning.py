@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightprune import prune, rules
 from lightprune._checks import is_int
-from lightprune.callback import neighbours, reporting, rewinding, selecting
+from lightprune.callback import neighbours, reporting, rewinding, selecting, sharded
 from lightprune.callback.calibration import calibrate
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked import MaskedSelection
@@ -515,69 +515,14 @@ class PruningCallback(Callback):
         return self.masking == "inplace" or (self._masked is not None and self._masked.sharded)
 
     def _save_sharded_masks(self, checkpoint: dict[str, Any]) -> None:
-        """Sharded masks in a checkpoint, exact whatever the format.
-
-        A distributed checkpoint (the model's state holds DTensors) saves the weights shard by shard from every rank,
-        but the callbacks' states from rank zero only: each rank's local masks go into the model's state as DTensors
-        under ``lightprune.masks.<callback>.<parameter>`` keys, written shard by shard beside the weights, and the
-        callback's state keeps just their names (a strict load of the model ignores checkpoint keys it does not
-        ask for). A consolidated checkpoint (one file, full tensors) holds the full masks in the callback's state,
-        gathered once at save time, as Lightning gathers the full weights; its weights are plain and pruned.
-        """
-        from lightprune.prune.distributed import is_sharded
-
-        callbacks = checkpoint.get("callbacks", {})
-        state = callbacks.get(self.state_key)
-        model_state = checkpoint.get("state_dict", {})
-        if state is None:
-            return
-        masks = state.get("masks", {})
-        if any(is_sharded(v) for v in model_state.values()):
-            prefix = self._sharded_prefix
-            for key, mask in masks.items():
-                model_state[prefix + key] = mask
-            state["sharded_masks"] = sorted(masks)
-            state["masks"] = {}
-        else:
-            state["masks"] = {key: mask.full_tensor() if is_sharded(mask) else mask for key, mask in masks.items()}
-            state["sharded_masks"] = []
-
-    @property
-    def _sharded_prefix(self) -> str:
-        import hashlib
-
-        return f"lightprune.masks.{hashlib.sha1(self.state_key.encode()).hexdigest()[:12]}."
+        sharded.save_masks(checkpoint, self.state_key)
 
     def _load_sharded_masks(self, trainer: Trainer) -> None:
         """Resuming from a distributed checkpoint: read this rank's shard of every mask saved beside the weights."""
         names, self._sharded_masks_in = self._sharded_masks_in, []
-        if not names or self._masked is None:
-            return
-        path = trainer.ckpt_path
-        if path is None:
-            raise ValueError(f"{self.state_key}: the checkpoint's masks are in a distributed checkpoint, path unknown")
-        import torch.distributed.checkpoint as dcp
-
-        from lightprune.prune.distributed import as_dtensor, local_of
-
-        targets = self._masked._mask_targets()
-        missing = [n for n in names if n not in targets]
-        if missing:
-            raise ValueError(
-                f"{self.state_key}: the checkpoint holds masks of {missing}, not selected by this callback"
-            )
-        holders = {}
-        for key in names:
-            tensor = prune.original(*targets[key])
-            holders[self._sharded_prefix + key] = as_dtensor(
-                torch.empty(
-                    local_of(tensor).shape, dtype=self.mask_dtype or torch.bool, device=local_of(tensor).device
-                ),
-                tensor,
-            )
-        loaded = {"state_dict": holders}
-        dcp.load(loaded, checkpoint_id=path)
-        self._masked.restore({key: loaded["state_dict"][self._sharded_prefix + key] for key in names}, self.state_key)
+        if names and self._masked is not None:
+            masks = sharded.load_masks(trainer.ckpt_path, names, self._masked, self.state_key, self.mask_dtype)
+            self._masked.restore(masks, self.state_key)
 
     def _in_place(self) -> None:
         if self._masked is not None:
