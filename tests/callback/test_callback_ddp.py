@@ -87,24 +87,38 @@ SCRIPT = textwrap.dedent(
             )
 
 
-    magnitude = PruningCallback(
-        Linear(final=0.6, start=0, end=12, frequency=3), include=r"net\\.[02]\\.weight", make_permanent=False
-    )
-    random = PruningCallback(
-        Geometric(0.3, start=1, frequency=2, rounds=6),
-        method="random_unstructured",
-        include=r"net\\.4\\.weight",
-        parameter_names=("weight",),
-        make_permanent=False,
-        log_per_parameter=False,
-        name="random",
-    )
+    if sys.argv[2] == "criteria":  # activation (per row) and movement scores, summed across the ranks
+        callbacks = [
+            PruningCallback(
+                Linear(final=0.6, start=2, end=10, frequency=4), importance="activation", activation_window=2,
+                scope="row", include=r"net\\.[02]\\.weight", make_permanent=False, name="wanda",
+            ),
+            PruningCallback(
+                Linear(final=0.5, start=3, end=11, frequency=4), importance="movement", include=r"net\\.4\\.weight",
+                make_permanent=False, name="movement",
+            ),
+        ]
+    else:  # magnitude (global) and random draws
+        callbacks = [
+            PruningCallback(
+                Linear(final=0.6, start=0, end=12, frequency=3), include=r"net\\.[02]\\.weight", make_permanent=False
+            ),
+            PruningCallback(
+                Geometric(0.3, start=1, frequency=2, rounds=6),
+                method="random_unstructured",
+                include=r"net\\.4\\.weight",
+                parameter_names=("weight",),
+                make_permanent=False,
+                log_per_parameter=False,
+                name="random",
+            ),
+        ]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_epochs=2,
-        callbacks=[PerRankSeed(), magnitude, random, Dump()],
+        callbacks=[PerRankSeed(), *callbacks, Dump()],
         logger=CSVLogger(out, name="csv", version=0),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -120,7 +134,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> None:
     script = tmp_path / "ddp_fit.py"
     script.write_text(SCRIPT)
-    run_script(script, str(tmp_path), timeout=300)
+    run_script(script, str(tmp_path), "magnitude", timeout=300)
 
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
     # each rank trained on its own shard (else the test would prove nothing about synchronisation) ...
@@ -156,3 +170,21 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
         if row.get("pruning/sparsity/net.0.weight")
     }
     assert totals[12] == pytest.approx(round(0.6 * 320) / 320, abs=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddp_ranks_with_different_data_hold_identical_masks_with_activation_and_movement(tmp_path: Path) -> None:
+    """The input statistics and movement scores are summed across ranks: every rank ranks the same scores."""
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(SCRIPT)
+    run_script(script, str(tmp_path), "criteria", timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
+    steps = sorted(ranks[0]["masks"])
+    assert steps == sorted(ranks[1]["masks"]) == list(range(1, 17))
+    for step in steps:
+        for key, value in ranks[0]["masks"][step].items():
+            assert torch.equal(value, ranks[1]["masks"][step][key]), (step, key)
+    final = ranks[0]["masks"][16]
+    assert (~final["net.0.weight_mask"].bool()).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
+    assert int((~final["net.4.weight_mask"].bool()).sum()) == round(0.5 * 48)

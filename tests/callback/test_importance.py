@@ -6,7 +6,6 @@ on fixed batches without shuffling): its layers' inputs and gradients up to an e
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.callback.activations import ActivationStats
 from lightprune.schedules import Constant, Cubic, Linear
-from processes import run_script
 from tiny_lightning import TinyNet, folded
 
 pytestmark = [
@@ -407,92 +405,4 @@ def test_mistakes_found_with_the_model_raise_when_fit_starts(kwargs: dict[str, A
         fit([PruningCallback(schedule, **kwargs)], WithEmbedding(), max_steps=2)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# DDP: two processes, different data, identical masks
-# ----------------------------------------------------------------------------------------------------------------------
-
-DDP_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import Callback
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightprune.callback import PruningCallback
-    from lightprune.schedules import Constant, Linear
-
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-
-
-    class Net(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-        def train_dataloader(self):
-            generator = torch.Generator().manual_seed(1)
-            x, y = torch.randn(128, 8, generator=generator), torch.randint(0, 4, (128,), generator=generator)
-            return DataLoader(TensorDataset(x, y), batch_size=8)
-
-
-    class Dump(Callback):
-        def __init__(self):
-            self.masks, self.inputs = {}, []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.inputs.append(batch[0][0].clone())
-
-        def on_train_batch_end(self, trainer, pl_module, *args):
-            self.masks[trainer.global_step] = {
-                key: value.clone() for key, value in pl_module.named_buffers() if key.endswith("_mask")
-            }
-
-        def on_train_end(self, trainer, pl_module):
-            torch.save({"masks": self.masks, "inputs": self.inputs}, out / f"rank{trainer.global_rank}.pt")
-
-
-    wanda = PruningCallback(
-        Linear(final=0.6, start=2, end=10, frequency=4), importance="activation", activation_window=2, scope="row",
-        include=r"net\\.[02]\\.weight", make_permanent=False, name="wanda",
-    )
-    movement = PruningCallback(
-        Linear(final=0.5, start=3, end=11, frequency=4), importance="movement", include=r"net\\.4\\.weight",
-        make_permanent=False, name="movement",
-    )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, callbacks=[wanda, movement, Dump()], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )
-    trainer.fit(Net())
-    """
-)
-
-
-@pytest.mark.slow
-def test_ddp_ranks_with_different_data_hold_identical_masks(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_importance.py"
-    script.write_text(DDP_SCRIPT)
-    run_script(script, str(tmp_path), timeout=300)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
-    assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
-    steps = sorted(ranks[0]["masks"])
-    assert steps == sorted(ranks[1]["masks"]) == list(range(1, 17))
-    for step in steps:
-        for key, value in ranks[0]["masks"][step].items():
-            assert torch.equal(value, ranks[1]["masks"][step][key]), (step, key)
-    final = ranks[0]["masks"][16]
-    assert (~final["net.0.weight_mask"]).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
-    assert int((~final["net.4.weight_mask"]).sum()) == round(0.5 * 48)
+# DDP (two processes, different data, identical masks with activation and movement): tests/callback/test_callback_ddp.py
