@@ -504,7 +504,63 @@ def _check_patterns(problems: list[str], key: str, patterns: Any) -> None:
 
 
 STRUCTURED_METHODS = choices.STRUCTURED_METHODS
-RAMP_SCHEDULES = ("linear", "cubic")
+_SCHEDULE_KEYS = {
+    "initial": "initial_sparsity",
+    "final": "final_sparsity",
+    "sparsity": "final_sparsity",
+    "fraction": "final_sparsity",
+    "at": "start",
+    "start": "start",
+    "end": "end",
+    "frequency": "frequency",
+    "rounds": "rounds",
+}
+"""The ``pruning`` key behind each argument of the schedule classes (see :func:`pruning_schedule`)."""
+
+
+def per_round(pruning: Any) -> float:
+    """The fraction of the remaining weights each of ``pruning.rounds`` geometric events (or rounds) prunes, so that
+    the last reaches ``pruning.final_sparsity``: ``1 - (1 - s) ** (1 / rounds)``.
+
+    Example:
+        >>> round(per_round(OmegaConf.create({"final_sparsity": 0.75, "rounds": 2})), 6)
+        0.5
+    """
+    return 1.0 - (1.0 - pruning.final_sparsity) ** (1.0 / pruning.rounds)
+
+
+def pruning_schedule(pruning: Any) -> Any:
+    """The :class:`~lightprune.schedules.Schedule` of a ``pruning`` config (times as fractions of the run), built by
+    :func:`~lightprune.schedules.make_schedule` from the registry name ``pruning.schedule``; it checks its arguments.
+
+    Example:
+        >>> pruning_schedule(OmegaConf.structured(PruningConfig))
+        Cubic(initial=0.0, final=0.9, start=0.0, end=0.6, frequency=0.02)
+    """
+    from lightprune.schedules import make_schedule
+
+    times = {"start": float(pruning.start), "frequency": float(pruning.frequency)}
+    arguments: dict[str, dict[str, Any]] = {
+        "constant": {"sparsity": pruning.final_sparsity, "at": float(pruning.start)},
+        "geometric": {"fraction": per_round(pruning), **times, "rounds": pruning.rounds},
+        "linear": {
+            "initial": pruning.initial_sparsity, "final": pruning.final_sparsity, "end": float(pruning.end), **times
+        },
+    }  # fmt: skip
+    arguments["cubic"] = arguments["linear"]
+    return make_schedule(pruning.schedule, **arguments[pruning.schedule])
+
+
+def _schedule_problem(err: ValueError) -> str:
+    """A schedule's complaint (``"initial=0.5 must be ..."``) under the ``pruning`` key it comes from."""
+    text = str(err)
+    name, _, rest = text.partition("=")
+    if name in _SCHEDULE_KEYS:
+        value, _, why = rest.partition(" ")
+        return f"pruning.{_SCHEDULE_KEYS[name]}={value}: {why}"
+    return f"pruning.schedule={text}"
+
+
 RANDOM_METHODS = choices.RANDOM_METHODS
 
 
@@ -709,23 +765,13 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     structured = pruning.method in STRUCTURED_METHODS
     _check(problems, pruning.scope in SCOPES, "pruning.scope", pruning.scope, f"one of {SCOPES}")
     _check(problems, pruning.schedule in SCHEDULES, "pruning.schedule", pruning.schedule, f"one of {SCHEDULES}")
-    for key in ("initial_sparsity", "final_sparsity"):
-        value = pruning[key]
-        _check(problems, 0 <= value <= 1, f"pruning.{key}", value, "must be in [0, 1]")
-    for key in ("start", "end"):
-        _check(problems, 0 <= pruning[key] <= 1, f"pruning.{key}", pruning[key], "a fraction of the run in [0, 1]")
-    if pruning.schedule in RAMP_SCHEDULES:  # only ramps use initial_sparsity and end
-        _check(
-            problems,
-            pruning.initial_sparsity <= pruning.final_sparsity,
-            "pruning.initial_sparsity",
-            pruning.initial_sparsity,
-            f"must be <= pruning.final_sparsity={pruning.final_sparsity}",
-        )
-        _check(problems, pruning.start <= pruning.end, "pruning.start", pruning.start, f"must be <= end={pruning.end}")
-    _check(problems, 0 < pruning.frequency <= 1, "pruning.frequency", pruning.frequency, "a fraction in (0, 1]")
-    _check(problems, pruning.unit in UNITS, "pruning.unit", pruning.unit, f"one of {UNITS}")
     _check(problems, pruning.rounds >= 1, "pruning.rounds", pruning.rounds, "must be >= 1")
+    if pruning.schedule in SCHEDULES and pruning.rounds >= 1:  # the schedule checks its own arguments
+        try:
+            pruning_schedule(pruning)
+        except ValueError as err:
+            problems.append(_schedule_problem(err))
+    _check(problems, pruning.unit in UNITS, "pruning.unit", pruning.unit, f"one of {UNITS}")
     _check(problems, pruning.rewind in (None, "init"), "pruning.rewind", pruning.rewind, "None or 'init'")
     _check(problems, pruning.n > 0, "pruning.n", pruning.n, "the order of a norm, must be > 0")
     if structured:  # every pruned weight must have the dim: Linear weights have 2 dims, Conv2d weights 4

@@ -40,6 +40,8 @@ from lightprune.config import (
     ConfigError,
     config_warnings,
     is_bundled,
+    per_round,
+    pruning_schedule,
     register_configs,
     unknown_key_message,
     validate_config,
@@ -73,28 +75,14 @@ def config_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "conf"
 
 
-def _per_round(pruning: Any) -> float:
-    """The fraction of the remaining weights each of ``pruning.rounds`` geometric events (or rounds) prunes, so that
-    the last reaches ``pruning.final_sparsity``: ``1 - (1 - s) ** (1 / rounds)``."""
-    return 1.0 - (1.0 - pruning.final_sparsity) ** (1.0 / pruning.rounds)
-
-
 def _schedule(cfg: DictConfig, rounds_target: float | None = None) -> Any:
-    """The pruning schedule of ``cfg.pruning`` (times as fractions of the fine-tuning run), built by the library's
-    :func:`~lightprune.schedules.make_schedule` from the registry name ``pruning.schedule``."""
+    """The pruning schedule of ``cfg.pruning`` (:func:`~lightprune.config.pruning_schedule`), or for one round of
+    ``iterative_rounds`` a single event to ``rounds_target`` when the round's fit starts."""
     from lightprune.schedules import make_schedule
 
-    p = cfg.pruning
-    if rounds_target is not None:  # one round of iterative_rounds: prune once when the round's fit starts
+    if rounds_target is not None:
         return make_schedule("constant", sparsity=rounds_target, at=0)
-    times = {"start": float(p.start), "frequency": float(p.frequency)}
-    arguments: dict[str, dict[str, Any]] = {
-        "constant": {"sparsity": p.final_sparsity, "at": float(p.start)},
-        "geometric": {"fraction": _per_round(p), **times, "rounds": p.rounds},
-        "linear": {"initial": p.initial_sparsity, "final": p.final_sparsity, "end": float(p.end), **times},
-    }
-    arguments["cubic"] = arguments["linear"]
-    return make_schedule(p.schedule, **arguments[p.schedule])
+    return pruning_schedule(cfg.pruning)
 
 
 def build_callback(
@@ -377,8 +365,8 @@ def _round_targets(cfg: DictConfig) -> list[float]:
     """Target sparsity after each round of ``iterative_rounds``: the same fraction of what remains is pruned in
     every round, and the last round reaches ``final_sparsity`` exactly."""
     p = cfg.pruning
-    per_round = _per_round(p)
-    targets = [1.0 - (1.0 - per_round) ** r for r in range(1, p.rounds + 1)]
+    fraction = per_round(p)
+    targets = [1.0 - (1.0 - fraction) ** r for r in range(1, p.rounds + 1)]
     targets[-1] = p.final_sparsity
     return targets
 
