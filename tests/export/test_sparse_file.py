@@ -388,6 +388,26 @@ def test_truncated_v2_file_names_the_tensor_cut(tmp_path):
         load_sparse(path)
 
 
+def test_a_shape_larger_than_the_file_is_refused_before_allocating(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_sparse({"w": torch.randn(10), "m": random_tensor((100,), torch.float32, 0.9, 0)}, path)
+
+    def inflate(table):
+        table["tensors"][0][2] = [10**12]  # four terabytes, stored dense
+        table["tensors"][1][2] = [10**13]  # a bitmask of more than a terabyte
+
+    _rewrite_table(path, inflate)
+    with pytest.raises(SparseFileError, match=r"tensor 'w'.*altered"):
+        load_sparse(path)
+
+    def second(table):
+        table["tensors"][0][2] = [10]
+
+    _rewrite_table(path, second)
+    with pytest.raises(SparseFileError, match=r"tensor 'm'.*altered"):
+        load_sparse(path)
+
+
 def test_truncated_inside_the_header(saved):
     saved.write_bytes(saved.read_bytes()[:40])
     with pytest.raises(SparseFileError, match=r"truncated"):

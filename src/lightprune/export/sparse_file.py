@@ -95,6 +95,7 @@ _CODES: dict[str, torch.dtype] = {
 }
 """Version 2's dtype codes: safetensors' own."""
 _CODE_OF = {dtype: code for code, dtype in _CODES.items()}
+_CODE_SIZES = {code: torch.empty((), dtype=dtype).element_size() for code, dtype in _CODES.items()}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LAYOUT_NAMES = {0: "dense", 1: "bitmask"}
 
@@ -182,7 +183,7 @@ def _scatter(out: np.ndarray, packed: np.ndarray, values: np.ndarray) -> None:
 def _empty(n: int, dtype: torch.dtype) -> Tensor:
     """A flat tensor in fresh NumPy memory, which NumPy advises the kernel to back with huge pages when large:
     filling 16 MB of it took 520 page faults here, against 4,100 for ``torch.empty`` (one per 4 kB page)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = _CODE_SIZES[_CODE_OF[dtype]]
     return torch.from_numpy(np.empty(n, dtype=np.uint8 if dtype == torch.bool else f"i{size}")).view(dtype)
 
 
@@ -229,16 +230,17 @@ def _write(path: str | os.PathLike[str], encoded: list[_Encoded]) -> None:
     ).encode()
     header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, so every run is aligned in memory too
     with open(path, "wb", buffering=0) as handle:
-        handle.write(struct.pack("<Q", len(header)) + header)
-        handle.write(np.array([item.crc for item in encoded], dtype="<u4").tobytes())
+        _write_all(handle, struct.pack("<Q", len(header)) + header)
+        _write_all(handle, np.array([item.crc for item in encoded], dtype="<u4"))
         for pad, run in placed:
             if pad:
-                handle.write(bytes(pad))
+                _write_all(handle, bytes(pad))
             _write_all(handle, run)
 
 
-def _write_all(handle: BinaryIO, array: np.ndarray) -> None:
-    view = memoryview(array).cast("B")
+def _write_all(handle: BinaryIO, data: np.ndarray | bytes) -> None:
+    """Write every byte (an unbuffered write may take fewer than it is given)."""
+    view = memoryview(data).cast("B")
     while view:
         view = view[handle.write(view) :]
 
@@ -355,21 +357,28 @@ class _Reader:
     def __init__(self, path: str | os.PathLike[str], handle: BinaryIO, start: int, size: int, declared: int) -> None:
         self.path, self.handle, self.start, self.size, self.declared = path, handle, start, size, declared
 
+    def require(self, offset: int, nbytes: int, name: str) -> None:
+        """Refuse a run that would end past the end of the file (before memory is allocated for it)."""
+        end = self.start + offset + nbytes
+        if end <= self.size:
+            return
+        if self.size >= self.start + self.declared:
+            raise SparseFileError(
+                f"{self.path}: tensor {name!r}: checksum mismatch: the file was altered or damaged (its layout asks "
+                f"for bytes up to {end}, past the end of the data at {self.size})"
+            )
+        raise SparseFileError(
+            f"{self.path}: truncated: tensor {name!r} needs bytes up to {end}, the file has {self.size}"
+        )
+
     def into(self, target: np.ndarray, offset: int, name: str) -> None:
+        self.require(offset, target.nbytes, name)
         view = memoryview(target).cast("B")
         self.handle.seek(self.start + offset)
         while view:
             got = self.handle.readinto(view)
-            if not got:
-                end = self.start + offset + target.nbytes
-                if self.size >= self.start + self.declared:
-                    raise SparseFileError(
-                        f"{self.path}: tensor {name!r}: checksum mismatch: the file was altered or damaged (its "
-                        f"bitmask asks for bytes up to {end}, past the end of the data at {self.size})"
-                    )
-                raise SparseFileError(
-                    f"{self.path}: truncated: tensor {name!r} needs bytes up to {end}, the file has {self.size}"
-                )
+            if not got:  # the file shrank while being read
+                raise SparseFileError(f"{self.path}: truncated: tensor {name!r} (the file shrank while being read)")
             view = view[got:]
 
 
@@ -397,11 +406,13 @@ def _load_v2(path: str | os.PathLike[str], header: dict, start: int, size: int, 
             _check(name not in out, path, name, "it appears twice in the table")
             n = _check_shape(shape, path, name)
             dtype = _CODES[code]
+            itemsize = _CODE_SIZES[code]
+            reader.require(offset, -(-n // 8) if layout else -offset % itemsize + n * itemsize, name)
             result = _empty(n, dtype)
             bits = _bit_view(result).numpy()
             crc = _record_crc(record)
             if not layout:
-                offset += -offset % result.element_size()
+                offset += -offset % itemsize
                 reader.into(bits, offset, name)
                 offset += bits.nbytes
                 crc = zlib.crc32(bits, crc)
@@ -409,7 +420,7 @@ def _load_v2(path: str | os.PathLike[str], header: dict, start: int, size: int, 
                 packed = np.empty(-(-n // 8), dtype=np.uint8)
                 reader.into(packed, offset, name)
                 offset += packed.nbytes
-                offset += -offset % result.element_size()
+                offset += -offset % itemsize
                 values = np.empty(popcount(packed), dtype=bits.dtype)
                 reader.into(values, offset, name)
                 offset += values.nbytes
