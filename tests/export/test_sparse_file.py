@@ -18,7 +18,7 @@ from torch.nn.utils import prune as torch_prune
 
 from lightprune import prune
 from lightprune.export import SparseFileError, load_sparse, save_sparse, stored_layouts
-from lightprune.export.sparse_file import BITMASK_SUFFIX, VALUES_SUFFIX, pack_bits, unpack_bits
+from lightprune.export.sparse_file import _CODES, BITMASK_SUFFIX, VALUES_SUFFIX, pack_bits, unpack_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
 SPARSITIES = [0.0, 0.5, 0.9, 0.999, 1.0]
@@ -26,7 +26,7 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT_VIEW[t.element_size()])
+    return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_INT_VIEW[t.element_size()])
 
 
 def assert_identical(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -473,3 +473,21 @@ def test_round_trip_across_chunk_boundaries(tmp_path_factory, n, sparsity, seed)
         sparse_file.CHUNK = previous
     assert_identical(out, t)
     assert_identical(load_sparse(path)["t"], t)  # and read back with the default chunk size
+
+
+@pytest.mark.parametrize("code", sorted(_CODES))
+def test_every_supported_dtype_round_trips_in_both_layouts(tmp_path, code):
+    dtype = _CODES[code]
+    g = torch.Generator().manual_seed(5)
+    if dtype == torch.bool:
+        dense = torch.rand(3000, generator=g) < 0.99
+    else:
+        size = torch.empty((), dtype=dtype).element_size()
+        dense = torch.randint(1, 256, (3000 * size,), generator=g, dtype=torch.uint8).view(dtype)
+    sparse = dense.clone()
+    bits(sparse)[torch.rand(3000, generator=g) < 0.95] = 0
+    save_sparse({"dense": dense.view(60, 50), "sparse": sparse.view(3, 1000)}, tmp_path / "t.safetensors")
+    out = load_sparse(tmp_path / "t.safetensors")
+    assert_identical(out["dense"], dense.view(60, 50))
+    assert_identical(out["sparse"], sparse.view(3, 1000))
+    assert stored_layouts(tmp_path / "t.safetensors") == {"dense": "dense", "sparse": "bitmask"}
