@@ -14,8 +14,10 @@ Layout on disk, format version 2 (an ordinary safetensors file, no pickle):
   so every run can be viewed as its dtype in place.
 
 An entry is "set" when its bit pattern is not all zeros, so ``-0.0`` and NaN are kept values and every tensor comes
-back bit for bit. Each tensor is stored in whichever layout is smaller. The CRC-32 of each tensor covers its table
-record and its stored bytes, so a tampered or truncated file fails with an error naming the tensor.
+back bit for bit. Each tensor is stored in whichever layout is smaller. The CRC-32 of each tensor is
+``zlib.crc32`` of its table record as compact JSON (``json.dumps(record, separators=(",", ":"))``) continued over
+its stored bytes (mask then values; padding excluded), so a tampered or truncated file fails with an error naming
+the tensor.
 
 One entry and a terse table keep the header to about 40 bytes per tensor: a 0.2 MB checkpoint of six tensors
 stays within 2% of the information limit. Version 1 files (one safetensors entry per dense tensor and two per
