@@ -5,10 +5,14 @@
   gzipped (level 6), torch's CSR (``torch.save`` of each weight ``.to_sparse_csr()``), and ``save_sparse``; the
   information limit ``dense_bytes / (kept_values_bytes + 1 bit per entry)``; save and load times (median of
   ``--repeats``): saving the same state_dict both ways (and ``save_sparse`` of the pruned module, which folds each
-  ``weight_orig``/``weight_mask`` pair first), dense load both as safetensors returns it (memory-mapped, read
-  lazily) and with every value read.
+  ``weight_orig``/``weight_mask`` pair first); the dense load three ways: ``load_file`` as it returns (memory-mapped,
+  nothing read yet), ``load_file`` then ``.clone()`` of every tensor (every value read), and
+  ``load_file(backend="pread")`` (every tensor read into memory); the load target is judged against the faster of
+  the two full reads.
 * **compact**: the app's ``cnn_channels`` model (``SmallCNN`` on 8x8 digits, channels 16/32, ``ln_structured``
-  n=2 dim=0 at 50% on both convs with their biases, classifier untouched) at batch 64: dense vs compact.
+  n=2 dim=0 at 50% on both convs with their biases, classifier untouched) at batch 64, dense vs compact in 5 blocks
+  of interleaved rounds (median and range over the blocks); then where the time goes: each layer alone (dense vs
+  compact), both models in channels_last and with oneDNN disabled, and at batch 256 and 1024.
 * **sparse Linear**: Linear(4096, 4096) at batch 32, 95% unstructured (and a sweep of sparsities): dense
   ``nn.Linear`` vs ``to_sparse_linear``'s CSR layer.
 
@@ -27,6 +31,7 @@ Writes a Markdown table to stdout and JSON to ``--out`` (default ``benchmarks/re
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import io
 import json
@@ -120,6 +125,7 @@ def files(width: int, layers: int, repeats: int, workdir: Path) -> list[dict[str
                     "save_lightprune_module": lambda model=model: save_sparse(model, sparse_path),
                     "load_dense_lazy": lambda: load_file(str(dense_path)),
                     "load_dense_read": lambda: [t.clone() for t in load_file(str(dense_path)).values()],
+                    "load_dense_pread": lambda: load_file(str(dense_path), backend="pread"),
                     "load_lightprune": lambda: load_sparse(sparse_path),
                 },
                 repeats,
@@ -146,8 +152,13 @@ def checkpoint_files(path: Path, workdir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def cnn_channels(batch: int, repeats: int) -> dict[str, Any]:
-    """The app's cnn_channels experiment at its final 50% of conv channels, dense against compact."""
+def _cnn_models(batch: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """Dense SmallCNN and its compact 50%-channel version (eval mode), and an input batch."""
+    dense, pruned, x = _cnn_pruned(batch)
+    return dense, compact(pruned, x), x
+
+
+def _cnn_pruned(batch: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     dense = SmallCNN(in_channels=1, image_size=8, channels=(16, 32), num_classes=10).eval()
     pruned = SmallCNN(in_channels=1, image_size=8, channels=(16, 32), num_classes=10)
@@ -156,23 +167,79 @@ def cnn_channels(batch: int, repeats: int) -> dict[str, Any]:
         prune.ln_structured(conv, "weight", amount=0.5, n=2, dim=0)
         prune.custom_from_mask(conv, "bias", conv.weight_mask.flatten(1).any(1).to(conv.bias.dtype))
     pruned.eval()
-    x = torch.randn(batch, 1, 8, 8)
+    return dense, pruned, torch.randn(batch, 1, 8, 8)
+
+
+def cnn_channels(batch: int, repeats: int, blocks: int) -> dict[str, Any]:
+    """The app's cnn_channels experiment at its final 50% of conv channels, dense against compact.
+
+    ``blocks`` blocks of ``repeats`` interleaved rounds: each figure is the median over the blocks of each block's
+    median, and the speed-up's range over the blocks says how much the shared machine moved it.
+    """
+    dense, pruned, x = _cnn_pruned(batch)
     small = compact(pruned, x)
     with torch.no_grad():
         want, got = pruned(x), small(x)
     error = float((want - got).abs().max() / want.abs().max())
-    times = compare_latency({"dense": dense, "masked": pruned, "compact": small}, x, repeats=repeats, warmup=20)
+    runs = [
+        compare_latency({"dense": dense, "masked": pruned, "compact": small}, x, repeats=repeats, warmup=20)
+        for _ in range(blocks)
+    ]
+    ratios = [times["dense"].median / times["compact"].median for times in runs]
     return {
         "batch": batch,
+        "blocks": blocks,
         "params_dense": sum(p.numel() for p in dense.parameters()),
         "params_compact": sum(p.numel() for p in small.parameters()),
         "theoretical_speedup": theoretical_speedup(pruned, (1, 8, 8)),
-        "dense_s": times["dense"].median,
-        "masked_s": times["masked"].median,
-        "compact_s": times["compact"].median,
-        "speedup": times["dense"].median / times["compact"].median,
+        **{
+            f"{name}_s": statistics.median(times[name].median for times in runs)
+            for name in ("dense", "masked", "compact")
+        },
+        "speedup": statistics.median(ratios),
+        "speedup_range": [min(ratios), max(ratios)],
         "max_relative_error": error,
     }
+
+
+def _pair(dense: nn.Module, small: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float]:
+    times = compare_latency({"dense": dense, "compact": small}, x, repeats=repeats, warmup=20)
+    d, c = times["dense"].median, times["compact"].median
+    return {"dense_s": d, "compact_s": c, "speedup": d / c}
+
+
+def cnn_breakdown(repeats: int) -> dict[str, Any]:
+    """Where cnn_channels' time goes: each layer alone, other memory formats and kernels, larger batches."""
+    dense, small, x = _cnn_models(64)
+    result: dict[str, Any] = {"layers": []}
+    with torch.inference_mode():
+        inputs_dense, inputs_small = [x], [x]
+        for layer_dense, layer_small in zip(dense.children(), small.children(), strict=True):
+            inputs_dense.append(layer_dense(inputs_dense[-1]))
+            inputs_small.append(layer_small(inputs_small[-1]))
+    for index, ((name, layer_dense), layer_small) in enumerate(
+        zip(dense.named_children(), small.children(), strict=True)
+    ):
+        times = _pair(
+            lambda layer=layer_dense, a=inputs_dense[index]: layer(a),
+            lambda layer=layer_small, a=inputs_small[index]: layer(a),
+            (),
+            repeats,
+        )
+        shapes = {"in_dense": list(inputs_dense[index].shape), "in_compact": list(inputs_small[index].shape)}
+        result["layers"].append({"layer": name, **shapes, **times})
+    last = torch.channels_last
+    result["channels_last"] = _pair(
+        copy.deepcopy(dense).to(memory_format=last),
+        copy.deepcopy(small).to(memory_format=last),
+        x.contiguous(memory_format=last),
+        repeats,
+    )
+    with torch.backends.mkldnn.flags(enabled=False):
+        result["no_onednn"] = _pair(dense, small, x, repeats)
+    for batch in (256, 1024):
+        result[f"batch_{batch}"] = _pair(dense, small, torch.randn(batch, 1, 8, 8), max(10, repeats // 10))
+    return result
 
 
 def sparse_linear(width: int, batch: int, sparsities: tuple[float, ...], repeats: int) -> list[dict[str, Any]]:
@@ -209,11 +276,16 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _full_read(row: dict[str, Any]) -> float:
+    """The faster of the two dense loads that read every value."""
+    return min(row["load_dense_read_s"], row["load_dense_pread_s"])
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| dtype | sparsity | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
-        "| lightprune over limit | save dense / lp (state_dict; pruned module) | load dense (lazy / read) / lp "
-        "| exact |",
+        "| lightprune over limit | save dense / lp (state_dict; pruned module) "
+        "| load dense (lazy / mmap+read / pread) / lp | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["files"]:
@@ -223,22 +295,22 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['lightprune_over_limit']:+.3%} "
             f"| {r['save_dense_s'] * 1e3:.0f} / {r['save_lightprune_s'] * 1e3:.0f} ms "
             f"({r['save_lightprune_s'] / r['save_dense_s']:.2f}x; {r['save_lightprune_module_s'] * 1e3:.0f} ms) "
-            f"| {r['load_dense_lazy_s'] * 1e3:.1f} / "
-            f"{r['load_dense_read_s'] * 1e3:.0f} / {r['load_lightprune_s'] * 1e3:.0f} ms "
-            f"({r['load_lightprune_s'] / r['load_dense_read_s']:.2f}x of read) | {r['exact']} |"
+            f"| {r['load_dense_lazy_s'] * 1e3:.1f} / {r['load_dense_read_s'] * 1e3:.1f} / "
+            f"{r['load_dense_pread_s'] * 1e3:.1f} / {r['load_lightprune_s'] * 1e3:.1f} ms "
+            f"({r['load_lightprune_s'] / _full_read(r):.2f}x of the faster read) | {r['exact']} |"
         )
     if result["checkpoints"]:
         lines += [
             "",
             "| checkpoint | dtype | zeros | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
-            "| exact |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| lightprune over limit | exact |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["checkpoints"]:
             lines.append(
                 f"| {r['checkpoint']} | {r['dtype']} | {r['zeros']:.1%} | {_mb(r['dense_bytes'])} "
                 f"| {r['ratio_gzip']:.2f}x | {r['ratio_csr']:.2f}x | **{r['ratio_lightprune']:.2f}x** "
-                f"| {r['ratio_limit']:.2f}x | {r['exact']} |"
+                f"| {r['ratio_limit']:.2f}x | {r['lightprune_over_limit']:+.2%} | {r['exact']} |"
             )
     c = result["cnn_channels"]
     lines += [
@@ -249,7 +321,32 @@ def markdown(result: dict[str, Any]) -> str:
         f"| cnn_channels masked (reparametrized) | {c['batch']} | {c['params_dense']:,} | {c['masked_s'] * 1e6:.0f} us "
         f"| {c['dense_s'] / c['masked_s']:.2f}x | |",
         f"| cnn_channels compact | {c['batch']} | {c['params_compact']:,} | {c['compact_s'] * 1e6:.0f} us "
-        f"| **{c['speedup']:.2f}x** | {c['theoretical_speedup']:.2f}x |",
+        f"| **{c['speedup']:.2f}x** ({c['speedup_range'][0]:.2f}-{c['speedup_range'][1]:.2f}x over {c['blocks']} "
+        f"blocks) | {c['theoretical_speedup']:.2f}x |",
+        "",
+        "| cnn_channels, where the time goes | dense | compact | speed-up |",
+        "|---|---|---|---|",
+    ]
+    breakdown = c.get("breakdown", {})
+    for r in breakdown.get("layers", []):
+        lines.append(
+            f"| layer `{r['layer']}` alone, input {'x'.join(map(str, r['in_dense']))} -> "
+            f"{'x'.join(map(str, r['in_compact']))} | {r['dense_s'] * 1e6:.1f} us | {r['compact_s'] * 1e6:.1f} us "
+            f"| {r['speedup']:.2f}x |"
+        )
+    labels = {
+        "channels_last": "both models in channels_last (batch 64)",
+        "no_onednn": "oneDNN disabled (`torch.backends.mkldnn`), batch 64",
+        "batch_256": "batch 256",
+        "batch_1024": "batch 1024",
+    }
+    for key, label in labels.items():
+        if key in breakdown:
+            r = breakdown[key]
+            lines.append(
+                f"| {label} | {r['dense_s'] * 1e6:.0f} us | {r['compact_s'] * 1e6:.0f} us | {r['speedup']:.2f}x |"
+            )
+    lines += [
         "",
         "| Linear | batch | sparsity | dense | CSR | speed-up | to_sparse_linear converts |",
         "|---|---|---|---|---|---|---|",
@@ -266,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (smoke test)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every timing")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default: 5 files, 300 latency)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default: 11 files, 300 latency)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--checkpoint",
@@ -280,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu":
         parser.error("only --device cpu is implemented; CUDA rows are not measured yet")
     width, layers = (256, 2) if args.quick else (2048, 4)
-    file_repeats = args.repeats or (1 if args.quick else 5)
+    file_repeats = args.repeats or (1 if args.quick else 11)
     latency_repeats = args.repeats or (5 if args.quick else 300)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -288,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             file_rows = files(width, layers, file_repeats, Path(tmp))
             checkpoint_rows = [row for path in args.checkpoint for row in checkpoint_files(path, Path(tmp))]
-        cnn = cnn_channels(64, latency_repeats)
+        cnn = cnn_channels(64, latency_repeats, 1 if args.quick else 5)
+        cnn["breakdown"] = cnn_breakdown(latency_repeats)
         linear_width = 512 if args.quick else 4096
         sweep = (0.95,) if args.quick else (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
         linear_rows = sparse_linear(linear_width, 32, sweep, max(3, latency_repeats // 10))

@@ -36,10 +36,10 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
     }
     for row in files:
         assert row["exact"], row
-        # never larger than the dense file, never below the information limit
+        # never larger than the dense file, within 2% of the information limit (below it where tensors stored
+        # dense, such as biases, skip the limit's 1 bit per entry)
         assert row["lightprune_bytes"] < row["dense_bytes"]
-        assert row["lightprune_over_limit"] > 0
-        assert row["ratio_lightprune"] <= row["ratio_limit"]
+        assert abs(row["lightprune_over_limit"]) < 0.02
     cnn = result["cnn_channels"]
     assert cnn["params_compact"] < cnn["params_dense"] and cnn["max_relative_error"] <= 1e-5
     assert cnn["dense_s"] > 0 and cnn["compact_s"] > 0

@@ -28,8 +28,13 @@ def test_readme_reader_matches_load_sparse(tmp_path):
     model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 10)).to(torch.bfloat16)
     prune.l1_unstructured(model[0], "weight", amount=0.9)
     path = tmp_path / "m.safetensors"
-    save_sparse({**model.state_dict(), "step": torch.tensor(7), "zeros": torch.zeros(3, 999)}, path)
+    extra = {
+        "flags": torch.rand(77) < 0.1,
+        "scalar": torch.tensor(-0.5, dtype=torch.float64),
+        "i8": torch.arange(5).to(torch.int8),
+    }
+    save_sparse({**model.state_dict(), "step": torch.tensor(7), "zeros": torch.zeros(3, 999), **extra}, path)
     want, got = load_sparse(path), read(str(path))
-    assert list(got) == list(want) == ["0.weight", "0.bias", "2.weight", "2.bias", "step", "zeros"]
+    assert list(got) == list(want) == ["0.weight", "0.bias", "2.weight", "2.bias", "step", "zeros", *extra]
     for name in want:
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
