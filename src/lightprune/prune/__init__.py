@@ -34,6 +34,8 @@ from lightprune.prune.functional import (
     random_structured,
     random_unstructured,
     remove,
+    rowwise_l1_unstructured,
+    semi_structured,
 )
 from lightprune.prune.methods import (
     CustomFromMask,
@@ -43,6 +45,8 @@ from lightprune.prune.methods import (
     RandomStructured,
     RandomUnstructured,
 )
+from lightprune.prune.rowwise import RowwiseL1Unstructured
+from lightprune.prune.semi_structured import SemiStructured
 
 __all__ = [
     "BasePruningMethod",
@@ -53,6 +57,8 @@ __all__ = [
     "PruningContainer",
     "RandomStructured",
     "RandomUnstructured",
+    "RowwiseL1Unstructured",
+    "SemiStructured",
     "_compute_norm",
     "_compute_nparams_toprune",
     "_validate_pruning_amount",
@@ -71,5 +77,7 @@ __all__ = [
     "random_structured",
     "random_unstructured",
     "remove",
+    "rowwise_l1_unstructured",
+    "semi_structured",
     "set_mask_dtype",
 ]

@@ -32,7 +32,9 @@ from lightprune.prune.methods import (
     RandomUnstructured,
     uniform_draws,
 )
+from lightprune.prune.rowwise import RowwiseL1Unstructured
 from lightprune.prune.select import apply_cut, count_eligible, find_cut
+from lightprune.prune.semi_structured import SemiStructured
 
 __all__ = [
     "custom_from_mask",
@@ -45,6 +47,8 @@ __all__ = [
     "random_structured",
     "random_unstructured",
     "remove",
+    "rowwise_l1_unstructured",
+    "semi_structured",
 ]
 
 
@@ -96,6 +100,63 @@ def l1_unstructured(
         tensor([[ 0., -2.,  0.]], grad_fn=<AliasBackward0>)
     """
     L1Unstructured.apply(module, name, amount=amount, importance_scores=importance_scores)
+    return module
+
+
+def rowwise_l1_unstructured(
+    module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None
+) -> nn.Module:
+    """Prune ``amount`` of every row (dim 0) of ``module.<name>`` by the smallest magnitude; returns ``module``.
+
+    Every row keeps the same count (Wanda's per-output ranking), see :class:`RowwiseL1Unstructured`.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        amount: a float in [0, 1] (fraction of each row's unpruned entries) or an int (how many per row).
+        importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 2, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.copy_(torch.tensor([[0.1, -3.0, 2.0, -0.5], [4.0, 1.0, 1.0, 5.0]]))
+        >>> rowwise_l1_unstructured(layer, "weight", amount=0.5).weight_mask
+        tensor([[0., 1., 1., 0.],
+                [1., 0., 0., 1.]])
+    """
+    RowwiseL1Unstructured.apply(module, name, amount=amount, importance_scores=importance_scores)
+    return module
+
+
+def semi_structured(
+    module: nn.Module,
+    name: str,
+    n: int = 2,
+    m: int = 4,
+    importance_scores: Tensor | None = None,
+    dim: int = 1,
+) -> nn.Module:
+    """Give ``module.<name>`` an N:M pattern: the ``n`` largest ``|scores|`` of every ``m`` input entries stay.
+
+    Groups run along the input dim (``dim=1``: Linear, Conv; ``dim=0`` for an ``(in, out)`` weight such as
+    transformers' ``Conv1D``), see :class:`SemiStructured`.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        n: entries kept per group.
+        m: the group's size; must divide the input dim.
+        importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
+        dim: the input dim.
+
+    Example:
+        >>> layer = semi_structured(torch.nn.Linear(8, 3), "weight", n=2, m=4)
+        >>> layer.weight_mask.view(3, 2, 4).sum(dim=-1)
+        tensor([[2., 2.],
+                [2., 2.],
+                [2., 2.]])
+    """
+    SemiStructured.apply(module, name, n=n, m=m, dim=dim, importance_scores=importance_scores)
     return module
 
 
@@ -253,15 +314,16 @@ def _global_masks_fast(
     """One exact threshold across all tensors, written into one new mask per tensor."""
     current = [a.current_mask for a in attachments]
     random = isinstance(method, RandomUnstructured)
+    magnitude = not random and method._by_magnitude  # the signed variant of L1Unstructured ranks by value
     if random:
         scores = [uniform_draws(a.orig) for a in attachments]
     # scores of several dtypes are compared as if promoted, one chunk at a time (select.py): no promoted copies
     available = count_eligible(current, scores)
     k = _compute_nparams_toprune(method.amount, available)
     _validate_pruning_amount(k, available)
-    cut = find_cut(scores, k, eligible=current, magnitude=not random, largest=random)
+    cut = find_cut(scores, k, eligible=current, magnitude=magnitude, largest=random)
     masks = [torch.empty(a.orig.shape, dtype=a.mask_dtype(), device=a.orig.device) for a in attachments]
-    apply_cut(scores, cut, out=masks, eligible=current, base=current, magnitude=not random, largest=random)
+    apply_cut(scores, cut, out=masks, eligible=current, base=current, magnitude=magnitude, largest=random)
     return masks
 
 

@@ -226,6 +226,8 @@ class L1Unstructured(BasePruningMethod):
     """
 
     PRUNING_TYPE = "unstructured"
+    #: rank ``|score|`` (``False`` in the signed variant, :class:`~lightprune.prune.signed.SignedUnstructured`)
+    _by_magnitude = True
 
     def __init__(self, amount: int | float) -> None:
         validate_amount(amount)
@@ -233,12 +235,18 @@ class L1Unstructured(BasePruningMethod):
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
         return _unstructured_mask(
-            self.amount, t, default_mask, restrict=False, dtype=default_mask.dtype, magnitude=True, largest=False
+            self.amount,
+            t,
+            default_mask,
+            restrict=False,
+            dtype=default_mask.dtype,
+            magnitude=self._by_magnitude,
+            largest=False,
         )
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
         return _unstructured_mask(
-            self.amount, scores, current, restrict=True, dtype=dtype, magnitude=True, largest=False
+            self.amount, scores, current, restrict=True, dtype=dtype, magnitude=self._by_magnitude, largest=False
         )
 
     @classmethod

@@ -1,0 +1,137 @@
+"""Per-row ranking: every output row (dim 0) of a weight loses the same share of its entries (Wanda's convention).
+
+:class:`RowwiseL1Unstructured` ranks ``|score|`` inside each row (the slice ``t[i]``, flattened over the other dims)
+and prunes ``amount`` of the entries each row still has. Its ``PRUNING_TYPE`` is ``"global"``: a
+:class:`~lightprune.prune.PruningContainer` then hands it the whole tensor and the mask in
+force, instead of the flattened entries still unpruned that an ``"unstructured"`` method gets and in which the rows
+are lost. It honours that mask itself: entries already pruned stay pruned and are not counted in a row's entries.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from lightprune.prune.amount import validate_amount
+from lightprune.prune.base import BasePruningMethod, _to_mask_dtype
+from lightprune.prune.ranks import group_ranks
+
+__all__ = ["RowwiseL1Unstructured", "row_counts"]
+
+
+def row_counts(amount: int | float, available: Tensor) -> Tensor:
+    """How many entries each row prunes: ``amount`` itself (an int) or ``round(amount * available)`` per row.
+
+    ``round`` halves to even, as Python's ``round`` (and so torch's amount rule) does.
+
+    Raises:
+        ValueError: an int ``amount`` is larger than what some row still has, naming that row.
+
+    Example:
+        >>> row_counts(0.5, torch.tensor([4, 3, 5]))
+        tensor([2, 2, 2])
+        >>> row_counts(3, torch.tensor([4, 2]))
+        Traceback (most recent call last):
+        ...
+        ValueError: amount=3 is larger than the number of entries still unpruned in row 1 (2)
+    """
+    if isinstance(amount, numbers.Integral):
+        short = torch.nonzero(available < int(amount)).flatten()
+        if short.numel():
+            row = int(short[0])
+            raise ValueError(
+                f"amount={amount} is larger than the number of entries still unpruned in row {row} "
+                f"({int(available[row])})"
+            )
+        return torch.full_like(available, int(amount))
+    return torch.round(available.to(torch.float64) * float(amount)).to(torch.int64)
+
+
+def rowwise_mask(
+    amount: int | float, scores: Tensor, base: Tensor | None, dtype: torch.dtype, *, magnitude: bool = True
+) -> Tensor:
+    """``base`` (``None``: all ones) with the ``amount`` lowest-ranked entries of every row set to 0.
+
+    Only entries where ``base`` is 1 are ranked and counted; ``magnitude=False`` ranks the signed scores (higher
+    kept). Ties: the lower flat index is pruned first.
+    """
+    if scores.dim() < 2:
+        raise ValueError(
+            f"per-row pruning needs a tensor of at least 2 dims (rows along dim 0), got shape {tuple(scores.shape)}"
+        )
+    rows = scores.shape[0]
+    flat = scores.reshape(rows, -1)
+    eligible = None if base is None else base.reshape(rows, -1)
+    eligible_bool = None if eligible is None else (eligible if eligible.dtype == torch.bool else eligible == 1)
+    if eligible_bool is None:
+        available = torch.full((rows,), flat.shape[1], dtype=torch.int64, device=scores.device)
+    else:
+        available = eligible_bool.sum(dim=1)
+    counts = row_counts(amount, available)
+    ranks = group_ranks(flat, eligible_bool, magnitude=magnitude, ineligible_first=False)
+    keep = ranks >= counts.unsqueeze(1)
+    if eligible_bool is not None:
+        keep &= eligible_bool
+    if base is None:
+        return _to_mask_dtype(keep.view(scores.shape), dtype)
+    return _zero_where(base, ~keep.view(scores.shape) & eligible_bool.view(scores.shape), dtype)
+
+
+def _zero_where(base: Tensor, pruned: Tensor, dtype: torch.dtype) -> Tensor:
+    """A copy of ``base`` with ``pruned`` entries set to 0, in ``dtype`` (fractional entries keep their value)."""
+    mask = base.clone()
+    mask.masked_fill_(pruned.to(mask.device), 0)
+    return _to_mask_dtype(mask, dtype)
+
+
+class RowwiseL1Unstructured(BasePruningMethod):
+    """Prune the entries with the smallest absolute score in every row (dim 0): each row keeps the same count.
+
+    The ranking of Wanda (Sun et al. 2023): a row is ``t[i]``, flattened over the other dims (an output neuron of a
+    Linear weight, a filter of a Conv weight). ``amount`` applies to every row, to the entries it still has:
+    a float prunes ``round(amount * remaining)`` of them (halves to even), an int that many (refused when a row has
+    fewer). Ties are broken by flat index, the lower one pruned first, as :class:`~lightprune.prune.L1Unstructured`
+    does; ``NaN`` ranks above ``+inf``.
+
+    ``PRUNING_TYPE`` is ``"global"``, so inside a :class:`~lightprune.prune.PruningContainer` the method sees the whole
+    tensor and the mask in force (an ``"unstructured"`` method would get the flattened unpruned entries, without
+    rows); it ranks only the entries that mask keeps, and entries already pruned stay pruned. Ranking sorts each row
+    (``O(n log n)``, one key tensor of the weight's size).
+
+    Args:
+        amount: a float in [0, 1] (the fraction of each row's unpruned entries) or an int (how many per row).
+
+    Example:
+        >>> from lightprune import prune
+        >>> scores = torch.tensor([[0.1, -3.0, 2.0, -0.5], [4.0, 1.0, 1.0, 5.0]])
+        >>> prune.RowwiseL1Unstructured(amount=0.5).compute_mask(scores, torch.ones(2, 4))
+        tensor([[0., 1., 1., 0.],
+                [1., 0., 0., 1.]])
+    """
+
+    PRUNING_TYPE = "global"
+    #: rank ``|score|`` (``False`` in the signed variant, :class:`~lightprune.prune.signed.SignedRowwise`)
+    _by_magnitude = True
+
+    def __init__(self, amount: int | float) -> None:
+        validate_amount(amount)
+        self.amount = amount
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        return rowwise_mask(self.amount, t, default_mask, default_mask.dtype, magnitude=self._by_magnitude)
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        return rowwise_mask(self.amount, scores, current, dtype, magnitude=self._by_magnitude)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(amount={self.amount!r})"
+
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls, module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None
+    ) -> BasePruningMethod:
+        """Prune ``amount`` of every row of ``module.<name>`` by the smallest ``|importance_scores|`` (default: the
+        tensor's values)."""
+        return super().apply(module, name, amount=amount, importance_scores=importance_scores)
