@@ -335,16 +335,11 @@ def prune_one_shot(model: nn.Module, pattern: str, norms: dict[str, Tensor] | No
     """
     for name, layer in pruned_linears(model):
         scores = None if norms is None else layer.weight.detach().abs() * norms[name]
-        scores = layer.weight.detach().abs() if scores is None else scores
         if pattern == "2:4":
-            groups = scores.reshape(scores.shape[0], -1, 4)
-            keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(2, dim=-1).indices, True)
-            mask = keep.reshape(scores.shape)
+            prune.semi_structured(layer, "weight", n=2, m=4, importance_scores=scores)
         else:
             amount = {"row50": 0.5, "row70": 0.7}[pattern]
-            kept = scores.shape[1] - round(amount * scores.shape[1])
-            mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(kept, dim=1).indices, True)
-        prune.custom_from_mask(layer, "weight", mask)  # TEMPORARY until the criteria engine is merged
+            prune.rowwise_l1_unstructured(layer, "weight", amount=amount, importance_scores=scores)
         prune.remove(layer, "weight")
 
 
@@ -416,7 +411,7 @@ class Distillation(pl.LightningModule):
 
     def __init__(self, student: nn.Module, lr: float) -> None:
         super().__init__()
-        self.student = student
+        self.student = student.train()  # dropout is off (probabilities 0): train mode changes nothing else
         self.lr = lr
 
     def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
