@@ -24,7 +24,8 @@ Arms:
   layer's input over the calibration lines' real tokens: Wanda, Sun et al. 2023).
 * ``fit`` (Lightning fit with lightprune's ``PruningCallback``): embedding distillation from the frozen dense model
   (loss 1 - cosine to the dense embedding of the same line), AdamW lr 5e-5, batch 32, 300 optimizer steps, the
-  same batches in every run. ``gradual_*``: ``Cubic(final=0.7, start=0, end=180, frequency=20)`` per row
+  same batches in every run. ``gradual_*``: the cubic from 0 at step 0 to 70% at step 180, an event every 20 steps
+  (:func:`gradual_schedule`: ``Cubic(initial=0.208, final=0.7, start=20, end=180, frequency=20)``), per row
   (``scope="row"``), importance magnitude / activation (collected over a window of 5 training steps before each
   event) / movement. ``one_shot_*``: ``Constant(0.7, at=0)`` per row before the first step (activation norms from
   ``calibration_batches=4`` training batches, 128 lines), then 300 steps of fine-tuning under the fixed mask; the
@@ -463,12 +464,30 @@ class EvaluateAfterStart(Callback):
         pl_module.student.train()
 
 
+def gradual_schedule(settings: Settings) -> Cubic:
+    """Zhu & Gupta's cubic from 0 at step 0 to ``sparsity`` at ``prune_end``, an event every ``frequency`` steps,
+    written without its step-0 event (which prunes nothing): it starts at the first event's level, and the levels of
+    all later events are the same as the ramp's from 0. Movement and activation importance need training steps
+    before every event, so the callback refuses an event at step 0 for them.
+
+    Example:
+        >>> settings = replace(Settings(), sparsity=0.7, prune_end=180, frequency=20)
+        >>> from_zero = Cubic(final=0.7, start=0, end=180, frequency=20)
+        >>> schedule = gradual_schedule(settings)
+        >>> schedule.events()[:3], all(abs(schedule(t) - from_zero(t)) < 1e-12 for t in range(20, 181, 20))
+        ([20, 40, 60], True)
+    """
+    final, end, frequency = settings.sparsity, settings.prune_end, settings.frequency
+    first = final * (1 - (1 - frequency / end) ** 3)
+    return Cubic(initial=first, final=final, start=frequency, end=end, frequency=frequency)
+
+
 def pruning_callback(kind: str, importance: str, module: Distillation, settings: Settings) -> PruningCallback:
     """The fit's PruningCallback: gradual cubic per row, or one-shot at step 0 (per row, then fixed masks)."""
     parameters = [(layer, "weight") for _, layer in pruned_linears(module.student)]
     if kind == "gradual":
-        schedule = Cubic(final=settings.sparsity, start=0, end=settings.prune_end, frequency=settings.frequency)
-        extra: dict[str, Any] = {"activation_window": settings.window}
+        schedule = gradual_schedule(settings)
+        extra: dict[str, Any] = {"activation_window": settings.window} if importance == "activation" else {}
     else:
         schedule = Constant(settings.sparsity, at=0)
         extra = {"calibration_batches": settings.calibration_batches} if importance == "activation" else {}
@@ -482,7 +501,7 @@ def event_steps(settings: Settings, kind: str) -> list[int]:
     """The steps after which a gradual fit prunes (a one-shot fit prunes only before step 1)."""
     if kind != "gradual":
         return [0]
-    return Cubic(final=settings.sparsity, start=0, end=settings.prune_end, frequency=settings.frequency).events()
+    return gradual_schedule(settings).events()
 
 
 def run_fit(
@@ -600,8 +619,9 @@ def markdown(payload: dict[str, Any]) -> str:
     if fits:
         lines += [
             "",
-            "Lightning fit, 300 steps of distillation, 70% per row: cosine / agreement after fit (and right after "
-            "the step-0 pruning, one-shot runs), CPU time of the fit:",
+            f"Lightning fit, {payload['settings']['steps']} steps of distillation, "
+            f"{payload['settings']['sparsity']:.0%} per row: cosine / agreement after fit (and right after the "
+            "step-0 pruning, one-shot runs), CPU time of the fit:",
             "",
             "| run | cosine | agreement | after pruning, before fine-tuning | sparsity | fit CPU (s) "
             "| reference (cosine / agreement) |",
