@@ -178,7 +178,16 @@ def options(group: str) -> list[str]:
 
 def test_config_dir_holds_the_tree() -> None:
     assert (config_dir() / "config.yaml").is_file()
-    assert options("pruning") == ["gmp_cubic", "iterative_rounds", "ln_structured", "none", "one_shot"]
+    assert options("pruning") == [
+        "gmp_cubic",
+        "iterative_rounds",
+        "ln_structured",
+        "movement",
+        "nm_2_4",
+        "none",
+        "one_shot",
+        "wanda_gradual",
+    ]
 
 
 @pytest.mark.parametrize(

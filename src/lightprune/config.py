@@ -45,10 +45,14 @@ __all__ = [
 DATASETS = ("digits", "fashion_mnist", "mnist", "idx")
 MODELS = ("lenet300100", "small_cnn")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-PRESETS = ("none", "one_shot", "gmp_cubic", "iterative_rounds", "ln_structured", "custom")
+PRESETS = (
+    "none", "one_shot", "gmp_cubic", "iterative_rounds", "ln_structured", "wanda_gradual", "movement", "nm_2_4",
+    "custom",
+)  # fmt: skip
 SCHEDULES = ("constant", "linear", "cubic", "geometric")
-METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured")
-SCOPES = ("global", "layerwise")
+METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured", "semi_structured")
+SCOPES = ("global", "layerwise", "row")
+IMPORTANCES = ("magnitude", "activation", "movement")
 UNITS = ("step", "epoch")
 MASK_DTYPES = ("bool", "param")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -163,9 +167,11 @@ class PruningConfig:
         _target_: what ``hydra.utils.instantiate(cfg.pruning)`` calls in a user's own Hydra app (the experiment app
             builds its callbacks itself): :func:`lightprune.experiment.app.pruning_callback`.
         preset: name of the preset this config came from (``none`` disables pruning).
-        method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured`` or the
-            import path of a ``BasePruningMethod`` subclass.
-        scope: ``global`` (one ranking over all selected weights) or ``layerwise``.
+        method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured``,
+            ``semi_structured`` (N:M, one event to ``1 - nm_n/nm_m``: ``schedule=constant``) or the import path of a
+            ``BasePruningMethod`` subclass.
+        scope: ``global`` (one ranking over all selected weights), ``layerwise`` or ``row`` (every output row to the
+            target, Wanda's ranking; ``l1_unstructured`` only).
         schedule: ``constant`` (one-shot at ``start``), ``linear``, ``cubic`` (Zhu & Gupta) or ``geometric``.
         initial_sparsity: sparsity at the first event of a linear/cubic ramp.
         final_sparsity: target total sparsity at the end of the schedule.
@@ -186,6 +192,15 @@ class PruningConfig:
         mask_dtype: ``bool`` (1 byte per weight) or ``param`` (the parameter's dtype).
         log_per_parameter: log the sparsity of every pruned tensor.
         seed: seed of the random methods.
+        importance: what ranks the weights: ``magnitude``, ``activation`` (Wanda: ``|W|`` times the input feature's
+            L2 norm over the batches of ``activation_window`` steps before each event) or ``movement``
+            (``-sum W * dL/dW`` since the previous event; ``l1_unstructured`` or ``semi_structured``).
+        activation_window: steps (or epochs) of input statistics before each event, for ``importance=activation``.
+        calibration_batches: training batches run forward before fine-tuning starts, so that an event at its start
+            has input statistics (``importance=activation`` only).
+        adopt_zeros: weights already exactly zero when fine-tuning starts stay zero (masked).
+        nm_n: weights kept in every group of ``semi_structured``.
+        nm_m: the group size of ``semi_structured`` (must divide every pruned layer's input size).
     """
 
     _target_: str = "lightprune.experiment.app.pruning_callback"
@@ -210,6 +225,12 @@ class PruningConfig:
     mask_dtype: str = "bool"
     log_per_parameter: bool = True
     seed: int = 0
+    importance: str = "magnitude"
+    activation_window: int = 1
+    calibration_batches: int = 0
+    adopt_zeros: bool = False
+    nm_n: int = 2
+    nm_m: int = 4
 
 
 @dataclass
@@ -442,6 +463,72 @@ def _check_patterns(problems: list[str], key: str, patterns: Any) -> None:
 
 STRUCTURED_METHODS = ("ln_structured", "random_structured")
 RAMP_SCHEDULES = ("linear", "cubic")
+RANDOM_METHODS = ("random_unstructured", "random_structured")
+
+
+def _check_criterion(problems: list[str], pruning: Any) -> None:
+    """The importance, row scope and N:M keys, together with the method and the schedule (as the callback checks
+    them, but before any training)."""
+    importance, method = pruning.importance, pruning.method
+    _check(problems, importance in IMPORTANCES, "pruning.importance", importance, f"one of {IMPORTANCES}")
+    _check(problems, pruning.activation_window >= 1, "pruning.activation_window", pruning.activation_window, ">= 1")
+    _check(
+        problems,
+        pruning.calibration_batches == 0 or (pruning.calibration_batches > 0 and importance == "activation"),
+        "pruning.calibration_batches",
+        pruning.calibration_batches,
+        "must be 0, or > 0 with pruning.importance=activation",
+    )
+    _check(
+        problems,
+        importance == "magnitude" or method not in RANDOM_METHODS,
+        "pruning.importance",
+        importance,
+        f"pruning.method={method} ignores scores",
+    )
+    _check(
+        problems,
+        importance != "movement" or method in ("l1_unstructured", "semi_structured"),
+        "pruning.importance",
+        importance,
+        "movement scores are signed: needs pruning.method=l1_unstructured or semi_structured",
+    )
+    first_at_start = pruning.start == 0  # every schedule's first event is at `start`
+    _check(
+        problems,
+        not (first_at_start and importance == "movement"),
+        "pruning.start",
+        pruning.start,
+        "pruning.importance=movement needs training steps before the first event: start > 0",
+    )
+    _check(
+        problems,
+        not (first_at_start and importance == "activation" and pruning.calibration_batches == 0),
+        "pruning.start",
+        pruning.start,
+        "pruning.importance=activation with an event at the start needs pruning.calibration_batches > 0",
+    )
+    _check(
+        problems,
+        pruning.scope != "row" or method == "l1_unstructured",
+        "pruning.scope",
+        pruning.scope,
+        f"row ranks entries per row and needs pruning.method=l1_unstructured, not {method}",
+    )
+    if method != "semi_structured":
+        return
+    _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")
+    _check(problems, pruning.scope == "layerwise", "pruning.scope", pruning.scope, "semi_structured needs layerwise")
+    if 1 <= pruning.nm_n < pruning.nm_m:
+        fixed = 1 - pruning.nm_n / pruning.nm_m
+        _check(
+            problems,
+            pruning.schedule == "constant" and math.isclose(pruning.final_sparsity, fixed, abs_tol=1e-9),
+            "pruning.schedule",
+            pruning.schedule,
+            f"semi_structured prunes 1 - nm_n/nm_m = {fixed:g} in one event: needs pruning.schedule=constant and "
+            f"pruning.final_sparsity={fixed:g} (got {pruning.final_sparsity})",
+        )
 
 
 def _typed(problems: list[str], cfg: DictConfig, key: str, schema: type) -> Any:
@@ -643,6 +730,7 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         pruning.prune_channel_bias,
         "needs a structured pruning.method pruning output channels (pruning.dim=0)",
     )
+    _check_criterion(problems, pruning)
     _check_patterns(problems, "pruning.include", pruning.include)
     _check_patterns(problems, "pruning.exclude", pruning.exclude)
     _check(

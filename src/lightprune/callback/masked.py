@@ -18,10 +18,13 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.inplace import InPlaceMasks
+from lightprune.callback.layouts import input_dim
 from lightprune.callback.masks import bias_name, mask_of, original, restore_problems, share_mask
 from lightprune.prune import distributed
-from lightprune.prune.base import ModuleSnapshot, find_hook
+from lightprune.prune.base import ModuleSnapshot, attach, find_hook
 from lightprune.prune.masking import masked_
+from lightprune.prune.rowwise import RowwiseToSparsity
+from lightprune.prune.signed import signed_variant
 from lightprune.prune.state_dict import PlainStateDict
 
 __all__ = ["MaskedSelection"]
@@ -37,7 +40,7 @@ class MaskedSelection:
         ties: for each selected tensor held by other modules too, ``(module, name, [(qualified, other, name)])``.
         biases: modules whose bias follows the weight's pruned output channels.
         method: the pruning method class; ``method_kwargs`` its arguments besides ``amount``.
-        scope: ``"global"`` (one ranking) or ``"layerwise"``.
+        scope: ``"global"`` (one ranking), ``"layerwise"`` or ``"row"`` (every row of every tensor to the target).
         mask_dtype: dtype of new masks (``None``: the parameter's).
         seed: seed of the random methods' draws, combined with each event's time.
         inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
@@ -169,28 +172,59 @@ class MaskedSelection:
         finally:
             self.inplace.take(self.pairs())
 
-    def prune_to(self, target: float, event: int) -> None:
-        """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing."""
+    def prune_to(
+        self, target: float, event: int, scores: Mapping[str, Tensor] | None = None, signed: bool = False
+    ) -> None:
+        """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing.
+
+        ``scores`` (by qualified name) rank instead of the weights, as ``importance_scores``; ``signed`` ranks them
+        by value, higher kept (:mod:`lightprune.prune.signed`). The ``"row"`` scope prunes every row (dim 0) to
+        ``target``; ``SemiStructured`` applies its N:M pattern whatever ``target`` says.
+        """
         if self.sharded:
             with self._seeded(event):
                 self._prune_sharded(target)
             return
         with self.reparametrized(), prune.mask_dtype(self.mask_dtype), self._seeded(event), self.all_or_nothing():
-            if self.scope == "global":
+            method = signed_variant(self.method) if signed else self.method
+            if issubclass(self.method, prune.SemiStructured):
+                for qualified, module, name in self.selection:
+                    kwargs = {**self.method_kwargs, "dim": input_dim(module), **_scores_of(scores, qualified)}
+                    method.apply(module, name, **kwargs)
+            elif self.scope == "row":
+                for qualified, module, name in self.selection:
+                    rows = RowwiseToSparsity(target, by_magnitude=not signed)
+                    attach(module, name, rows, importance_scores=(scores or {}).get(qualified))
+            elif self.scope == "global":
                 counts = self.counts()
                 total = sum(units for units, _ in counts)
                 increment = round(target * total) - sum(pruned for _, pruned in counts)
                 if increment > 0:
                     pairs = [(module, name) for _, module, name in self.selection]
-                    prune.global_unstructured(pairs, self.method, amount=increment, **self.method_kwargs)
+                    by_pair = None if scores is None else {(m, n): scores[q] for q, m, n in self.selection}
+                    prune.global_unstructured(
+                        pairs, method, importance_scores=by_pair, amount=increment, **self.method_kwargs
+                    )
             else:
-                for _, module, name in self.selection:
+                for qualified, module, name in self.selection:
                     units, pruned = self.units(module, name)
                     increment = round(target * units) - pruned
                     if increment > 0:
-                        self.method.apply(module, name, amount=increment, **self.method_kwargs)
+                        kwargs = {**self.method_kwargs, **_scores_of(scores, qualified)}
+                        method.apply(module, name, amount=increment, **kwargs)
             for module in self.biases:
                 _prune_bias(module)
+            self._share_everywhere()
+
+    def adopt_zeros(self) -> None:
+        """Mask every entry of the selected tensors that is exactly zero now (weights pruned by another tool), on top
+        of any mask already there, as one change: all of it or nothing."""
+        with self.reparametrized(), prune.mask_dtype(self.mask_dtype), self.all_or_nothing():
+            for _, module, name in self.selection:
+                with torch.no_grad():
+                    keep = getattr(module, name) != 0
+                if not bool(keep.all()):
+                    prune.custom_from_mask(module, name, mask=keep)
             self._share_everywhere()
 
     def _prune_sharded(self, target: float) -> None:
@@ -408,6 +442,12 @@ class MaskedSelection:
             )
         self.averages = averages
         self._share_everywhere()
+
+
+def _scores_of(scores: Mapping[str, Tensor] | None, qualified: str) -> dict[str, Tensor]:
+    """``{"importance_scores": ...}`` for a method's ``apply`` when there are scores, else nothing (so methods
+    without that argument, and the magnitude path, are called exactly as without importance)."""
+    return {} if scores is None else {"importance_scores": scores[qualified]}
 
 
 def _owner_in(model: nn.Module, qualified: str) -> nn.Module:

@@ -20,6 +20,7 @@ __all__ = [
     "SCOPES",
     "UNITS",
     "check_choice",
+    "check_semi_structured_schedule",
     "resolve_method",
     "resolve_method_options",
     "resolve_rewind",
@@ -32,11 +33,12 @@ METHODS: dict[str, type[prune.BasePruningMethod]] = {
     "random_unstructured": prune.RandomUnstructured,
     "ln_structured": prune.LnStructured,
     "random_structured": prune.RandomStructured,
+    "semi_structured": prune.SemiStructured,
 }
 """Pruning methods the callback accepts by name; any ``BasePruningMethod`` subclass (or its import path) works too."""
 
-SCOPES = ("global", "layerwise")
-"""One ranking across the whole selection, or one per tensor."""
+SCOPES = ("global", "layerwise", "row")
+"""One ranking across the whole selection, one per tensor, or one per row of every tensor (``l1_unstructured``)."""
 
 UNITS = ("step", "epoch")
 """What the schedule's times count: optimizer steps or epochs."""
@@ -147,22 +149,56 @@ def resolve_method_options(
     if "amount" in kwargs:
         raise ValueError("method_kwargs must not contain 'amount': the callback computes it from the schedule")
     kind = getattr(cls, "PRUNING_TYPE", None)
+    semi = issubclass(cls, prune.SemiStructured)
     if kind == "structured":
         kwargs.setdefault("dim", 0)
         if cls is prune.LnStructured:
             kwargs.setdefault("n", 2)
+    if semi:
+        kwargs.setdefault("n", 2)
+        kwargs.setdefault("m", 4)
+        if "dim" in kwargs:
+            raise ValueError("method_kwargs must not contain 'dim' for semi_structured: each layer's input dim is used")
     try:
-        cls(amount=0, **kwargs)
+        cls(**kwargs) if semi else cls(amount=0, **kwargs)
     except TypeError as err:
         raise ValueError(f"method_kwargs={kwargs!r} do not fit {cls.__name__}: {err}") from err
     if scope is None:
-        scope = "layerwise" if kind == "structured" else "global"
+        scope = "layerwise" if kind == "structured" or semi else "global"
     check_choice("scope", scope, SCOPES)
+    if semi and scope != "layerwise":
+        raise ValueError(
+            f"scope={scope!r} does not apply to semi_structured, whose N:M groups are ranked within each layer: "
+            "use scope='layerwise' (or leave it out)"
+        )
     if scope == "global" and kind != "unstructured":
         raise ValueError(
             f"scope='global' needs an unstructured method, but {cls.__name__} is {kind!r}: use scope='layerwise'"
         )
+    if scope == "row" and cls is not prune.L1Unstructured:
+        raise ValueError(
+            f"scope='row' ranks the entries of every row by their scores, as l1_unstructured does; got "
+            f"{cls.__name__}: use method='l1_unstructured'"
+        )
     return cls, kwargs, scope
+
+
+def check_semi_structured_schedule(schedule: Schedule, n: int, m: int) -> None:
+    """An N:M pattern is fixed: its run is one event to ``1 - n/m``; refuse any other schedule, naming it.
+
+    Example:
+        >>> check_semi_structured_schedule(Constant(0.5, at=10), 2, 4)
+        >>> check_semi_structured_schedule(Constant(0.75), 2, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: method='semi_structured' with n=2, m=4 prunes 1 - n/m = 0.5 of the weights in one event: ...
+    """
+    sparsity = 1 - n / m
+    if not (isinstance(schedule, Constant) and abs(schedule.sparsity - sparsity) < 1e-9):
+        raise ValueError(
+            f"method='semi_structured' with n={n}, m={m} prunes 1 - n/m = {sparsity:g} of the weights in one event: "
+            f"give schedule={sparsity:g} or Constant({sparsity:g}, at=t); got {schedule!r}"
+        )
 
 
 def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:

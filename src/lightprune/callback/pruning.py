@@ -26,12 +26,15 @@ from typing_extensions import override
 from lightprune import prune
 from lightprune._checks import is_int
 from lightprune.callback import neighbours, reporting, rewinding, selecting
+from lightprune.callback.calibration import calibrate
+from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked import MaskedSelection
 from lightprune.callback.masks import original
 from lightprune.callback.options import (
     MASKING,
     UNITS,
     check_choice,
+    check_semi_structured_schedule,
     resolve_method_options,
     resolve_rewind,
     resolve_schedule,
@@ -81,12 +84,15 @@ class PruningCallback(Callback):
     Args:
         schedule: a :class:`~lightprune.schedules.Schedule`, a float (one-shot to that sparsity when training
             starts) or a callable ``time -> sparsity`` (evaluated at every time unit of the run).
-        method: ``"l1_unstructured"``, ``"random_unstructured"``, ``"ln_structured"``, ``"random_structured"``, a
-            ``BasePruningMethod`` subclass, or its import path (``"my_package.pruning.MyMethod"``).
+        method: ``"l1_unstructured"``, ``"random_unstructured"``, ``"ln_structured"``, ``"random_structured"``,
+            ``"semi_structured"`` (N:M, ``method_kwargs={"n": 2, "m": 4}`` by default, groups along each layer's
+            input dim; its pattern is fixed, so the schedule must be one event to ``1 - n/m``: a float or a
+            ``Constant``), a ``BasePruningMethod`` subclass, or its import path (``"my_package.pruning.MyMethod"``).
         method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
             ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
-        scope: ``"global"`` (one ranking across the selection; unstructured methods only) or ``"layerwise"``.
-            Default: global for unstructured methods, layerwise for structured ones.
+        scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"`` or
+            ``"row"`` (every output row, dim 0, of every tensor pruned to the target: Wanda's per-output ranking;
+            ``l1_unstructured`` only). Default: global for unstructured methods, layerwise for the others.
         unit: ``"step"`` (optimizer steps) or ``"epoch"``; the schedule's times are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
         include: regular expressions; a parameter's qualified name must fully match one (``None``: all).
@@ -121,11 +127,30 @@ class PruningCallback(Callback):
             state key is built from the method, scope, unit and selection patterns.
         summary: at the end of fit, print (rank zero) a table of what was pruned: parameter, shape, kept / total,
             sparsity, and the total.
+        importance: what ranks the weights at an event (see :mod:`lightprune.callback.importance`):
+            ``"magnitude"`` (``|W|``, the default); ``"activation"`` (Wanda: ``|W_ij| * ||X_j||_2``, ``X_j`` the
+            layer's input feature ``j`` over the training batches of the ``activation_window`` before each event;
+            Linear, Conv1d/2d/3d with ``groups=1`` (a channel's norm over samples and positions) and transformers'
+            ``Conv1D`` weights only); ``"movement"`` (``-sum W * dL/dW`` over the optimizer steps since the previous
+            event, with the final gradients; signed, higher kept; ``l1_unstructured`` or ``semi_structured`` only);
+            or a callable ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape,
+            ranked as ``importance_scores`` (by magnitude for the L1 methods). Statistics are summed across DDP
+            ranks (every rank gets the same masks), reset after each event and kept in the checkpoint state (resume
+            is exact). Random methods ignore scores and are refused with any importance but magnitude; parameters
+            sharded as DTensor are refused with any importance but magnitude.
+        activation_window: with ``importance="activation"``, collect the input statistics during this many units of
+            time (optimizer steps, or epochs) before each event; outside the window no hook is attached.
+        calibration_batches: with ``importance="activation"``, before training starts, run this many batches of the
+            training dataloader through ``training_step`` under ``torch.no_grad()`` (eval mode, ``self.log`` skipped,
+            random generators untouched) and add their statistics, so an event at time 0 (one-shot Wanda, then
+            fine-tuning, in one fit) has statistics. Not run when resuming.
+        adopt_zeros: when fit starts, mask the entries of the selected weights that are exactly zero (a checkpoint
+            pruned by another tool), so they stay zero through training; the schedule's targets count them.
 
     The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
     is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
-    class runs past 350 lines because its constructor checks its nineteen arguments eagerly, as Lightning's callbacks
-    do, and this docstring documents them.)
+    class runs past 350 lines because its constructor checks its twenty-three arguments eagerly, as Lightning's
+    callbacks do, and this docstring documents them.)
 
     Raises:
         ValueError: for any configuration mistake, at construction (or, for the selection, at setup), naming the
@@ -161,10 +186,19 @@ class PruningCallback(Callback):
         name: str | None = None,
         summary: bool = True,
         masking: str = "reparametrize",
+        importance: str | ScoreFunction = "magnitude",
+        activation_window: int = 1,
+        calibration_batches: int = 0,
+        adopt_zeros: bool = False,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
+        check_importance(importance, self.method, activation_window, calibration_batches)
+        if issubclass(self.method, prune.SemiStructured):
+            check_semi_structured_schedule(self.schedule, self.method_kwargs["n"], self.method_kwargs["m"])
+        if not isinstance(adopt_zeros, bool):
+            raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
         check_choice("unit", unit, UNITS)
         check_choice("masking", masking, MASKING)
         if prune_channel_bias and not (self.structured and self.method_kwargs.get("dim") == 0):
@@ -205,6 +239,13 @@ class PruningCallback(Callback):
         self.name = name
         self.summary = summary
         self.masking = masking
+        self.importance = importance
+        self.activation_window = activation_window
+        self.calibration_batches = calibration_batches
+        self.adopt_zeros = adopt_zeros
+        self._importance = Importance(importance, activation_window)
+        self._events: list[int] = []  # the resolved schedule's events, to find the next one
+        self._collecting = False  # this training batch's inputs feed the activation statistics
         self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
 
         self._masked: MaskedSelection | None = None
@@ -253,8 +294,11 @@ class PruningCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after configure_model (layers built there are selected) and after the strategy wrapped the model
         self._masked = self._select(trainer, pl_module)
+        self._importance.bind(self._masked.selection)
         self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(self._masked.plain_state_dict)
         self._masked.share_with_averages(neighbours.averaged_models(trainer))
+        if self.adopt_zeros:
+            self._masked.adopt_zeros()
         self._apply_restored_masks()
 
     @override
@@ -264,6 +308,17 @@ class PruningCallback(Callback):
         if self._masks_in_place:
             self._step_handles = neighbours.mask_after_optimizer_steps(trainer, pl_module, self._in_place)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
+        self._events = self._resolved.events() if self._importance.kind == "activation" else []  # for its window
+        fresh = trainer.global_step == 0 and self._last_event < 0
+        self._check_first_event(fresh)
+        if fresh and self.calibration_batches:
+            calibrate(
+                trainer,
+                pl_module,
+                self.calibration_batches,
+                self._importance.start_batch,
+                lambda: self._importance.finish_batch(self._reducer(trainer, "sum")),
+            )
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
 
     @override
@@ -277,12 +332,18 @@ class PruningCallback(Callback):
         self._stale.refresh()
         if self._masked is not None:
             self._stale.watch(self._masked.pairs())
+        self._collecting = self._importance.collects(self._now(trainer), self._next_event())
+        if self._collecting:
+            self._importance.start_batch()
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._stale.classify()
+        if self._collecting:
+            self._collecting = False
+            self._importance.finish_batch(self._reducer(trainer, "sum"))  # every rank, before any event
         self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
         if self.unit == "step":
             self._step(trainer, pl_module, trainer.global_step)
@@ -300,12 +361,14 @@ class PruningCallback(Callback):
         if (self.make_permanent or self._masks_in_place) and self._masked is not None:
             self._masked.make_permanent()
         self._remove_step_handles()
+        self._importance.close()
         self._stale.refresh()
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._masked is not None and self._masked.inplace is not None:
             self._masked.inplace.mask_grads()  # before clipping and the step, whatever wrote the gradients since
+        self._importance.optimizer_step(optimizer)  # movement: the gradients are final (accumulated, unscaled)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -339,6 +402,7 @@ class PruningCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
         self._remove_step_handles()
+        self._importance.close()
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -350,12 +414,15 @@ class PruningCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "last_event": self._last_event,
             "rewind_snapshot": self._rewind_snapshot,
             "masks": {} if self._masked is None else self._masked.masks(),
             "sharded_masks": list(self._sharded_masks_in),
         }
+        if self._importance.kind != "magnitude":
+            state["importance"] = self._importance.state_dict()  # statistics collected since the last event
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -369,6 +436,8 @@ class PruningCallback(Callback):
             raise ValueError(f"{self.state_key}: the checkpoint's 'masks' must map parameter names to tensors")
         self._restored_masks = dict(masks)
         self._apply_restored_masks()  # when the selection exists already (strategies restoring after on_fit_start)
+        if "importance" in state_dict:
+            self._importance.load_state_dict(state_dict["importance"])
 
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
@@ -387,6 +456,9 @@ class PruningCallback(Callback):
         self._sharded_masks_in = []
         self._masked = None
         self._stale.reset()
+        self._importance.unbind()
+        self._events = []
+        self._collecting = False
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
@@ -406,8 +478,13 @@ class PruningCallback(Callback):
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
         selecting.refuse_overlaps(selection, others, self._log_prefix)
         selecting.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
+        selecting.refuse_sharded_criteria(selection, self._importance.kind, self.scope, self.adopt_zeros)
         if self.structured:
             selecting.check_dims(selection, self.method_kwargs)
+        if self.scope == "row":
+            selecting.check_rows(selection)
+        if issubclass(self.method, prune.SemiStructured):
+            selecting.check_n_m_layout(selection, self.method_kwargs["m"])
         owners = parameter_owners(pl_module)
         if self._default_types and self.parameters is None:
             selecting.warn_small_share(selection, owners)
@@ -536,13 +613,43 @@ class PruningCallback(Callback):
         if event is None or event <= self._last_event:
             return
         target = self._resolved.target(t)
-        self._masked.prune_to(target, event)
+        scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
+        self._masked.prune_to(target, event, scores, signed=self._importance.signed)
+        self._importance.after_event()
         self._last_event = event
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
             self._in_place()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
+
+    def _next_event(self) -> int | None:
+        """The first event of the schedule after the last one taken, or ``None``."""
+        import bisect
+
+        index = bisect.bisect_right(self._events, self._last_event)
+        return self._events[index] if index < len(self._events) else None
+
+    def _check_first_event(self, fresh: bool) -> None:
+        """An event when training starts has no statistics to rank by, unless calibration provides them."""
+        if not fresh or self._resolved is None or self._resolved.first_event > 0:
+            return
+        kind = self._importance.kind
+        if kind == "movement":
+            raise ValueError(
+                f"importance='movement' needs optimizer steps before an event, but the schedule {self._resolved!r} "
+                f"has one at {self.unit} 0: start it later"
+            )
+        if kind == "activation" and not self.calibration_batches:
+            raise ValueError(
+                f"importance='activation' needs input statistics, but the schedule {self._resolved!r} has an event "
+                f"at {self.unit} 0, before any training batch: set calibration_batches (e.g. 8) or start it later"
+            )
+
+    @staticmethod
+    def _reducer(trainer: Trainer, op: str) -> Callable[[Tensor], Tensor]:
+        """A ``sum`` or ``mean`` all-reduce across the processes of ``trainer``'s strategy (identity on one)."""
+        return lambda tensor: trainer.strategy.reduce(tensor, reduce_op=op)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lottery-ticket rewinding, logging, saying what happened

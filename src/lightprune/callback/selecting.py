@@ -11,7 +11,17 @@ from torch import nn
 from lightprune._checks import is_int
 from lightprune.callback.masks import original
 
-__all__ = ["SMALL_SHARE", "check_dims", "check_sharded", "find_ties", "refuse_overlaps", "warn_small_share"]
+__all__ = [
+    "SMALL_SHARE",
+    "check_dims",
+    "check_n_m_layout",
+    "check_rows",
+    "check_sharded",
+    "find_ties",
+    "refuse_overlaps",
+    "refuse_sharded_criteria",
+    "warn_small_share",
+]
 
 Selection = list[tuple[str, nn.Module, str]]
 
@@ -75,6 +85,73 @@ def check_sharded(
         raise ValueError(f"PruningCallback does not rewind sharded (DTensor) parameters yet (rewind={rewind!r})")
     if owners is not None and find_ties(selection, owners):
         raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
+
+
+def refuse_sharded_criteria(selection: Selection, importance: str, scope: str, adopt_zeros: bool) -> None:
+    """Parameters sharded as DTensor are pruned by magnitude, globally or layer by layer; refuse the rest, naming it.
+
+    Activation and movement statistics, per-row ranking and adopting zeros would need their own distributed
+    implementations (the rows and features of a shard are not the tensor's); they are not written yet.
+
+    Example:
+        >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "movement", "row", True)  # not sharded
+    """
+    from lightprune.prune.distributed import is_sharded
+
+    sharded = [qualified for qualified, module, name in selection if is_sharded(original(module, name))]
+    if not sharded:
+        return
+    refused = [
+        what
+        for what, bad in (
+            (f"importance={importance!r}", importance != "magnitude"),
+            ("scope='row'", scope == "row"),
+            ("adopt_zeros=True", adopt_zeros),
+        )
+        if bad
+    ]
+    if refused:
+        raise ValueError(
+            f"PruningCallback does not support {', '.join(refused)} for parameters sharded as DTensor ({sharded[:3]}"
+            f"{' ...' if len(sharded) > 3 else ''}): prune them by magnitude, or exclude them"
+        )
+
+
+def check_rows(selection: Selection) -> None:
+    """Per-row ranking needs rows: tensors of two or more dims (else the first event fails, mid-training).
+
+    Example:
+        >>> check_rows([("fc.bias", nn.Linear(2, 3), "bias")])
+        Traceback (most recent call last):
+        ...
+        ValueError: fc.bias has shape (3,): scope='row' needs >= 2 dims (rows: dim 0)
+    """
+    for qualified, module, name in selection:
+        tensor = original(module, name)
+        if tensor.dim() < 2:
+            raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: scope='row' needs >= 2 dims (rows: dim 0)")
+
+
+def check_n_m_layout(selection: Selection, m: int) -> None:
+    """N:M groups run along each layer's input dim, which ``m`` must divide; refuse, naming the first that fails.
+
+    Example:
+        >>> check_n_m_layout([("fc.weight", nn.Linear(6, 2), "weight")], 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: semi_structured with m=4 needs the input dim (dim 1) of every weight to be a multiple of m: \
+fc.weight has shape (2, 6); exclude it or choose another m
+    """
+    from lightprune.callback.layouts import input_dim
+
+    for qualified, module, name in selection:
+        tensor = original(module, name)
+        dim = input_dim(module)
+        if tensor.dim() < 2 or tensor.shape[dim] % m:
+            raise ValueError(
+                f"semi_structured with m={m} needs the input dim (dim {dim}) of every weight to be a multiple of m: "
+                f"{qualified} has shape {tuple(tensor.shape)}; exclude it or choose another m"
+            )
 
 
 def check_dims(selection: Selection, method_kwargs: Mapping[str, Any]) -> None:

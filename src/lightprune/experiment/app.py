@@ -132,6 +132,8 @@ def build_callback(
     method_kwargs: dict[str, Any] = {"dim": p.dim} if structured else {}
     if p.method == "ln_structured":
         method_kwargs["n"] = p.n
+    if p.method == "semi_structured":
+        method_kwargs = {"n": p.nm_n, "m": p.nm_m}
     if rewind is None and p.rewind is not None:
         rewind = p.rewind
     return PruningCallback(
@@ -149,6 +151,10 @@ def build_callback(
         log_per_parameter=p.log_per_parameter,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         seed=p.seed,
+        importance=p.importance,
+        activation_window=p.activation_window,
+        calibration_batches=p.calibration_batches,
+        adopt_zeros=p.adopt_zeros,
     )
 
 

@@ -18,7 +18,7 @@ from lightprune.prune.amount import validate_amount
 from lightprune.prune.base import BasePruningMethod, _to_mask_dtype
 from lightprune.prune.ranks import group_ranks
 
-__all__ = ["RowwiseL1Unstructured", "row_counts"]
+__all__ = ["RowwiseL1Unstructured", "RowwiseToSparsity", "row_counts"]
 
 
 def row_counts(amount: int | float, available: Tensor) -> Tensor:
@@ -50,12 +50,24 @@ def row_counts(amount: int | float, available: Tensor) -> Tensor:
 
 
 def rowwise_mask(
-    amount: int | float, scores: Tensor, base: Tensor | None, dtype: torch.dtype, *, magnitude: bool = True
+    amount: int | float | None,
+    scores: Tensor,
+    base: Tensor | None,
+    dtype: torch.dtype,
+    *,
+    magnitude: bool = True,
+    sparsity: float | None = None,
 ) -> Tensor:
     """``base`` (``None``: all ones) with the ``amount`` lowest-ranked entries of every row set to 0.
 
     Only entries where ``base`` is 1 are ranked and counted; ``magnitude=False`` ranks the signed scores (higher
-    kept). Ties: the lower flat index is pruned first.
+    kept). Ties: the lower flat index is pruned first. With ``sparsity`` instead of ``amount``, every row is pruned
+    up to ``round(sparsity * row length)`` entries, those already pruned included (rows already there lose none).
+
+    Example:
+        >>> rowwise_mask(1, torch.tensor([[3.0, -1.0], [0.5, 2.0]]), None, torch.bool)
+        tensor([[ True, False],
+                [False,  True]])
     """
     if scores.dim() < 2:
         raise ValueError(
@@ -69,7 +81,11 @@ def rowwise_mask(
         available = torch.full((rows,), flat.shape[1], dtype=torch.int64, device=scores.device)
     else:
         available = eligible_bool.sum(dim=1)
-    counts = row_counts(amount, available)
+    if sparsity is None:
+        counts = row_counts(amount, available)  # type: ignore[arg-type]
+    else:
+        wanted = round(sparsity * flat.shape[1])
+        counts = (wanted - (flat.shape[1] - available)).clamp(min=0)
     ranks = group_ranks(flat, eligible_bool, magnitude=magnitude, ineligible_first=False)
     keep = ranks >= counts.unsqueeze(1)
     if eligible_bool is not None:
@@ -135,3 +151,35 @@ class RowwiseL1Unstructured(BasePruningMethod):
         """Prune ``amount`` of every row of ``module.<name>`` by the smallest ``|importance_scores|`` (default: the
         tensor's values)."""
         return super().apply(module, name, amount=amount, importance_scores=importance_scores)
+
+
+class RowwiseToSparsity(RowwiseL1Unstructured):
+    """Prune every row up to a total ``sparsity``, counting the entries it already lost: ``PruningCallback``'s
+    per-row target, exact per row also when rows start uneven (zeros adopted from a checkpoint).
+
+    Args:
+        sparsity: the share of every row's entries pruned afterwards (rows already sparser keep their mask).
+        by_magnitude: rank ``|score|`` (``True``) or the signed score, higher kept.
+
+    Example:
+        >>> default = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+        >>> RowwiseToSparsity(0.5).compute_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 2), default)
+        tensor([[0., 0., 1., 1.],
+                [0., 0., 0., 1.]])
+    """
+
+    def __init__(self, sparsity: float, by_magnitude: bool = True) -> None:
+        validate_amount(float(sparsity))
+        self.amount = self.sparsity = float(sparsity)
+        self._by_magnitude = by_magnitude
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        return rowwise_mask(
+            None, t, default_mask, default_mask.dtype, magnitude=self._by_magnitude, sparsity=self.sparsity
+        )
+
+    def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
+        return rowwise_mask(None, scores, current, dtype, magnitude=self._by_magnitude, sparsity=self.sparsity)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sparsity={self.sparsity!r})"

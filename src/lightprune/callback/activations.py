@@ -1,0 +1,168 @@
+"""Input statistics of the selected layers for activation importance (Wanda): ``sum over samples of x_j**2``.
+
+While collecting, a forward pre-hook on every selected layer adds the squares of its input, summed over every sample
+and token (or spatial position), into a float32 vector with one entry per input feature. Hooks exist only while a
+batch is collected (attached when it starts, removed when it ends), so outside the window they cost nothing. After
+each collected batch the batch's sums are all-reduced (summed) across processes in one call and added to the
+totals, so every rank holds the same totals at every moment: the masks agree, and a checkpoint holds the totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightprune.callback.layouts import feature_layout, input_dim
+from lightprune.callback.masks import original
+
+__all__ = ["ActivationStats"]
+
+Reduce = Callable[[Tensor], Tensor]
+
+
+class ActivationStats:
+    """Sums of squared inputs per input feature of the selected layers, and the Wanda scores built from them.
+
+    Args:
+        selection: ``(qualified name, module, name)`` of the selected weights; each must have input features (see
+            :func:`~lightprune.callback.layouts.feature_layout`), else a ``ValueError`` names it.
+
+    Example:
+        >>> layer = nn.Linear(3, 2)
+        >>> stats = ActivationStats([("fc.weight", layer, "weight")])
+        >>> stats.start()
+        >>> _ = layer(torch.tensor([[1.0, 2.0, 0.0], [1.0, 0.0, 0.0]]))
+        >>> stats.finish_batch(lambda flat: flat)
+        >>> stats.totals["fc.weight"]
+        tensor([2., 4., 0.])
+    """
+
+    def __init__(self, selection: list[tuple[str, nn.Module, str]]) -> None:
+        for qualified, module, name in selection:
+            if feature_layout(module, name) is None:
+                raise ValueError(
+                    f"importance='activation' needs input features: {qualified} of {type(module).__name__} has none "
+                    "(supported: the weights of Linear, Conv1d/2d/3d with groups=1 and transformers' Conv1D); "
+                    "exclude it or use another importance"
+                )
+        self.selection = selection
+        self.totals: dict[str, Tensor] = {}
+        self.calls: dict[str, int] = {}
+        self._pending: dict[str, Tensor] = {}
+        self._pending_calls: dict[str, int] = {}
+        self._handles: list[Any] = []
+
+    def _features(self, module: nn.Module, name: str) -> int:
+        return original(module, name).shape[input_dim(module)]
+
+    def start(self) -> None:
+        """Collect the inputs of the selected layers from now on (until :meth:`finish_batch`)."""
+        if self._handles:
+            return
+        for qualified, module, name in self.selection:
+            weight = original(module, name)
+            features = self._features(module, name)
+            self._pending[qualified] = torch.zeros(features, dtype=torch.float32, device=weight.device)
+            self._pending_calls[qualified] = 0
+            self._handles.append(module.register_forward_pre_hook(self._hook(qualified, module, name)))
+
+    def _hook(self, qualified: str, module: nn.Module, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        channels = feature_layout(module, name) == "channels"
+        weight_dims = original(module, name).dim()
+
+        def collect(layer: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if not isinstance(x, Tensor):
+                return
+            with torch.no_grad():
+                x = x.detach().to(torch.float32)
+                feature = x.dim() - weight_dims + 1 if channels else x.dim() - 1
+                dims = [d for d in range(x.dim()) if d != feature]
+                squares = (x * x).sum(dim=dims) if dims else x * x
+                pending = self._pending[qualified]
+                pending += squares.to(pending.device)
+            self._pending_calls[qualified] += 1
+
+        return collect
+
+    def finish_batch(self, reduce: Reduce) -> None:
+        """Stop collecting; sum this batch's statistics across processes (``reduce``: a sum all-reduce) and add them
+        to the totals. Every process must call it at the same batches."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if not self._pending:
+            return
+        names = [qualified for qualified, _, _ in self.selection]
+        first = self._pending[names[0]]
+        calls = torch.tensor([float(self._pending_calls[q]) for q in names], dtype=torch.float32, device=first.device)
+        flat = torch.cat([*(self._pending[q].to(first.device) for q in names), calls])
+        flat = reduce(flat)
+        start = 0
+        for qualified in names:
+            size = self._pending[qualified].numel()
+            part = flat[start : start + size].to(self._pending[qualified].device)
+            start += size
+            total = self.totals.get(qualified)
+            self.totals[qualified] = part.clone() if total is None else total + part
+        for qualified, count in zip(names, flat[start:].tolist(), strict=True):
+            self.calls[qualified] = self.calls.get(qualified, 0) + int(count)
+        self._pending, self._pending_calls = {}, {}
+
+    def scores(self) -> dict[str, Tensor]:
+        """``|W_ij| * ||X_j||_2`` for every selected weight (float32), the norm broadcast along the input dim.
+
+        Raises:
+            RuntimeError: a layer's forward never ran while collecting (no statistics to rank it by).
+        """
+        missing = [q for q, _, _ in self.selection if self.calls.get(q, 0) == 0]
+        if missing:
+            raise RuntimeError(
+                f"importance='activation' has no input statistics for {missing[:5]}: their forward did not run in "
+                "the window before this event (set calibration_batches for an event when training starts, or "
+                "exclude layers that do not run)"
+            )
+        found = {}
+        for qualified, module, name in self.selection:
+            weight = original(module, name).detach()
+            norms = self.totals[qualified].to(weight.device).sqrt()
+            shape = [1] * weight.dim()
+            shape[input_dim(module)] = norms.numel()
+            found[qualified] = weight.abs().to(torch.float32) * norms.view(shape)
+        return found
+
+    def stop(self) -> None:
+        """Remove the hooks and drop the batch in progress (an exception, the end of fit); the totals stay."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._pending, self._pending_calls = {}, {}
+
+    def reset(self) -> None:
+        """Forget the totals (after an event, or when a fit starts)."""
+        self.stop()
+        self.totals, self.calls = {}, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The totals and forward counts, for a checkpoint."""
+        return {"totals": dict(self.totals), "calls": dict(self.calls)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s totals, checked against the selection, onto the weights' devices."""
+        totals, calls = dict(state.get("totals", {})), dict(state.get("calls", {}))
+        expected = {q: (module, name) for q, module, name in self.selection}
+        for qualified, total in totals.items():
+            if qualified not in expected:
+                raise ValueError(f"the checkpoint's activation statistics name {qualified!r}, which is not selected")
+            module, name = expected[qualified]
+            if tuple(total.shape) != (self._features(module, name),):
+                raise ValueError(
+                    f"the checkpoint's activation statistics of {qualified!r} have shape {tuple(total.shape)}, the "
+                    f"layer has {self._features(module, name)} input features"
+                )
+        self.reset()
+        self.totals = {q: t.to(original(*expected[q]).device) for q, t in totals.items()}
+        self.calls = {q: int(c) for q, c in calls.items()}

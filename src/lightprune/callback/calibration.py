@@ -1,0 +1,80 @@
+"""Calibration passes: forward a few training batches before training starts, to collect input statistics.
+
+A one-shot Wanda event when training starts (step 0) has seen no training batch; ``calibration_batches`` runs the
+first ``k`` batches of ``trainer.train_dataloader`` through ``pl_module.training_step`` under ``torch.no_grad()``
+first, with the model in eval mode (no dropout, BatchNorm's running statistics untouched; each module's mode is
+restored after), the module's ``self.log`` calls skipped, and the random generators left as they were (a shuffling
+sampler or dropout would otherwise change the training run that follows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["calibrate"]
+
+
+@contextlib.contextmanager
+def _quiet_eval(pl_module: LightningModule) -> Iterator[None]:
+    """Eval mode and no logging for the block; every module's mode and the module's ``log`` restored after."""
+    modes = {module: module.training for module in pl_module.modules()}
+    pl_module.eval()
+    pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+        for module, training in modes.items():
+            module.training = training
+
+
+def calibrate(
+    trainer: Trainer,
+    pl_module: LightningModule,
+    batches: int,
+    start_batch: Callable[[], None],
+    finish_batch: Callable[[], None],
+) -> int:
+    """Run ``batches`` training batches forward (no gradients), between ``start_batch()`` and ``finish_batch()``.
+
+    Every process must call it (``finish_batch`` all-reduces); each forwards its own shard of the data. Returns the
+    number of batches run (fewer when the dataloader is shorter).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> class Tiny(LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer, self.seen = torch.nn.Linear(2, 1), []
+        ...     def training_step(self, batch, batch_idx):
+        ...         self.seen.append((batch_idx, self.training, torch.is_grad_enabled()))
+        ...         return self.layer(batch).sum()
+        >>> strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
+        >>> trainer = SimpleNamespace(train_dataloader=[torch.ones(1, 2)] * 5, strategy=strategy)
+        >>> module = Tiny()
+        >>> calibrate(trainer, module, 2, lambda: None, lambda: None), module.seen, module.training
+        (2, [(0, False, False), (1, False, False)], True)
+    """
+    loader: Any = trainer.train_dataloader
+    if loader is None:
+        raise ValueError("calibration_batches needs the training dataloader, which this fit does not have")
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    done = 0
+    with torch.random.fork_rng(devices=devices), _quiet_eval(pl_module), torch.no_grad():
+        for index, batch in enumerate(loader):
+            if index >= batches:
+                break
+            batch = trainer.strategy.batch_to_device(batch)
+            start_batch()
+            try:
+                pl_module.training_step(batch, index)
+            finally:
+                finish_batch()
+            done += 1
+    return done

@@ -1,0 +1,208 @@
+"""What ranks the weights at an event: their magnitude, activation-weighted magnitude, movement, or a function.
+
+* ``"magnitude"``: ``|W|`` (the methods' own ranking; no scores are passed, the default and today's behaviour);
+* ``"activation"``: ``|W_ij| * ||X_j||_2`` (Wanda, Sun et al. 2023), ``X_j`` the layer's input feature ``j`` over
+  the training batches of a window before each event (:mod:`.activations`);
+* ``"movement"``: ``-sum_t W * dL/dW`` since the previous event (Sanh et al. 2020), signed, higher kept
+  (:mod:`.movement`);
+* a callable ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape, ranked as the
+  methods rank ``importance_scores`` (by magnitude for the L1 methods).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightprune import prune
+from lightprune._checks import is_int
+from lightprune.callback.activations import ActivationStats
+from lightprune.callback.masks import original
+from lightprune.callback.movement import MovementScores
+
+__all__ = ["IMPORTANCES", "Importance", "ScoreFunction", "check_importance"]
+
+IMPORTANCES = ("magnitude", "activation", "movement")
+"""The importance criteria named by a string; a callable is accepted too."""
+
+ScoreFunction = Callable[[str, nn.Module, str, Tensor], Tensor]
+Reduce = Callable[[Tensor], Tensor]
+
+
+def check_importance(
+    importance: str | ScoreFunction,
+    method: type[prune.BasePruningMethod],
+    activation_window: int,
+    calibration_batches: int,
+) -> None:
+    """Refuse, naming the bad value, an importance the callback cannot use with ``method``.
+
+    Example:
+        >>> check_importance("gradient", prune.L1Unstructured, 1, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: importance='gradient' is not supported: use one of ('magnitude', 'activation', 'movement') or a \
+callable (qualified_name, module, parameter_name, weight) -> scores
+    """
+    if not (importance in IMPORTANCES or callable(importance)):
+        raise ValueError(
+            f"importance={importance!r} is not supported: use one of {IMPORTANCES} or a callable "
+            "(qualified_name, module, parameter_name, weight) -> scores"
+        )
+    if not (is_int(activation_window) and activation_window >= 1):
+        raise ValueError(f"activation_window={activation_window!r} must be an int >= 1")
+    if not (is_int(calibration_batches) and calibration_batches >= 0):
+        raise ValueError(f"calibration_batches={calibration_batches!r} must be an int >= 0")
+    if calibration_batches and importance != "activation":
+        raise ValueError(
+            f"calibration_batches={calibration_batches} collects input statistics, which only "
+            f"importance='activation' uses; got importance={importance!r}"
+        )
+    if importance == "magnitude":
+        return
+    if method in (prune.RandomUnstructured, prune.RandomStructured):
+        raise ValueError(f"importance={importance!r} does not apply to {method.__name__}, which ignores scores")
+    if importance == "movement" and method not in (prune.L1Unstructured, prune.SemiStructured):
+        raise ValueError(
+            f"importance='movement' ranks signed scores, which {method.__name__} cannot (a norm or a custom method "
+            "would drop their sign): use method='l1_unstructured' or 'semi_structured'"
+        )
+
+
+class Importance:
+    """The scores one PruningCallback ranks by, and the statistics behind them (kept in its checkpoint state).
+
+    Args:
+        importance: ``"magnitude"``, ``"activation"``, ``"movement"`` or a :data:`ScoreFunction`.
+        window: activation statistics are collected over this many time units (steps or epochs) before an event.
+
+    Example:
+        >>> layer = nn.Linear(2, 1)
+        >>> scores = Importance(lambda q, m, n, w: w.abs() + 1, window=1)
+        >>> scores.bind([("fc.weight", layer, "weight")])
+        >>> scores.scores(lambda t: t, lambda t: t)["fc.weight"].shape
+        torch.Size([1, 2])
+    """
+
+    def __init__(self, importance: str | ScoreFunction, window: int = 1) -> None:
+        self.importance = importance
+        self.window = window
+        self.activations: ActivationStats | None = None
+        self.movement: MovementScores | None = None
+        self._selection: list[tuple[str, nn.Module, str]] = []
+        self._restored: Mapping[str, Any] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"magnitude"``, ``"activation"``, ``"movement"`` or ``"callable"``."""
+        return self.importance if isinstance(self.importance, str) else "callable"
+
+    @property
+    def signed(self) -> bool:
+        """Whether the scores rank by value (movement) instead of by magnitude."""
+        return self.kind == "movement"
+
+    def bind(self, selection: list[tuple[str, nn.Module, str]]) -> None:
+        """Attach to the tensors a fit selected (checks activation's layers); restores a checkpoint's statistics."""
+        self._selection = list(selection)
+        self.activations = ActivationStats(self._selection) if self.kind == "activation" else None
+        self.movement = MovementScores(self._selection) if self.kind == "movement" else None
+        self._apply_restored()
+
+    def unbind(self) -> None:
+        """Forget the selection and the statistics (a new fit starts)."""
+        self.close()
+        self._selection, self.activations, self.movement, self._restored = [], None, None, None
+
+    def close(self) -> None:
+        """Remove any hook still attached (end of fit, an exception)."""
+        if self.activations is not None:
+            self.activations.stop()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Collecting
+    # ------------------------------------------------------------------------------------------------------------
+
+    def collects(self, now: int, next_event: int | None) -> bool:
+        """Whether the batch starting at time ``now`` lies in the window before ``next_event``."""
+        return self.activations is not None and next_event is not None and now >= next_event - self.window
+
+    def start_batch(self) -> None:
+        """Collect the inputs of the coming forward passes."""
+        if self.activations is not None:
+            self.activations.start()
+
+    def finish_batch(self, reduce_sum: Reduce) -> None:
+        """Stop collecting and add the batch's statistics, summed across processes by ``reduce_sum``."""
+        if self.activations is not None:
+            self.activations.finish_batch(reduce_sum)
+
+    def optimizer_step(self, optimizer: Any) -> None:
+        """Movement: add ``-W * grad`` of the selected weights this optimizer is about to step."""
+        if self.movement is not None:
+            optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
+            self.movement.accumulate(p for group in optimizer.param_groups for p in group["params"])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Scores at an event
+    # ------------------------------------------------------------------------------------------------------------
+
+    def scores(self, reduce_sum: Reduce, reduce_mean: Reduce) -> dict[str, Tensor] | None:
+        """The scores of every selected tensor by qualified name, or ``None`` for magnitude (the methods' own)."""
+        if self.kind == "magnitude":
+            return None
+        if self.activations is not None:
+            return self.activations.scores()
+        if self.movement is not None:
+            return self.movement.scores(reduce_mean)
+        found = {}
+        for qualified, module, name in self._selection:
+            weight = original(module, name).detach()
+            with torch.no_grad():
+                score = self.importance(qualified, module, name, weight)  # type: ignore[operator]
+            if not isinstance(score, Tensor) or score.shape != weight.shape:
+                got = tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__
+                raise ValueError(
+                    f"the importance function returned {got} for {qualified}; it must return a tensor of the "
+                    f"weight's shape {tuple(weight.shape)}"
+                )
+            found[qualified] = score.detach()
+        return found
+
+    def after_event(self) -> None:
+        """The statistics were used: start afresh for the next event."""
+        if self.activations is not None:
+            self.activations.reset()
+        if self.movement is not None:
+            self.movement.reset()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running statistics (empty for magnitude and callables)."""
+        state: dict[str, Any] = {}
+        if self.activations is not None:
+            state["activation"] = self.activations.state_dict()
+        if self.movement is not None:
+            state["movement"] = self.movement.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`, now or once a fit selected its tensors."""
+        self._restored = dict(state)
+        if self._selection:
+            self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        restored, self._restored = self._restored, None
+        if not restored:
+            return
+        if self.activations is not None and "activation" in restored:
+            self.activations.load_state_dict(restored["activation"])
+        if self.movement is not None and "movement" in restored:
+            self.movement.load_state_dict(restored["movement"])

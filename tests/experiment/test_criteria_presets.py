@@ -1,0 +1,101 @@
+"""The criterion presets of the app (``wanda_gradual``, ``movement``, ``nm_2_4``): they compose, validate, build the
+callback they describe, refuse inconsistent overrides before training, and run end to end at tiny size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import lightprune.experiment.app as app
+from lightprune.config import ConfigError, register_configs, validate_config
+from lightprune.experiment.app import config_dir, run_experiment
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*"),
+]
+
+TINY = ["experiment=smoke", "data.batch_size=256"]
+
+
+def make_config(*overrides: str) -> DictConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        (
+            "wanda_gradual",
+            {"importance": "activation", "scope": "row", "calibration_batches": 4, "method": "L1Unstructured"},
+        ),
+        (
+            "movement",
+            {"importance": "movement", "scope": "global", "calibration_batches": 0, "method": "L1Unstructured"},
+        ),
+        (
+            "nm_2_4",
+            {"importance": "magnitude", "scope": "layerwise", "calibration_batches": 0, "method": "SemiStructured"},
+        ),
+    ],
+)
+def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, expected: dict[str, object]) -> None:
+    cfg = make_config(f"pruning={preset}")
+    validate_config(cfg)
+    callback = app.build_callback(cfg)
+    built = {
+        "importance": callback.importance,
+        "scope": callback.scope,
+        "calibration_batches": callback.calibration_batches,
+        "method": callback.method.__name__,
+    }
+    assert built == expected
+    if preset == "nm_2_4":
+        assert callback.method_kwargs == {"n": 2, "m": 4}
+        assert type(callback.schedule).__name__ == "Constant" and callback.schedule.sparsity == 0.5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["pruning=nm_2_4", "pruning.final_sparsity=0.7"], r"pruning\.schedule='constant': semi_structured prunes"),
+        (["pruning=nm_2_4", "pruning.nm_n=4"], r"pruning\.nm_n=4: in \[1, nm_m=4\)"),
+        (["pruning=movement", "pruning.start=0.0"], r"pruning\.start=0\.0: pruning\.importance=movement needs"),
+        (["pruning=wanda_gradual", "pruning.calibration_batches=0"], r"needs pruning\.calibration_batches > 0"),
+        (
+            ["pruning=movement", "pruning.method=ln_structured", "pruning.scope=layerwise"],
+            r"movement scores are signed",
+        ),
+        (["pruning=gmp_cubic", "pruning.importance=gradient"], r"pruning\.importance='gradient': one of"),
+        (["pruning=gmp_cubic", "pruning.calibration_batches=2"], r"pruning\.calibration_batches=2: must be 0"),
+        (["pruning=gmp_cubic", "pruning.scope=row", "pruning.method=random_unstructured"], r"row ranks entries"),
+    ],
+)
+def test_inconsistent_overrides_are_refused_by_validation(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate_config(make_config(*overrides))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["wanda_gradual", "movement", "nm_2_4"])
+def test_criterion_presets_end_to_end(tmp_path: Path, preset: str) -> None:
+    summary = run_experiment(make_config(*TINY, f"pruning={preset}"), tmp_path)
+    state_dict = torch.load(tmp_path / "model.pt", weights_only=True)
+    if preset == "nm_2_4":
+        for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
+            weight = state_dict[name]
+            assert (weight.view(weight.shape[0], -1, 4) != 0).sum(dim=-1).le(2).all(), name
+        assert summary.total_sparsity == pytest.approx(0.5, abs=1e-3)
+    else:
+        assert summary.total_sparsity == pytest.approx(0.9, abs=0.01)
+    if preset == "wanda_gradual":
+        weight = state_dict["fc1.weight"]
+        assert (weight == 0).sum(dim=1).unique().tolist() == [round(0.9 * weight.shape[1])]

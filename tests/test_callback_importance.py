@@ -1,0 +1,489 @@
+"""``PruningCallback``'s importance criteria, N:M masks, calibration and adopted zeros, in real tiny fits on the CPU.
+
+The reference values are computed here by hand from a second, unpruned fit of the same deterministic run (``TinyNet``
+on fixed batches without shuffling): its layers' inputs and gradients up to an event are those the pruning fit saw.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightprune import prune
+from lightprune.callback import PruningCallback
+from lightprune.callback.activations import ActivationStats
+from lightprune.schedules import Constant, Cubic, Linear
+from processes import run_script
+from tiny_lightning import TinyNet, folded
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*"),
+    pytest.mark.filterwarnings("ignore:.*must be `None` or an integer within the vocabulary.*"),
+]
+
+LAYERS = ("net.0", "net.2", "net.4")
+
+
+def fit(callbacks: list[Callback], model: L.LightningModule | None = None, **kwargs: Any) -> L.LightningModule:
+    model = TinyNet() if model is None else model
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        **kwargs,
+    }
+    L.Trainer(callbacks=callbacks, **options).fit(model, ckpt_path=ckpt_path)
+    return model
+
+
+def masks(model: nn.Module) -> dict[str, Tensor]:
+    return {key: value.clone() for key, value in model.state_dict().items() if key.endswith("_mask")}
+
+
+def prune_lowest_per_row(scores: Tensor, amount: int) -> Tensor:
+    """Keep-mask pruning the ``amount`` lowest scores of every row (ties: lower index first)."""
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    for row, values in enumerate(scores.tolist()):
+        for column in sorted(range(len(values)), key=lambda j: (values[j], j))[:amount]:
+            keep[row, column] = False
+    return keep
+
+
+class Spy(Callback):
+    """Records, in an unpruned fit, each layer's inputs in chosen batches and ``-W * grad`` at every optimizer step."""
+
+    def __init__(self, batches: set[int]) -> None:
+        self.batches = batches
+        self.inputs: dict[str, list[Tensor]] = {layer: [] for layer in LAYERS}
+        self.movement: dict[str, Tensor] = {}
+        self._handles: list[Any] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx in self.batches:
+            for layer in LAYERS:
+                module = pl_module.get_submodule(layer)
+                hook = module.register_forward_pre_hook(lambda m, args, layer=layer: self.inputs[layer].append(args[0]))
+                self._handles.append(hook)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        for layer in LAYERS:
+            weight = pl_module.get_submodule(layer).weight
+            step = -(weight.detach() * weight.grad)
+            self.movement[layer] = self.movement.get(layer, torch.zeros_like(weight)) + step
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activation (Wanda), per row
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_wanda_per_row_masks_match_the_formula() -> None:
+    # one event at step 3; window 2: the batches run at steps 1 and 2 (batch indices 1, 2) are collected
+    callback = PruningCallback(
+        Constant(0.5, at=3), importance="activation", activation_window=2, scope="row", make_permanent=False
+    )
+    pruned = fit([callback], max_steps=5)
+    spy = Spy({1, 2})
+    reference = fit([spy], max_steps=3)  # the weights at the event, the inputs the window saw
+    for layer in LAYERS:
+        weight = reference.get_submodule(layer).weight.detach()
+        inputs = torch.cat(spy.inputs[layer])
+        norms = (inputs * inputs).sum(dim=0).sqrt()
+        expected = prune_lowest_per_row(weight.abs() * norms, round(0.5 * weight.shape[1]))
+        assert torch.equal(pruned.get_submodule(layer).weight_mask, expected), layer
+    assert callback.state_dict()["importance"]["activation"] == {"totals": {}, "calls": {}}  # reset after the event
+
+
+def test_activation_hooks_exist_only_inside_the_window() -> None:
+    seen: list[tuple[int, int]] = []
+
+    class Count(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+            hooks = len(pl_module.net[0]._forward_pre_hooks)
+            seen.append((trainer.global_step, hooks))
+
+    class During(Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+            seen.append((-trainer.global_step - 1, len(pl_module.net[0]._forward_pre_hooks)))
+
+    callback = PruningCallback(Constant(0.5, at=4), importance="activation", activation_window=2)
+    fit([callback, During(), Count()], max_steps=6)
+    starts = {-key - 1: hooks for key, hooks in seen if key < 0}
+    assert starts == {0: 0, 1: 0, 2: 1, 3: 1, 4: 1, 5: 1}  # collecting at steps 2, 3; after the event: pruning hook
+    ends = {key: hooks for key, hooks in seen if key >= 0}
+    assert ends[1] == ends[2] == ends[3] == 0  # the collecting hook is gone at every batch end
+
+
+def test_activation_scores_of_conv_and_transposed_conv1d_layers() -> None:
+    transformers = pytest.importorskip("transformers")
+    conv = nn.Conv2d(3, 2, 2)
+    gpt_conv = transformers.pytorch_utils.Conv1D(5, 3)  # weight (in=3, out=5)
+    stats = ActivationStats([("conv.weight", conv, "weight"), ("gpt.weight", gpt_conv, "weight")])
+    x, tokens = torch.randn(2, 3, 4, 4), torch.randn(2, 7, 3)
+    stats.start()
+    conv(x)
+    gpt_conv(tokens)
+    stats.finish_batch(lambda flat: flat)
+    scores = stats.scores()
+    channel_norms = x.pow(2).sum(dim=(0, 2, 3)).sqrt()
+    torch.testing.assert_close(scores["conv.weight"], conv.weight.detach().abs() * channel_norms.view(1, 3, 1, 1))
+    feature_norms = tokens.pow(2).sum(dim=(0, 1)).sqrt()
+    torch.testing.assert_close(scores["gpt.weight"], gpt_conv.weight.detach().abs() * feature_norms.view(3, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Movement
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_movement_masks_rank_the_signed_sum_of_minus_w_grad(masking: str) -> None:
+    callback = PruningCallback(
+        Constant(0.5, at=4), importance="movement", scope="layerwise", make_permanent=False, masking=masking
+    )
+    pruned = fit([callback], max_steps=5)
+    spy = Spy(set())
+    fit([spy], max_steps=4)
+    pruned_masks = {layer: pruned.get_submodule(layer).weight != 0 for layer in LAYERS}
+    if masking == "reparametrize":
+        pruned_masks = {layer: pruned.get_submodule(layer).weight_mask for layer in LAYERS}
+    for layer in LAYERS:
+        scores = spy.movement[layer]
+        count = round(0.5 * scores.numel())
+        expected = prune_lowest_per_row(scores.reshape(1, -1), count).view(scores.shape)
+        assert torch.equal(pruned_masks[layer], expected), layer
+        by_magnitude = prune_lowest_per_row(scores.abs().reshape(1, -1), count).view(scores.shape)
+        assert not torch.equal(expected, by_magnitude)  # the sign matters: it is not an L1 ranking
+
+
+@pytest.mark.parametrize("scope", ["global", "row"])
+def test_movement_works_with_every_scope(scope: str) -> None:
+    callback = PruningCallback(Linear(final=0.6, start=2, end=6, frequency=2), importance="movement", scope=scope)
+    model = fit([callback], max_steps=7)
+    weights = [model.get_submodule(layer).weight for layer in LAYERS]
+    total = sum(w.numel() for w in weights)
+    if scope == "global":
+        assert sum(int((w == 0).sum()) for w in weights) == round(0.6 * total)
+    else:
+        for weight in weights:
+            assert (weight == 0).sum(dim=1).tolist() == [round(0.6 * weight.shape[1])] * weight.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# N:M, callables, magnitude unchanged
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "importance", ["magnitude", "activation", "movement", lambda q, m, n, w: torch.arange(w.numel()).view(w.shape)]
+)
+def test_semi_structured_masks_under_the_callback(importance: Any) -> None:
+    callback = PruningCallback(
+        Constant(0.5, at=2), method="semi_structured", importance=importance, make_permanent=False
+    )
+    model = fit([callback], max_steps=4)
+    for layer in LAYERS:
+        mask = model.get_submodule(layer).weight_mask
+        assert mask.view(mask.shape[0], -1, 4).sum(dim=-1).eq(2).all(), layer
+    if callable(importance):  # increasing scores: the last two of every group stay
+        assert model.net[4].weight_mask.view(4, 3, 4)[..., 2:].all()
+
+
+def test_callable_scores_rank_like_importance_scores() -> None:
+    def reversed_index(qualified: str, module: nn.Module, name: str, weight: Tensor) -> Tensor:
+        return torch.arange(weight.numel(), 0, -1, dtype=torch.float32).view(weight.shape)
+
+    callback = PruningCallback(0.25, importance=reversed_index, scope="layerwise", make_permanent=False)
+    model = fit([callback], max_steps=1)
+    mask = model.net[0].weight_mask.flatten()
+    assert not mask[-32:].any() and mask[:-32].all()  # the 25% with the lowest scores: the last entries
+
+
+def test_magnitude_importance_is_todays_behaviour() -> None:
+    schedule = Cubic(final=0.7, start=1, end=7, frequency=2)
+    default = fit([PruningCallback(schedule, make_permanent=False)], max_steps=8)
+    explicit = PruningCallback(schedule, importance="magnitude", make_permanent=False)
+    again = fit([explicit], max_steps=8)
+    assert all(torch.equal(a, b) for a, b in zip(masks(default).values(), masks(again).values(), strict=True))
+    assert "importance" not in explicit.state_dict()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resume, adopted zeros
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("importance", ["activation", "movement"])
+def test_resume_mid_window_is_bit_exact(tmp_path: Path, importance: str) -> None:
+    # events 12, 20, 28; window 6: the epoch-end checkpoint at step 16 falls inside a window, statistics in state
+    def run(ckpt_path: Path | None) -> L.LightningModule:
+        callback = PruningCallback(
+            Linear(final=0.6, start=12, end=28, frequency=8),
+            importance=importance,
+            activation_window=6,
+            scope="row",
+            make_permanent=False,
+        )
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+        return fit(
+            [callback, checkpoints],
+            ckpt_path=ckpt_path,
+            max_epochs=4,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+        )
+
+    uninterrupted = run(None)
+    middle = tmp_path / "ckpt" / "epoch=1-step=16.ckpt"
+    saved = torch.load(middle, weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("PruningCallback")]
+    assert state["importance"][importance]["totals"], "the checkpoint must hold statistics collected so far"
+    resumed = run(middle)
+    for key, value in masks(uninterrupted).items():
+        assert torch.equal(masks(resumed)[key], value), key
+    expected = folded(uninterrupted.state_dict())
+    for key, value in folded(resumed.state_dict()).items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_adopt_zeros_keeps_given_zeros_through_training() -> None:
+    def zeroed() -> TinyNet:
+        model = TinyNet()
+        with torch.no_grad():
+            model.net[0].weight.view(-1)[:40] = 0
+        return model
+
+    kept = fit([PruningCallback(0.0, adopt_zeros=True)], zeroed(), max_steps=8)
+    assert not prune.is_pruned(kept)  # made permanent at the end
+    assert kept.net[0].weight.view(-1)[:40].eq(0).all()
+    lost = fit([PruningCallback(0.0)], zeroed(), max_steps=8)
+    assert lost.net[0].weight.view(-1)[:40].ne(0).any()  # without adopting, training moves them
+
+    on_top = fit([PruningCallback(Constant(0.5, at=2), adopt_zeros=True, scope="row")], zeroed(), max_steps=4)
+    weight = on_top.net[0].weight
+    assert weight.view(-1)[:40].eq(0).all()
+    assert (weight == 0).sum(dim=1).tolist() == [8] * 5 + [4] * 11  # rows 0-4 were all zeros; the rest to 50%
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A tiny BERT: calibration, then a gradual Wanda schedule
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TinyBert(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=12,
+            num_labels=2,
+        )
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids[:, 0] % 2).loss
+        self.log("loss", loss, on_step=True)  # skipped during calibration
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        ids = torch.randint(0, 64, (48, 12), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(ids), batch_size=8, shuffle=True)
+
+
+def test_tiny_bert_calibrated_one_shot_then_gradual_wanda() -> None:
+    pytest.importorskip("transformers")
+    encoder = r"model\.bert\.encoder\..*\.weight"
+    callback = PruningCallback(
+        Cubic(initial=0.3, final=0.6, start=0, end=10, frequency=5),
+        importance="activation",
+        calibration_batches=3,
+        scope="row",
+        include=encoder,
+        make_permanent=False,
+    )
+    model = TinyBert()
+    fit([callback], model, max_epochs=2)  # 12 steps: events at 0 (on the calibration batches), 5 and 10
+    assert callback.selection and all(".encoder." in name for name in callback.selection)
+    for name in callback.selection:
+        mask = model.get_submodule(name.rsplit(".", 1)[0]).weight_mask
+        assert (~mask).sum(dim=1).tolist() == [round(0.6 * mask.shape[1])] * mask.shape[0], name
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Refusals
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"importance": "gradient"}, r"importance='gradient' is not supported"),
+        ({"importance": "activation", "activation_window": 0}, r"activation_window=0 must be an int >= 1"),
+        ({"importance": "activation", "calibration_batches": -1}, r"calibration_batches=-1 must be an int >= 0"),
+        ({"importance": "movement", "calibration_batches": 2}, r"calibration_batches=2 .* got importance='movement'"),
+        ({"importance": "activation", "method": "random_unstructured"}, r"RandomUnstructured, which ignores scores"),
+        ({"importance": "movement", "method": "ln_structured"}, r"movement.*LnStructured cannot"),
+        ({"scope": "row", "method": "ln_structured"}, r"scope='row' .* got LnStructured"),
+        ({"method": "semi_structured", "scope": "global"}, r"scope='global' does not apply to semi_structured"),
+        ({"method": "semi_structured", "schedule": Cubic(final=0.5, end=10)}, r"1 - n/m = 0\.5 .* got Cubic"),
+        ({"method": "semi_structured", "method_kwargs": {"n": 3, "m": 8}}, r"n=3, m=8 .* 0\.625 .* got Constant"),
+        ({"method": "semi_structured", "method_kwargs": {"n": 4, "m": 4}}, r"n=4 must be smaller than m=4"),
+        ({"adopt_zeros": 1}, r"adopt_zeros=1 must be a bool"),
+    ],
+)
+def test_configuration_mistakes_raise_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    schedule = kwargs.pop("schedule", 0.5)
+    with pytest.raises(ValueError, match=message):
+        PruningCallback(schedule, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"importance": "activation", "module_types": [nn.Linear, nn.Embedding], "schedule": Constant(0.5, at=2)},
+            r"importance='activation' needs input features: emb\.weight of Embedding",
+        ),
+        ({"importance": "movement", "schedule": 0.5}, r"movement.*has one at step 0"),
+        ({"importance": "activation", "schedule": 0.5}, r"calibration_batches"),
+        ({"method": "semi_structured", "method_kwargs": {"n": 1, "m": 3}, "schedule": 2 / 3}, r"m=3 .* net\.0\.weight"),
+        (
+            {"importance": lambda q, m, n, w: w[0], "schedule": Constant(0.5, at=1)},
+            r"returned \(8,\) for net\.0\.weight",
+        ),
+    ],
+)
+def test_mistakes_found_with_the_model_raise_when_fit_starts(kwargs: dict[str, Any], message: str) -> None:
+    class WithEmbedding(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(4, 8)
+
+    schedule = kwargs.pop("schedule")
+    with pytest.raises(ValueError, match=message):
+        fit([PruningCallback(schedule, **kwargs)], WithEmbedding(), max_steps=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DDP: two processes, different data, identical masks
+# ----------------------------------------------------------------------------------------------------------------------
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightprune.callback import PruningCallback
+    from lightprune.schedules import Constant, Linear
+
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        def train_dataloader(self):
+            generator = torch.Generator().manual_seed(1)
+            x, y = torch.randn(128, 8, generator=generator), torch.randint(0, 4, (128,), generator=generator)
+            return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+    class Dump(Callback):
+        def __init__(self):
+            self.masks, self.inputs = {}, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.inputs.append(batch[0][0].clone())
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.masks[trainer.global_step] = {
+                key: value.clone() for key, value in pl_module.named_buffers() if key.endswith("_mask")
+            }
+
+        def on_train_end(self, trainer, pl_module):
+            torch.save({"masks": self.masks, "inputs": self.inputs}, out / f"rank{trainer.global_rank}.pt")
+
+
+    wanda = PruningCallback(
+        Linear(final=0.6, start=2, end=10, frequency=4), importance="activation", activation_window=2, scope="row",
+        include=r"net\\.[02]\\.weight", make_permanent=False, name="wanda",
+    )
+    movement = PruningCallback(
+        Linear(final=0.5, start=3, end=11, frequency=4), importance="movement", include=r"net\\.4\\.weight",
+        make_permanent=False, name="movement",
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, callbacks=[wanda, movement, Dump()], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(Net())
+    """
+)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_with_different_data_hold_identical_masks(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_importance.py"
+    script.write_text(DDP_SCRIPT)
+    run_script(script, str(tmp_path), timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
+    steps = sorted(ranks[0]["masks"])
+    assert steps == sorted(ranks[1]["masks"]) == list(range(1, 17))
+    for step in steps:
+        for key, value in ranks[0]["masks"][step].items():
+            assert torch.equal(value, ranks[1]["masks"][step][key]), (step, key)
+    final = ranks[0]["masks"][16]
+    assert (~final["net.0.weight_mask"]).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
+    assert int((~final["net.4.weight_mask"]).sum()) == round(0.5 * 48)
