@@ -650,8 +650,12 @@ def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions:
         "lp_gradual_layerwise": {"color": "tab:cyan", "marker": "^"},
         "lp_one_shot": {"color": "tab:orange", "marker": "v"},
         "lp_one_shot_rewind": {"color": "tab:red", "marker": "D"},
+        "lp_2_4": {"color": "tab:olive", "marker": "s"},
     }
-    criteria = {"activation": {"color": "tab:purple", "marker": "*"}, "movement": {"color": "tab:brown", "marker": "P"}}
+    criteria = {  # a criterion keeps its arm's colour, with its own line and marker
+        "activation": {"linestyle": "--", "marker": "*", "markersize": 9},
+        "movement": {"linestyle": ":", "marker": "P"},
+    }
     for arm in arms:
         base, _, importance = arm.partition(" [")
         style = {**styles.get(base, {}), **criteria.get(importance.rstrip("]"), {})}
@@ -676,16 +680,26 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
-    positions = {s: i for i, s in enumerate(sparsities)}
+    def positions_of(arms: Sequence[str]) -> dict[float, int]:
+        sparsities = sorted({s for arm in arms for s in summary[arm] if s > 0})
+        return {s: i for i, s in enumerate(sparsities)}
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    _plot_arms(left, summary, _arm_order(summary), positions)
+    _plot_arms(left, summary, _arm_order(summary), positions_of(_arm_order(summary)))
     left.set_ylabel("test accuracy (%)")
     left.set_title("every arm")
-    zoomed = [arm for arm in _arm_order(summary) if arm.partition(" [")[0] in ZOOMED_ARMS]
-    _plot_arms(right, summary, zoomed, positions)
-    right.set_title("gradual (lightprune) against ModelPruning")
-    fig.suptitle("LeNet-300-100 on Fashion-MNIST, 20 epochs: lightprune vs lightning ModelPruning")
+    # The zoomed panel leaves out arms at chance level (a collapsed criterion), which would flatten the others.
+    zoomed = [
+        arm
+        for arm in _arm_order(summary)
+        if arm.partition(" [")[0] in ZOOMED_ARMS and max(e["accuracy"][0] for e in summary[arm].values()) > 20.0
+    ]
+    _plot_arms(right, summary, zoomed, positions_of([arm for arm in zoomed if arm != "dense"] or zoomed))
+    versus = "modelpruning" in summary
+    right.set_title("gradual (lightprune) against ModelPruning" if versus else "gradual arms (arms at chance left out)")
+    fig.suptitle(
+        "LeNet-300-100 on Fashion-MNIST, 20 epochs" + (": lightprune vs lightning ModelPruning" if versus else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
