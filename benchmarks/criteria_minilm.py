@@ -37,7 +37,7 @@ Every fit's result is cached as JSON under ``OUT/runs`` (a rerun reuses it; ``--
 with disjoint ``--runs`` can share the machine's two cores.
 
 Usage:
-    python benchmarks/criteria_minilm.py                       # everything, 1 torch thread: about 30 minutes
+    python benchmarks/criteria_minilm.py                       # everything, 1 torch thread: ~20 min of CPU
     python benchmarks/criteria_minilm.py --quick               # a smoke run: few lines, few steps (minutes)
     python benchmarks/criteria_minilm.py --runs gradual_activation one_shot_activation
 
@@ -595,14 +595,16 @@ def overhead(fits: dict[str, dict[str, Any]], settings: Settings) -> dict[str, A
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _ref(key: tuple[str, ...]) -> str:
-    reference = REFERENCES.get(key)
+def _ref(key: tuple[str, ...], protocol: bool) -> str:
+    reference = REFERENCES.get(key) if protocol else None
     return "-" if reference is None else f"{reference[0]:.3f} / {reference[1]:.3f}"
 
 
 def markdown(payload: dict[str, Any]) -> str:
     """The report: one-shot table, fit table, step-time table."""
     lines = [f"Command: `{payload['command']}`", "", f"Machine: {payload['machine']}", ""]
+    # the references hold for the protocol's settings only (not for --quick or --steps)
+    protocol = {**payload["settings"], "threads": 0} == {**asdict(Settings()), "threads": 0}
     one_shot = payload.get("one_shot")
     if one_shot:
         lines += [
@@ -617,7 +619,7 @@ def markdown(payload: dict[str, Any]) -> str:
                 entry = one_shot[f"{pattern}/{importance}"]
                 lines.append(
                     f"| {pattern} | {importance} | {entry['cosine']:.3f} | {entry['agreement']:.3f} | "
-                    f"{entry['sparsity']:.4f} | {_ref(('one_shot', pattern, importance))} |"
+                    f"{entry['sparsity']:.4f} | {_ref(('one_shot', pattern, importance), protocol)} |"
                 )
     fits = payload.get("fit", {})
     if fits:
@@ -639,7 +641,7 @@ def markdown(payload: dict[str, Any]) -> str:
             before_text = "-" if not before else f"{before['cosine']:.3f} / {before['agreement']:.3f}"
             lines.append(
                 f"| {name} | {fit['cosine']:.3f} | {fit['agreement']:.3f} | {before_text} | {fit['sparsity']:.4f} "
-                f"| {fit['fit_cpu_seconds']:.0f} | {_ref(('fit', name))} |"
+                f"| {fit['fit_cpu_seconds']:.0f} | {_ref(('fit', name), protocol)} |"
             )
     table = payload.get("overhead")
     if table and any(name in table for name in FIT_RUNS):
