@@ -27,10 +27,19 @@ Arms (``--arms``; see :data:`ARMS`):
   a cosine from 1.2e-3 to 1.2e-5 over the first 10 epochs (epoch-wise, as ``CosineAnnealingLR(T_max=10,
   eta_min=lr/100)``), one-shot to ``s`` after them, then 10 epochs of fine-tuning at the schedule's final learning
   rate (1.2e-5): the fine-tuning baseline of Renda, Frankle & Carbin (2020).
+* ``lp_2_4`` (run only when named): 2:4 semi-structured pruning (``method="semi_structured"``, two of every four
+  consecutive inputs kept in every row; the three layers' inputs, 784, 300 and 100, are multiples of 4), one-shot
+  after 10 epochs, then 10 epochs of fine-tuning. Its sparsity is 0.5 whatever ``--sparsities`` says.
 * ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
   (Renda et al. 2020): the 10 retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not
   rewound. Under the protocol's constant learning rate, rewinding the learning rate changes nothing
   (``lp_one_shot`` is both), so it is measured against ``lp_one_shot_cosine_ft``, which shares its schedule.
+
+Pruning criteria (issue 22): ``--importance magnitude activation movement`` runs every lightprune arm once per
+criterion, the callback's ``importance=``: ``magnitude`` (|W|, the default), ``activation`` (|W_ij| * ||X_j||_2
+with the layer inputs collected over the callback's window of training steps before each event; Wanda) or
+``movement`` (movement pruning, Sanh et al. 2020: the weights that move towards zero go). A criterion other than
+magnitude is named in the run's key and in the tables' arm column (``lp_gradual [activation]``).
 
 The gradual schedule's start, end and frequency were chosen before any run, from Zhu & Gupta's recipe (start
 after a short dense phase, end with a long enough recovery phase, prune every few dozen steps), and were not tuned
@@ -98,11 +107,19 @@ ARMS = {
     "lp_one_shot_rewind": "lightprune, one-shot after 10 epochs, rewind to epoch 1, retrain",
     "lp_one_shot_cosine_ft": "lightprune, cosine LR for 10 epochs, one-shot, fine-tune at the final LR",
     "lp_one_shot_lr_rewind": "lightprune, cosine LR for 10 epochs, one-shot, retrain replaying the cosine",
+    "lp_2_4": "lightprune, 2:4 semi-structured one-shot after 10 epochs, fine-tune (sparsity 0.5)",
 }
 """Arm name -> what it does."""
 
-DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind"))
-"""The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair is asked for by name."""
+DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind", "lp_2_4"))
+"""The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair and 2:4 are asked for
+by name."""
+
+IMPORTANCES = ("magnitude", "activation", "movement")
+"""The criteria of ``--importance`` (PruningCallback's ``importance=``)."""
+
+FIXED_SPARSITY = {"lp_2_4": 0.5}
+"""Arms whose pattern fixes the sparsity: run at this one only."""
 
 GRADUAL = (0.05, 0.6, 0.005)
 """The cubic schedule of the gradual arms: start, end and frequency in fractions of the run's optimizer steps."""
@@ -122,6 +139,7 @@ class Settings:
     data_root: str = FASHION_MNIST_ROOT
     threads: int = 1
     masking: str = "reparametrize"  # the lightprune arms' PruningCallback(masking=...)
+    importance: str = "magnitude"  # the lightprune arms' PruningCallback(importance=...)
 
 
 @dataclass(frozen=True)
@@ -135,7 +153,23 @@ class Run:
 
     @property
     def key(self) -> str:
-        return f"{self.arm}_s{self.sparsity:g}_seed{self.seed}"
+        importance = "" if self.settings.importance == "magnitude" else f"_{self.settings.importance}"
+        return f"{self.arm}{importance}_s{self.sparsity:g}_seed{self.seed}"
+
+    @property
+    def label(self) -> str:
+        """The arm as the tables name it: with its criterion unless magnitude."""
+        return arm_label(self.arm, self.settings.importance)
+
+
+def arm_label(arm: str, importance: str) -> str:
+    """``arm``, or ``arm [importance]`` for a criterion other than magnitude.
+
+    Example:
+        >>> arm_label("lp_gradual", "magnitude"), arm_label("lp_gradual", "activation")
+        ('lp_gradual', 'lp_gradual [activation]')
+    """
+    return arm if importance == "magnitude" else f"{arm} [{importance}]"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -312,9 +346,20 @@ def arm_callbacks(
     epochs: int,
     gradual: tuple[float, float, float] = GRADUAL,
     masking: str = "reparametrize",
+    importance: str = "magnitude",
 ) -> list[Any]:
-    """The pruning callback(s) of an arm (scaled to ``epochs``; the protocol's 20 give the epochs in the docs)."""
+    """The pruning callback(s) of an arm (scaled to ``epochs``; the protocol's 20 give the epochs in the docs).
+
+    ``importance`` is the lightprune arms' criterion; magnitude leaves the callback's arguments as they were before
+    criteria existed, so those runs stay comparable with (and cached as) the earlier ones.
+    """
     params = pruned_weights(module)
+    if importance != "magnitude":
+        if not arm.startswith("lp_"):
+            raise ValueError(f"arm={arm!r} has no pruning criterion; importance={importance!r} is lightprune's")
+        masking_kwargs: dict[str, Any] = {"masking": masking, "importance": importance}
+    else:
+        masking_kwargs = {"masking": masking}
     one_shot_epoch = epochs // 2
     rounds = min(MP_ROUNDS, epochs - 1)  # 14 of the protocol's 20 epochs; fewer in --quick runs
     if arm == "dense":
@@ -335,22 +380,30 @@ def arm_callbacks(
         ]
     if arm == "lp_control":
         schedule = Geometric(mp_amount(sparsity, rounds), start=2, frequency=1, rounds=rounds)
-        return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global", masking=masking)]
+        return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global", **masking_kwargs)]
     if arm in ("lp_gradual", "lp_gradual_layerwise"):
         start, end, frequency = gradual
         schedule = Cubic(final=sparsity, start=start, end=end, frequency=frequency)
         scope = "global" if arm == "lp_gradual" else "layerwise"
-        return [PruningCallback(schedule, parameters=params, unit="step", scope=scope, masking=masking)]
+        return [PruningCallback(schedule, parameters=params, unit="step", scope=scope, **masking_kwargs)]
     if arm == "lp_one_shot":
         schedule = Constant(sparsity, at=one_shot_epoch)
-        return [PruningCallback(schedule, parameters=params, unit="epoch", masking=masking)]
+        return [PruningCallback(schedule, parameters=params, unit="epoch", **masking_kwargs)]
     if arm == "lp_one_shot_rewind":
         schedule = Constant(sparsity, at=one_shot_epoch)
-        return [PruningCallback(schedule, parameters=params, unit="epoch", rewind=1, masking=masking)]
+        return [PruningCallback(schedule, parameters=params, unit="epoch", rewind=1, **masking_kwargs)]
     if arm in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind"):
         schedule = Constant(sparsity, at=one_shot_epoch)
         lr = EpochCosineLR(module.lr, period=one_shot_epoch, rewind=arm == "lp_one_shot_lr_rewind")
-        return [lr, PruningCallback(schedule, parameters=params, unit="epoch", masking=masking)]
+        return [lr, PruningCallback(schedule, parameters=params, unit="epoch", **masking_kwargs)]
+    if arm == "lp_2_4":
+        schedule = Constant(FIXED_SPARSITY[arm], at=one_shot_epoch)
+        return [
+            PruningCallback(
+                schedule, parameters=params, unit="epoch", method="semi_structured", method_kwargs={"n": 2, "m": 4},
+                **masking_kwargs,
+            )
+        ]  # fmt: skip
     raise ValueError(f"arm={arm!r} is not one of {sorted(ARMS)}")
 
 
@@ -374,7 +427,9 @@ def run_one(run: Run) -> dict[str, Any]:
     pl.seed_everything(run.seed, verbose=False)
     module = LeNetModule(settings.lr)
     timer = EpochTimer()
-    callbacks = arm_callbacks(run.arm, run.sparsity, module, settings.epochs, settings.gradual, settings.masking)
+    callbacks = arm_callbacks(
+        run.arm, run.sparsity, module, settings.epochs, settings.gradual, settings.masking, settings.importance
+    )
     trainer = make_trainer(settings.epochs, [timer, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
     start = time.perf_counter()
@@ -494,7 +549,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[float, dict[str, 
     """
     grouped: dict[str, dict[float, list[dict[str, Any]]]] = {}
     for result in results:
-        grouped.setdefault(result["run"]["arm"], {}).setdefault(result["run"]["sparsity"], []).append(result)
+        label = arm_label(result["run"]["arm"], result["run"].get("settings", {}).get("importance", "magnitude"))
+        grouped.setdefault(label, {}).setdefault(result["run"]["sparsity"], []).append(result)
     summary: dict[str, dict[float, dict[str, Any]]] = {}
     for arm, by_sparsity in grouped.items():
         for sparsity, group in by_sparsity.items():
@@ -514,7 +570,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[float, dict[str, 
 
 
 def _arm_order(summary: dict[str, Any]) -> list[str]:
-    return [arm for arm in ARMS if arm in summary]
+    return [label for arm in ARMS for importance in IMPORTANCES if (label := arm_label(arm, importance)) in summary]
 
 
 def _arm_table(title: str, summary: dict[str, Any], cell: Any, dense: bool = True) -> list[str]:
@@ -594,8 +650,15 @@ def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions:
         "lp_gradual_layerwise": {"color": "tab:cyan", "marker": "^"},
         "lp_one_shot": {"color": "tab:orange", "marker": "v"},
         "lp_one_shot_rewind": {"color": "tab:red", "marker": "D"},
+        "lp_2_4": {"color": "tab:olive", "marker": "s"},
+    }
+    criteria = {  # a criterion keeps its arm's colour, with its own line and marker
+        "activation": {"linestyle": "--", "marker": "*", "markersize": 9},
+        "movement": {"linestyle": ":", "marker": "P"},
     }
     for arm in arms:
+        base, _, importance = arm.partition(" [")
+        style = {**styles.get(base, {}), **criteria.get(importance.rstrip("]"), {})}
         if arm == "dense":
             mean, std, _ = next(iter(summary[arm].values()))["accuracy"]
             ax.axhspan(mean - std, mean + std, color="tab:green", alpha=0.15)
@@ -603,7 +666,7 @@ def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions:
             continue
         points = sorted((positions[s], *entry["accuracy"][:2]) for s, entry in summary[arm].items() if s > 0)
         xs, means, stds = zip(*points, strict=True)
-        ax.errorbar(xs, means, yerr=stds, capsize=3, label=arm, **styles.get(arm, {}))
+        ax.errorbar(xs, means, yerr=stds, capsize=3, label=arm, **style)
     ax.set_xticks(range(len(positions)), [f"{s:g}" for s in positions])
     ax.set_xlabel("sparsity of the three Linear weights (266,200)")
     ax.grid(alpha=0.3)
@@ -617,15 +680,26 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sparsities = sorted({s for arm in summary.values() for s in arm if s > 0})
-    positions = {s: i for i, s in enumerate(sparsities)}
+    def positions_of(arms: Sequence[str]) -> dict[float, int]:
+        sparsities = sorted({s for arm in arms for s in summary[arm] if s > 0})
+        return {s: i for i, s in enumerate(sparsities)}
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    _plot_arms(left, summary, _arm_order(summary), positions)
+    _plot_arms(left, summary, _arm_order(summary), positions_of(_arm_order(summary)))
     left.set_ylabel("test accuracy (%)")
     left.set_title("every arm")
-    _plot_arms(right, summary, [arm for arm in _arm_order(summary) if arm in ZOOMED_ARMS], positions)
-    right.set_title("gradual (lightprune) against ModelPruning")
-    fig.suptitle("LeNet-300-100 on Fashion-MNIST, 20 epochs: lightprune vs lightning ModelPruning")
+    # The zoomed panel leaves out arms at chance level (a collapsed criterion), which would flatten the others.
+    zoomed = [
+        arm
+        for arm in _arm_order(summary)
+        if arm.partition(" [")[0] in ZOOMED_ARMS and max(e["accuracy"][0] for e in summary[arm].values()) > 20.0
+    ]
+    _plot_arms(right, summary, zoomed, positions_of([arm for arm in zoomed if arm != "dense"] or zoomed))
+    versus = "modelpruning" in summary
+    right.set_title("gradual (lightprune) against ModelPruning" if versus else "gradual arms (arms at chance left out)")
+    fig.suptitle(
+        "LeNet-300-100 on Fashion-MNIST, 20 epochs" + (": lightprune vs lightning ModelPruning" if versus else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -652,13 +726,30 @@ def machine_description() -> str:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def plan(arms: Sequence[str], sparsities: Sequence[float], seeds: Sequence[int], settings: Settings) -> list[Run]:
-    """The runs of a benchmark: dense once per seed, every other arm at every sparsity and seed."""
+def plan(
+    arms: Sequence[str],
+    sparsities: Sequence[float],
+    seeds: Sequence[int],
+    settings: Settings,
+    importances: Sequence[str] = ("magnitude",),
+) -> list[Run]:
+    """The runs of a benchmark: dense once per seed, every other arm at every sparsity and seed (an arm of
+    :data:`FIXED_SPARSITY` at its own), the lightprune arms once per criterion of ``importances``.
+
+    Example:
+        >>> [run.key for run in plan(["dense", "lp_gradual", "lp_2_4"], [0.9], [0], Settings(),
+        ...                          ["magnitude", "activation"])]  # doctest: +NORMALIZE_WHITESPACE
+        ['dense_s0_seed0', 'lp_gradual_s0.9_seed0', 'lp_gradual_activation_s0.9_seed0', 'lp_2_4_s0.5_seed0',
+         'lp_2_4_activation_s0.5_seed0']
+    """
     runs = []
     for seed in seeds:
         for arm in arms:
-            for sparsity in [0.0] if arm == "dense" else sparsities:
-                runs.append(Run(arm, sparsity, seed, settings))
+            arm_sparsities = [0.0] if arm == "dense" else [FIXED_SPARSITY[arm]] if arm in FIXED_SPARSITY else sparsities
+            criteria = importances if arm.startswith("lp_") else ("magnitude",)
+            for importance in criteria:
+                for sparsity in arm_sparsities:
+                    runs.append(Run(arm, sparsity, seed, replace(settings, importance=importance)))
     return runs
 
 
@@ -723,6 +814,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
     parser.add_argument("--masking", default="reparametrize", choices=("reparametrize", "inplace"),
                         help="PruningCallback(masking=...) of the lightprune arms")  # fmt: skip
+    parser.add_argument(
+        "--importance",
+        nargs="+",
+        default=["magnitude"],
+        choices=IMPORTANCES,
+        help="criteria of the lightprune arms (PruningCallback(importance=...)), one set of runs each",
+    )
     parser.add_argument("--quick", action="store_true", help="a few minutes: subsets, 4 epochs, one seed")
     parser.add_argument("--fresh", action="store_true", help="ignore cached runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quality")
@@ -742,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds, sparsities, repeats = seeds[:1], [0.9, 0.98], min(repeats, 1)
     command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    results = execute(plan(args.arms, sparsities, seeds, settings), args.out, args.jobs, args.fresh)
+    runs = plan(args.arms, sparsities, seeds, settings, args.importance)
+    results = execute(runs, args.out, args.jobs, args.fresh)
     summary = summarize(results)
     timing = time_epochs(settings, repeats) if repeats > 0 else None
     report = markdown(summary, timing, machine_description(), command.strip())

@@ -87,3 +87,33 @@ def test_quick_benchmark_runs_every_arm_and_writes_the_report(tmp_path: Path) ->
 
     again = _run(data, out)
     assert "13 runs: 13 cached, 0 to do" in again.stdout
+
+
+def _quality_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_importance_flag_plans_one_run_set_per_criterion_and_reaches_the_callback() -> None:
+    quality = _quality_module()
+    runs = quality.plan(["dense", "lp_gradual", "lp_2_4"], [0.9], [0], quality.Settings(), ["magnitude", "movement"])
+    assert [run.key for run in runs] == [
+        "dense_s0_seed0",
+        "lp_gradual_s0.9_seed0",
+        "lp_gradual_movement_s0.9_seed0",
+        "lp_2_4_s0.5_seed0",
+        "lp_2_4_movement_s0.5_seed0",
+    ]
+    assert runs[2].label == "lp_gradual [movement]"
+    module = quality.LeNetModule(1e-3)
+    (callback,) = quality.arm_callbacks("lp_gradual", 0.9, module, epochs=20, importance="activation")
+    assert callback.importance == "activation" and callback.scope == "global"
+    (callback,) = quality.arm_callbacks("lp_2_4", 0.5, module, epochs=20)
+    assert callback.method.__name__ == "SemiStructured" and callback.importance == "magnitude"
+    with pytest.raises(ValueError, match="no pruning criterion"):
+        quality.arm_callbacks("modelpruning", 0.9, module, epochs=20, importance="activation")
