@@ -591,13 +591,15 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
                 schedule=pruning.schedule,
             )
     problems += [problem.format("pruning.") for problem in found]
-    first_at_start = pruning.start == 0  # every schedule's first event is at `start`
+    ramp = pruning.schedule in ("linear", "cubic")  # a ramp's first event is at level initial_sparsity
+    first_level = pruning.initial_sparsity if ramp else pruning.final_sparsity
+    first_at_start = pruning.start == 0 and first_level > 0  # every schedule's first event is at `start`
     _check(
         problems,
         not (first_at_start and importance == "movement"),
         "pruning.start",
         pruning.start,
-        "pruning.importance=movement needs training steps before the first event: start > 0",
+        "pruning.importance=movement needs training steps before the first event that prunes: start > 0",
     )
     _check(
         problems,

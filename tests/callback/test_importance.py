@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.callback.activations import ActivationStats
-from lightprune.schedules import Constant, Cubic, Linear
+from lightprune.schedules import Constant, Cubic, Linear, Points
 from tiny_lightning import TinyNet, folded
 
 pytestmark = [
@@ -188,6 +188,19 @@ def test_movement_works_with_every_scope(scope: str) -> None:
     else:
         for weight in weights:
             assert (weight == 0).sum(dim=1).tolist() == [round(0.6 * weight.shape[1])] * weight.shape[0]
+
+
+@pytest.mark.parametrize("importance", ["movement", "activation"])
+def test_a_ramp_from_step_0_at_level_0_needs_no_statistics_then(importance: str) -> None:
+    """A ramp's first event at step 0 prunes nothing: accepted without calibration, and the masks are those of the
+    same levels starting at the ramp's next event (the statistics are not reset by the empty event)."""
+    from_zero = PruningCallback(Linear(final=0.6, start=0, end=6, frequency=2), importance=importance)
+    later = PruningCallback(Points([(t, from_zero.schedule(t)) for t in (2, 4, 6)]), importance=importance)
+    assert [from_zero.schedule(t) for t in range(8)] == [later.schedule(t) for t in range(8)]
+    models = [fit([callback], max_steps=7) for callback in (from_zero, later)]
+    for layer in LAYERS:
+        assert torch.equal(models[0].get_submodule(layer).weight, models[1].get_submodule(layer).weight), layer
+    assert sum(int((models[0].get_submodule(layer).weight == 0).sum()) for layer in LAYERS) > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -71,7 +71,10 @@ def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, exp
             r"pruning\.schedule='constant': semi_structured with n=2, m=4 prunes .* \(this one prunes to 0\.7\)",
         ),
         (["pruning=nm_2_4", "pruning.nm_n=4"], r"pruning\.nm_n=4: in \[1, nm_m=4\)"),
-        (["pruning=movement", "pruning.start=0.0"], r"pruning\.start=0\.0: pruning\.importance=movement needs"),
+        (
+            ["pruning=movement", "pruning.start=0.0", "pruning.initial_sparsity=0.1"],
+            r"pruning\.start=0\.0: pruning\.importance=movement needs",
+        ),
         (["pruning=wanda_gradual", "pruning.calibration_batches=0"], r"needs pruning\.calibration_batches > 0"),
         (
             ["pruning=movement", "pruning.method=ln_structured", "pruning.scope=layerwise"],
@@ -108,3 +111,7 @@ def test_criterion_presets_end_to_end(tmp_path: Path, preset: str) -> None:
     if preset == "wanda_gradual":
         weight = state_dict["fc1.weight"]
         assert (weight == 0).sum(dim=1).unique().tolist() == [round(0.9 * weight.shape[1])]
+
+
+def test_a_ramp_starting_at_level_0_needs_no_statistics_at_its_start() -> None:
+    validate_config(make_config("pruning=movement", "pruning.start=0.0"))  # its first event prunes nothing

@@ -563,9 +563,13 @@ class PruningCallback(Callback):
         if event is None or event <= self._last_event:
             return
         target = self._resolved.target(t)
-        scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
+        if target > 0:
+            scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
+        else:  # an event at level 0 (a ramp's first) prunes nothing: it needs no scores and keeps the statistics
+            scores = None
         self._masked.prune_to(target, event, scores, signed=self._importance.signed)
-        self._importance.after_event()
+        if target > 0:
+            self._importance.after_event()
         self._last_event = event
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
@@ -582,8 +586,8 @@ class PruningCallback(Callback):
 
     def _check_first_event(self, fresh: bool) -> None:
         """An event when training starts has no statistics to rank by, unless calibration provides them."""
-        if not fresh or self._resolved is None or self._resolved.first_event > 0:
-            return
+        if not fresh or self._resolved is None or self._resolved.first_event > 0 or self._resolved.target(0) == 0:
+            return  # (an event at level 0 prunes nothing, so it needs no statistics)
         kind = self._importance.kind
         if kind == "movement":
             raise ValueError(
