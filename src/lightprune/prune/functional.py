@@ -33,7 +33,7 @@ from lightprune.prune.methods import (
     uniform_draws,
 )
 from lightprune.prune.rowwise import RowwiseL1Unstructured
-from lightprune.prune.select import apply_cut, count_eligible, find_cut
+from lightprune.prune.select import apply_cut, count_eligible, find_cut, one_thread
 from lightprune.prune.semi_structured import SemiStructured
 
 __all__ = [
@@ -343,7 +343,8 @@ def global_unstructured(
 
     with torch.no_grad():
         if _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured)):
-            masks = _global_masks_fast(method, unique, scores)
+            with one_thread(attachments[0].orig.device):  # thousands of chunk-sized operations: no fork-joins
+                masks = _global_masks_fast(method, unique, scores)
         else:
             masks = _global_masks_like_torch(method, unique, scores)
     by_parameter = {id(attachment.orig): mask for attachment, mask in zip(unique, masks, strict=True)}

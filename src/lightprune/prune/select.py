@@ -38,14 +38,19 @@ dtype (like ``torch.cat`` would), one chunk at a time.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+_T = TypeVar("_T")
 
 __all__ = ["Cut", "apply_cut", "count_eligible", "find_cut", "select_smallest"]
 # Shared with distributed.py, which runs the same passes across ranks (package-internal, hence not in __all__):
@@ -176,6 +181,41 @@ class Keys:
     @property
     def bits(self) -> int:
         return (self.hi - self.lo).bit_length()
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Run the block's CPU operations on one torch thread, then restore the thread count.
+
+    The passes run thousands of chunk-sized operations; with several threads each one is a fork and a join of
+    OpenMP workers, and when another process keeps the cores busy every join waits for a descheduled worker (a
+    scheduler time slice, milliseconds): global L1 at 134M took 46-91 s that way, slower than torch's few large
+    operations. On one thread a chunk stays in that core's cache and nothing waits. Does nothing on other devices.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _on_one_thread(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``fn(scores, ...)`` under :func:`one_thread` for the device of its first score tensor."""
+
+    @functools.wraps(fn)
+    def wrapper(scores: Sequence[Tensor], *args: Any, **kwargs: Any) -> _T:
+        scores = list(scores)
+        first = next((s for s in scores if isinstance(s, Tensor)), None)
+        if first is None:
+            return fn(scores, *args, **kwargs)
+        with one_thread(first.device):
+            return fn(scores, *args, **kwargs)
+
+    return wrapper
 
 
 def common_dtype(scores: Sequence[Tensor]) -> torch.dtype:
@@ -499,6 +539,7 @@ def _cut_from_sorted(keys: Tensor, rank: int) -> tuple[int, int, int]:
     return int(at[0]), rank - below, equal
 
 
+@_on_one_thread
 def find_cut(
     scores: Sequence[Tensor],
     k: int,
@@ -609,6 +650,7 @@ def _canonical(key: int, ties: int, equal: int, keys: Keys) -> Cut:
     return Cut(key, ties)
 
 
+@_on_one_thread
 def apply_cut(
     scores: Sequence[Tensor],
     cut: Cut,
