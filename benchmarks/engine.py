@@ -13,6 +13,13 @@ Usage:
     python benchmarks/engine.py                  # the full table (34M, 134M, 268M, 1B): tens of minutes
     python benchmarks/engine.py --quick          # tiny sizes, one repetition: well under a minute
     python benchmarks/engine.py --device cuda    # the same on a GPU
+    python benchmarks/engine.py --sizes 134M,2000x224 --ops global_l1,callback_event --torch-sizes 134M --busy
+                                                 # global L1 while a busy loop runs on every core
+
+Sizes: ``34M``... ``1B`` are ``L x Linear(4096, 4096)``; ``2000x224`` is 1,000 ``Linear(224, 224)`` whose weights and
+biases are pruned together (2,000 tensors, 50M entries): the per-tensor costs. Two read passes are timed as the
+yardsticks: ``sum |w|`` (``w.abs().sum()``, a temporary per tensor: the reference of earlier tables) and
+``vector_norm(w, 1)`` (``torch.linalg.vector_norm``: one fused pass, no temporary, the honest lower bound).
 
 Writes a Markdown table to stdout and JSON to ``--out`` (default ``benchmarks/results/engine.json``).
 """
@@ -33,6 +40,8 @@ from typing import Any
 
 HIDDEN = 4096
 LAYERS_FOR_SIZE = {"34M": 2, "134M": 8, "268M": 16, "1B": 60}
+#: Many small tensors: 1,000 Linear(224, 224), weights and biases pruned (2,000 tensors).
+SMALL_SIZE, SMALL_LAYERS, SMALL_HIDDEN = "2000x224", 1000, 224
 QUICK_LAYERS = {"2M": 2}
 QUICK_HIDDEN = 1024
 
@@ -99,32 +108,62 @@ def _tie_free_(weight: Any, generator: Any, offset: int) -> None:
     weight.copy_(values.view_as(weight))
 
 
-def _model(layers: int, hidden: int, device: str, tie_free: bool, seed: int) -> Any:
+def _model(layers: int, hidden: int, device: str, tie_free: bool, seed: int, bias: bool = False) -> Any:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)))
+        model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=bias) for _ in range(layers)))
     model = model.to_empty(device="cpu")
     with torch.no_grad():
-        for index, layer in enumerate(model):
+        offset = 0
+        for module, name in _pairs(model):
+            tensor = getattr(module, name)
             if tie_free:
-                _tie_free_(layer.weight, generator, offset=index * layer.weight.numel())
+                _tie_free_(tensor, generator, offset=offset)
             else:
-                layer.weight.normal_(generator=generator)
+                tensor.normal_(generator=generator)
+            offset += tensor.numel()
     return model.to(device)
+
+
+def _pairs(model: Any) -> list[tuple[Any, str]]:
+    """The pruned tensors: every layer's weight, and its bias where it has one."""
+    return [(layer, name) for layer in model for name in ("weight", "bias") if getattr(layer, name, None) is not None]
 
 
 def _fingerprint(model: Any) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for layer in model:
-        mask = getattr(layer, "weight_mask", None)
+    for layer, name in _pairs(model):
+        mask = getattr(layer, name + "_mask", None)
         if mask is None:
             continue
         digest.update((mask != 0).to(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _callback_event(model: Any, inplace: bool) -> Any:
+    """What a PruningCallback event does for global L1 at 90%, Lightning's clock aside: the selection's event
+    (counting, the engine call, putting masks in place) and the sparsities it logs (a torchmetrics collection)."""
+    import torch
+
+    from lightprune.callback.masked import MaskedSelection
+    from lightprune.callback.reporting import sparsities
+    from lightprune.prune import L1Unstructured
+
+    triples = [(f"{i}.{name}", module, name) for i, (module, name) in enumerate(_pairs(model))]
+    masked = MaskedSelection(triples, [], [], L1Unstructured, {}, "global", torch.bool, 0, inplace=inplace)
+
+    sparsities({"warm-up": torch.ones(1, dtype=torch.bool)}, "", torch.device("cpu"))  # first-call costs: not timed
+
+    def event() -> None:
+        masked.prune_to(0.9, event=0)
+        current = {q: masked.mask(m, n) for q, m, n in masked.selection}
+        sparsities(current, "pruning/sparsity/", torch.device("cpu"))
+
+    return event
 
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
@@ -136,14 +175,15 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(int(spec.get("threads", torch.get_num_threads())))
     device = spec["device"]
-    model = _model(spec["layers"], spec["hidden"], device, spec["tie_free"], spec["seed"])
+    model = _model(spec["layers"], spec["hidden"], device, spec["tie_free"], spec["seed"], spec.get("bias", False))
     impl = spec["impl"]
     api = torch_prune if impl == "torch" else lightprune
     if impl == "lightprune-bool":
         lightprune.set_mask_dtype(torch.bool)
-    pairs = [(layer, "weight") for layer in model]
+    pairs = _pairs(model)
     op = spec["op"]
     torch.manual_seed(spec["seed"])
+    event = _callback_event(model, op.endswith("inplace")) if op.startswith("callback_event") else None
 
     def global_l1(amount: float) -> None:
         api.global_unstructured(pairs, pruning_method=api.L1Unstructured, amount=amount)
@@ -154,7 +194,12 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
             global_l1(0.5)
     with _Memory(device) as meter:
         if op == "read":
-            total = sum(float(layer.weight.abs().sum()) for layer in model)
+            total = sum(float(getattr(m, n).abs().sum()) for m, n in pairs)
+        elif op == "read_fused":
+            with torch.no_grad():
+                total = sum(float(torch.linalg.vector_norm(getattr(m, n), 1)) for m, n in pairs)
+        elif event is not None:
+            event()
         elif op == "global_l1" or op.startswith("repeat"):
             global_l1(0.9 if op == "global_l1" else 0.5)
         elif op == "l1_layerwise":
@@ -175,10 +220,11 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         "seconds": meter.seconds,
         "extra_bytes": meter.extra,
         "weights": sum(p.numel() for p in model.parameters()),
+        "tensors": len(pairs),
     }
-    if op == "read":
+    if op.startswith("read"):
         result["checksum"] = total
-    elif spec.get("fingerprint") and not op.startswith("random"):
+    elif spec.get("fingerprint") and not op.startswith(("random", "callback")):
         result["fingerprint"] = _fingerprint(model)
     return result
 
@@ -256,17 +302,22 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _measure(spec: dict[str, Any], repeats: int, timeout: float) -> dict[str, Any]:
-    runs = [_spawn({**spec, "seed": spec.get("seed", 0)}, timeout) for _ in range(repeats)]
+    return _summarise([_spawn({**spec, "seed": spec.get("seed", 0)}, timeout) for _ in range(repeats)])
+
+
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median time and memory of a case's processes (in the order they ran: ``runs`` pairs with other cases')."""
     good = [r for r in runs if "error" not in r]
     if not good:
         return {"error": runs[0]["error"]}
     out: dict[str, Any] = {
         "seconds": statistics.median(r["seconds"] for r in good),
-        "runs": [r["seconds"] for r in good],
+        "runs": [r.get("seconds") for r in runs],  # None where a process failed: rounds stay paired
     }
     if "extra_bytes" in good[0]:
         out["extra_bytes"] = statistics.median(r["extra_bytes"] for r in good)
         out["weights"] = good[0]["weights"]
+        out["tensors"] = good[0]["tensors"]
     for key in ("fingerprint", "checksum"):
         if key in good[0]:
             out[key] = good[0][key]
@@ -283,12 +334,96 @@ def _fmt_bpw(result: dict[str, Any]) -> str:
     return f"{result['extra_bytes'] / 2**30:.2f} GB ({result['extra_bytes'] / result['weights']:.1f} B/w)"
 
 
+def _start_busy_loops() -> list[subprocess.Popen[bytes]]:
+    """One Python busy loop per core, for as long as the benchmark runs (another job keeping the machine busy)."""
+    command = [sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(command) for _ in range(os.cpu_count() or 1)]
+
+
+def _run_all(
+    args: argparse.Namespace,
+    sizes: dict[str, int],
+    hidden: int,
+    repeats: int,
+    torch_sizes: set[str],
+    all_ops: set[str],
+    threads: dict[str, int],
+) -> list[dict[str, Any]]:
+    """Every case of every size; the cases of one size run interleaved (a round of each case, then the next round),
+    so that a machine whose speed drifts slows them alike."""
+    rows: list[dict[str, Any]] = []
+    ops = ["global_l1", "l1_layerwise", "ln_structured", "random_structured", "random_unstructured"]
+    wanted = None if args.ops is None else set(args.ops.split(","))
+
+    def report(row: dict[str, Any]) -> None:
+        print(
+            f"  {row['size']:>8} {row['op']:<22} {row['impl']:<16} {_fmt_seconds(row.get('seconds')):>9}  "
+            f"{_fmt_bpw(row)}  {row.get('error', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for size, layers in sizes.items():
+        with_torch = size in torch_sizes
+        small = size == SMALL_SIZE
+        base = {
+            "layers": layers,
+            "hidden": SMALL_HIDDEN if small else hidden,
+            "bias": small,
+            "device": args.device,
+            "tie_free": with_torch,
+            "fingerprint": with_torch,
+            **threads,
+        }
+        cases: list[tuple[str, str, dict[str, Any]]] = [
+            ("read", "sum |w|", {**base, "op": "read", "impl": "lightprune"}),
+            ("read_fused", "vector_norm(w, 1)", {**base, "op": "read_fused", "impl": "lightprune"}),
+        ]
+        size_ops = ops if size in all_ops else ["global_l1"]
+        if small:
+            size_ops = ["global_l1", "callback_event", "callback_event_inplace"]
+        for op in size_ops:
+            if wanted is not None and op not in wanted:
+                continue
+            impls = ["lightprune", "lightprune-bool"] + (["torch"] if with_torch else [])
+            if size == "1B" or op.startswith("callback"):
+                impls = ["lightprune-bool"]
+            cases += [(op, impl, {**base, "op": op, "impl": impl}) for impl in impls]
+        if size in ("134M", "2M") and (wanted is None or "repeat" in wanted):
+            cases += [
+                (op, "lightprune-bool", {**base, "op": op, "impl": "lightprune-bool"}) for op in ("repeat2", "repeat3")
+            ]
+        runs: list[list[dict[str, Any]]] = [[] for _ in cases]
+        for _ in range(repeats):
+            for (_, _, spec), done in zip(cases, runs, strict=True):
+                done.append(_spawn({**spec, "seed": spec.get("seed", 0)}, args.timeout))
+        for (op, impl, _), done in zip(cases, runs, strict=True):
+            row = {"size": size, "op": op, "impl": impl, **_summarise(done)}
+            rows.append(row)
+            report(row)
+    for optimizer in () if args.no_train else ("sgd", "adam"):
+        train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048, **threads}
+        for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
+            spec = {**train_base, "impl": impl, "optimizer": optimizer, "steps": 10 if args.quick else 30}
+            row = {
+                "size": "MLP",
+                "op": f"train_step_{optimizer}",
+                "impl": impl,
+                **_measure(spec, repeats, args.timeout),
+            }
+            rows.append(row)
+            report(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (smoke test)")
-    parser.add_argument("--sizes", default="34M,134M,268M,1B", help="comma-separated: 34M,134M,268M,1B")
-    parser.add_argument("--torch-sizes", default="34M,134M,268M", help="sizes at which torch runs too")
+    parser.add_argument(
+        "--sizes", default="34M,134M,268M,1B,2000x224", help="comma-separated: 34M,134M,268M,1B,2000x224"
+    )
+    parser.add_argument("--torch-sizes", default="34M,134M,268M,2000x224", help="sizes at which torch runs too")
     parser.add_argument(
         "--all-ops-sizes", default="34M,134M", help="sizes with every operation; the others run read + global L1"
     )
@@ -298,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
+    parser.add_argument(
+        "--busy",
+        action="store_true",
+        help="keep every core busy (one Python busy loop per core) while the cases run; use torch's default threads",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     args = parser.parse_args(argv)
 
@@ -308,58 +448,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.quick:
-        sizes, hidden, repeats = QUICK_LAYERS, QUICK_HIDDEN, 1
-        torch_sizes = all_ops = set(sizes)
+        sizes, hidden, repeats = {**QUICK_LAYERS, SMALL_SIZE: 20}, QUICK_HIDDEN, 1
+        torch_sizes = all_ops = set(QUICK_LAYERS)
     else:
-        sizes = {s: LAYERS_FOR_SIZE[s] for s in args.sizes.split(",")}
+        sizes = {s: SMALL_LAYERS if s == SMALL_SIZE else LAYERS_FOR_SIZE[s] for s in args.sizes.split(",")}
         hidden, repeats = HIDDEN, args.repeats
         torch_sizes = set(args.torch_sizes.split(","))
         all_ops = set(args.all_ops_sizes.split(","))
     threads = {} if args.threads is None else {"threads": args.threads}
-
-    rows: list[dict[str, Any]] = []
-    ops = ["global_l1", "l1_layerwise", "ln_structured", "random_structured", "random_unstructured"]
-    wanted = None if args.ops is None else set(args.ops.split(","))
-
-    def record(size: str, op: str, impl: str, spec: dict[str, Any]) -> dict[str, Any]:
-        result = _measure(spec, repeats, args.timeout)
-        row = {"size": size, "op": op, "impl": impl, **result}
-        rows.append(row)
-        print(
-            f"  {size:>5} {op:<20} {impl:<16} {_fmt_seconds(result.get('seconds')):>9}  {_fmt_bpw(result)}"
-            f"  {result.get('error', '')}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return row
-
-    for size, layers in sizes.items():
-        with_torch = size in torch_sizes
-        base = {
-            "layers": layers,
-            "hidden": hidden,
-            "device": args.device,
-            "tie_free": with_torch,
-            "fingerprint": with_torch,
-            **threads,
-        }
-        record(size, "read", "sum |w|", {**base, "op": "read", "impl": "lightprune"})
-        for op in ops if size in all_ops else ["global_l1"]:
-            if wanted is not None and op not in wanted:
-                continue
-            impls = ["lightprune", "lightprune-bool"] + (["torch"] if with_torch else [])
-            if size == "1B":
-                impls = ["lightprune-bool"]
-            for impl in impls:
-                record(size, op, impl, {**base, "op": op, "impl": impl})
-        if size in ("134M", "2M") and (wanted is None or "repeat" in wanted):
-            for op in ("repeat2", "repeat3"):
-                record(size, op, "lightprune-bool", {**base, "op": op, "impl": "lightprune-bool"})
-    for optimizer in () if args.no_train else ("sgd", "adam"):
-        train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048, **threads}
-        for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
-            spec = {**train_base, "impl": impl, "optimizer": optimizer, "steps": 10 if args.quick else 30}
-            record("MLP", f"train_step_{optimizer}", impl, spec)
+    busy = _start_busy_loops() if args.busy else []
+    try:
+        rows = _run_all(args, sizes, hidden, repeats, torch_sizes, all_ops, threads)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
     table = render(rows)
     print(table)
@@ -388,31 +491,63 @@ def _find(rows: list[dict[str, Any]], size: str, op: str, impl: str) -> dict[str
     return next((r for r in rows if r["size"] == size and r["op"] == op and r["impl"] == impl), None)
 
 
+def _paired(row: dict[str, Any], other: dict[str, Any] | None) -> float | None:
+    """Median over rounds of ``row``'s time / ``other``'s time in the same round (the cases ran interleaved)."""
+    if other is None or "runs" not in row or "runs" not in other:
+        return None
+    ratios = [a / b for a, b in zip(row["runs"], other["runs"], strict=False) if a is not None and b]
+    return statistics.median(ratios) if ratios else None
+
+
+def _times(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}×"
+
+
 def render(rows: list[dict[str, Any]]) -> str:
-    """The Markdown table: one line per (size, operation, implementation), with ratios to torch and to a read."""
+    """The Markdown tables: one line per (size, operation, implementation), with ratios to torch and to both read
+    passes (medians of per-round ratios); then the per-tensor costs over the many small tensors."""
     lines = [
-        "| size | operation | implementation | time | extra peak memory | speed-up vs torch | time / read pass "
-        "| masks = torch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size | operation | implementation | time | extra peak memory | speed-up vs torch | time / sum abs "
+        "| time / fused read | masks = torch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["op"].startswith("train_step"):
             continue
         torch_row = _find(rows, row["size"], row["op"], "torch")
         read_row = _find(rows, row["size"], "read", "sum |w|")
-        speedup = ratio = match = "—"
+        fused_row = _find(rows, row["size"], "read_fused", "vector_norm(w, 1)")
+        speedup = match = "—"
         if torch_row and "seconds" in torch_row and "seconds" in row and row["impl"] != "torch":
-            speedup = f"{torch_row['seconds'] / row['seconds']:.1f}×"
-        if read_row and "seconds" in read_row and "seconds" in row and row["op"] != "read":
-            ratio = f"{row['seconds'] / read_row['seconds']:.1f}×"
+            speedup = _times(_paired(torch_row, row))
+        reading = row["op"].startswith("read")
+        ratio = "—" if reading else _times(_paired(row, read_row))
+        fused = "—" if reading else _times(_paired(row, fused_row))
         if torch_row and "fingerprint" in row and "fingerprint" in torch_row and row["impl"] != "torch":
             row["mask_match"] = row["fingerprint"] == torch_row["fingerprint"]
             match = "yes" if row["mask_match"] else "**NO**"
         time_text = _fmt_seconds(row.get("seconds")) if "error" not in row else f"failed: {row['error']}"
         lines.append(
             f"| {row['size']} | {row['op']} | {row['impl']} | {time_text} | {_fmt_bpw(row)} | {speedup} | {ratio} "
-            f"| {match} |"
+            f"| {fused} | {match} |"
         )
+    small = [r for r in rows if r["size"] == SMALL_SIZE]
+    engine = _find(small, SMALL_SIZE, "global_l1", "lightprune-bool")
+    fused_row = _find(small, SMALL_SIZE, "read_fused", "vector_norm(w, 1)")
+    if engine and fused_row and "runs" in engine and "runs" in fused_row:
+        tensors = engine["tensors"]
+        extra = [a - b for a, b in zip(engine["runs"], fused_row["runs"], strict=False) if a is not None and b]
+        lines += [
+            "",
+            f"| {SMALL_SIZE} ({tensors:,} tensors), bool masks | value |",
+            "|---|---|",
+            f"| engine per tensor: (global L1 − fused read) / {tensors:,} | "
+            f"{statistics.median(extra) / tensors * 1e3:.3f} ms |",
+        ]
+        for op in ("callback_event", "callback_event_inplace"):
+            event = _find(small, SMALL_SIZE, op, "lightprune-bool")
+            if event:
+                lines.append(f"| {op} / global L1 (same tensors) | {_paired(event, engine) or float('nan'):.2f}× |")
     for optimizer in ("sgd", "adam"):
         train = {r["impl"]: r for r in rows if r["op"] == f"train_step_{optimizer}" and "seconds" in r}
         if "dense" not in train:

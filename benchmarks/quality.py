@@ -495,7 +495,9 @@ def timing_callbacks(kind: str, module: LeNetModule, sparsity: float) -> list[Ca
     raise ValueError(f"kind={kind!r} is not one of {TIMING_ARMS}")
 
 
-def time_epochs(settings: Settings, repeats: int, sparsity: float = 0.9) -> dict[str, Any]:
+def time_epochs(
+    settings: Settings, repeats: int, sparsity: float = 0.9, arms: Sequence[str] = TIMING_ARMS
+) -> dict[str, Any]:
     """Epoch time with reparametrized weights against dense, in Lightning fit, interleaved ``repeats`` times.
 
     Every repeat runs one fit of each kind (rotating the order) and keeps the time of its last epoch, which trains
@@ -503,10 +505,11 @@ def time_epochs(settings: Settings, repeats: int, sparsity: float = 0.9) -> dict
     """
     torch.set_num_threads(settings.threads)
     data = load_data(settings)
-    times: dict[str, list[float]] = {kind: [] for kind in TIMING_ARMS}
+    arms = tuple(dict.fromkeys(("dense", *arms)))  # dense is every ratio's denominator
+    times: dict[str, list[float]] = {kind: [] for kind in arms}
     for repeat in range(repeats):
-        shift = repeat % len(TIMING_ARMS)
-        for kind in TIMING_ARMS[shift:] + TIMING_ARMS[:shift]:
+        shift = repeat % len(arms)
+        for kind in arms[shift:] + arms[:shift]:
             pl.seed_everything(repeat, verbose=False)
             module = LeNetModule(settings.lr)
             timer = EpochTimer()
@@ -524,7 +527,7 @@ def time_epochs(settings: Settings, repeats: int, sparsity: float = 0.9) -> dict
         "repeats": repeats,
         "seconds": times,
         "median_seconds": medians,
-        "ratio_to_dense": {kind: medians[kind] / medians["dense"] for kind in TIMING_ARMS},
+        "ratio_to_dense": {kind: medians[kind] / medians["dense"] for kind in arms},
         "median_paired_ratio": {kind: statistics.median(values) for kind, values in paired.items()},
     }
 
@@ -598,22 +601,23 @@ def _sparsity_cell(entry: dict[str, Any]) -> str:
 def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: str, command: str) -> str:
     """The Markdown report: accuracy table, per-layer sparsity table, epoch-time tables."""
     lines = [f"Command: `{command}`", "", f"Machine: {machine}"]
-    lines += _arm_table(
-        "Test accuracy (%), mean ± std over seeds (n = seeds):",
-        summary,
-        lambda entry: "{:.2f} ± {:.2f} (n={})".format(*entry["accuracy"]),
-    )
-    lines += _arm_table(
-        "Sparsity counted after fit (exact zeros), total and per layer (fc1 / fc2 / fc3), mean over seeds:",
-        summary,
-        _sparsity_cell,
-        dense=False,
-    )
-    lines += _arm_table(
-        "Median epoch time within the accuracy runs (s; the runs shared the machine, so only indicative):",
-        summary,
-        lambda entry: f"{entry['epoch_seconds']:.2f}",
-    )
+    if summary:  # empty with --timing-only
+        lines += _arm_table(
+            "Test accuracy (%), mean ± std over seeds (n = seeds):",
+            summary,
+            lambda entry: "{:.2f} ± {:.2f} (n={})".format(*entry["accuracy"]),
+        )
+        lines += _arm_table(
+            "Sparsity counted after fit (exact zeros), total and per layer (fc1 / fc2 / fc3), mean over seeds:",
+            summary,
+            _sparsity_cell,
+            dense=False,
+        )
+        lines += _arm_table(
+            "Median epoch time within the accuracy runs (s; the runs shared the machine, so only indicative):",
+            summary,
+            lambda entry: f"{entry['epoch_seconds']:.2f}",
+        )
     if timing:
         lines += [
             "",
@@ -630,7 +634,7 @@ def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: st
             "lightprune_inplace": "lightprune PruningCallback (masking='inplace', bool masks)",
             "modelpruning": "lightning ModelPruning (torch.nn.utils.prune, float masks)",
         }
-        for kind in TIMING_ARMS:
+        for kind in timing["median_seconds"]:
             lines.append(
                 f"| {names[kind]} | {timing['median_seconds'][kind]:.3f} | {timing['ratio_to_dense'][kind]:.3f}× "
                 f"| {timing['median_paired_ratio'][kind]:.3f}× |"
@@ -804,6 +808,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timing-repeats", type=int, default=9, help="interleaved epoch-time repeats (0: skip)")
+    parser.add_argument("--timing-arms", nargs="+", default=list(TIMING_ARMS), choices=list(TIMING_ARMS),
+                        help="the epoch-time comparison's models (dense is always timed)")  # fmt: skip
+    parser.add_argument("--timing-only", action="store_true", help="only the epoch-time comparison, no accuracy runs")
     parser.add_argument("--val-size", type=int, default=0, help="hold out this many training images for tuning")
     parser.add_argument(
         "--gradual",
@@ -840,10 +847,18 @@ def main(argv: list[str] | None = None) -> int:
         seeds, sparsities, repeats = seeds[:1], [0.9, 0.98], min(repeats, 1)
     command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
+    if args.timing_only:
+        timing = time_epochs(settings, max(repeats, 1), arms=args.timing_arms)
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = markdown({}, timing, machine_description(), command.strip())
+        (args.out / "timing.md").write_text(report)
+        (args.out / "timing.json").write_text(json.dumps({"settings": asdict(settings), "timing": timing}, indent=1))
+        print(report)
+        return 0
     runs = plan(args.arms, sparsities, seeds, settings, args.importance)
     results = execute(runs, args.out, args.jobs, args.fresh)
     summary = summarize(results)
-    timing = time_epochs(settings, repeats) if repeats > 0 else None
+    timing = time_epochs(settings, repeats, arms=args.timing_arms) if repeats > 0 else None
     report = markdown(summary, timing, machine_description(), command.strip())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(report)

@@ -222,12 +222,17 @@ class SparsityCollection(Metric):
         names = list(names)
         if not names:
             raise ValueError("names is empty: give the name of at least one tensor")
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        seen: set[str] = set()
+        repeated: set[str] = set()
+        for name in names:  # one pass: list.count per name is quadratic in thousands of tensors
+            (repeated if name in seen else seen).add(name)
+        duplicates = sorted(repeated)
         if duplicates:
             raise ValueError(f"names must be distinct, got duplicates {duplicates!r}")
         if total_key is not None and total_key in names:
             raise ValueError(f"total_key={total_key!r} is also a tensor name; choose another total_key")
         self.names = names
+        self._name_set = frozenset(names)  # membership checks in update(): thousands of tensors, not a list scan
         self.prefix = prefix
         self.total_key = total_key
         self.add_state("zeros", default=torch.zeros(len(names), dtype=torch.int64), dist_reduce_fx="sum")
@@ -251,7 +256,7 @@ class SparsityCollection(Metric):
 
         """
         missing = [name for name in self.names if name not in tensors]
-        unexpected = [name for name in tensors if name not in self.names]
+        unexpected = [name for name in tensors if name not in self._name_set]
         if missing or unexpected:
             raise ValueError(
                 f"update() needs exactly one tensor per name; missing {missing!r}, unexpected {unexpected!r}"

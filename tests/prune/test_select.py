@@ -55,9 +55,11 @@ def _elig_list(e):
 
 
 @contextmanager
-def tuning(chunk=None, radix=None, limit=None):
-    saved = select.CHUNK_CPU, select.RADIX_BITS, select.BIN_LIMIT
+def tuning(chunk=None, radix=None, limit=None, sample=None):
+    saved = select.CHUNK_CPU, select.RADIX_BITS, select.BIN_LIMIT, select.SAMPLE
     try:
+        if sample is not None:
+            select.SAMPLE = sample
         if chunk is not None:
             select.CHUNK_CPU = chunk
         if radix is not None:
@@ -66,7 +68,7 @@ def tuning(chunk=None, radix=None, limit=None):
             select.BIN_LIMIT = limit
         yield
     finally:
-        select.CHUNK_CPU, select.RADIX_BITS, select.BIN_LIMIT = saved
+        select.CHUNK_CPU, select.RADIX_BITS, select.BIN_LIMIT, select.SAMPLE = saved
 
 
 def masks_sync_free(scores, k, eligible=None, magnitude=False, largest=False):
@@ -174,10 +176,13 @@ TUNINGS = st.sampled_from(
     [
         {},  # defaults: small inputs are gathered and sorted whole
         {"chunk": 7},  # many chunks: ties across chunk and tensor boundaries
-        {"chunk": 7, "limit": 40},  # one histogram pass, then gathering a bin
-        {"chunk": 5, "radix": 3, "limit": 0},  # refine down to single keys, many passes
-        {"chunk": 11, "radix": 4, "limit": 3},  # refine a while, then gather
-        {"chunk": 3, "radix": 2, "limit": 1},
+        {"chunk": 7, "limit": 40},  # a window estimated from every entry
+        {"chunk": 7, "limit": 40, "sample": 0},  # no estimate: one histogram pass, then gathering a bin
+        {"chunk": 16, "limit": 0, "sample": 3},  # a window from a sparse sample (often missed: histograms then)
+        {"chunk": 2, "limit": 0, "sample": 1},  # one sampled entry, many tiny chunks
+        {"chunk": 5, "radix": 3, "limit": 0, "sample": 0},  # refine down to single keys, many passes
+        {"chunk": 11, "radix": 4, "limit": 3, "sample": 0},  # refine a while, then gather
+        {"chunk": 3, "radix": 2, "limit": 1, "sample": 0},
     ]
 )
 
@@ -270,9 +275,39 @@ def test_larger_inputs_many_chunks_and_refinement():
     for k in (1, 9000, total):
         for magnitude in (False, True):
             want = oracle(scores, k, eligible, magnitude)
-            for tune in ({"chunk": 1000}, {"chunk": 333, "limit": 50}, {"chunk": 4096, "radix": 6, "limit": 0}):
+            tunes = (
+                {"chunk": 1000},
+                {"chunk": 333, "limit": 50},
+                {"chunk": 333, "limit": 50, "sample": 64},
+                {"chunk": 4096, "radix": 6, "limit": 0, "sample": 0},
+            )
+            for tune in tunes:
                 with tuning(**tune):
                     assert_same(select_smallest(scores, k, eligible=eligible, magnitude=magnitude), want)
+
+
+def test_window_pass_finds_the_cut_without_histograms(monkeypatch):
+    """The sampled window is the usual route: over many small tensors and a few large ones, with ties, NaN and
+    eligibility, it finds the exact cut in one pass (the histogram passes are not run at all)."""
+    gen = torch.Generator().manual_seed(3)
+    scores = [torch.randn(37, 29, generator=gen) for _ in range(40)]
+    scores += [torch.randn(300, 200, generator=gen), torch.randint(-5, 6, (5000,), generator=gen).float()]
+    scores[3][0, :4] = math.nan
+    eligible = [None if i % 3 else torch.rand(s.shape, generator=gen) < 0.7 for i, s in enumerate(scores)]
+    total = count_eligible(eligible, scores)
+
+    def no_histograms(*args, **kwargs):
+        raise AssertionError("the window pass should have found the cut")
+
+    for k in (1, total // 10, total // 2, 9 * total // 10, total - 1):
+        for magnitude, largest in itertools.product((False, True), repeat=2):
+            want = oracle(scores, k, eligible, magnitude, largest)
+            with tuning(chunk=4096, limit=1000, sample=8192), monkeypatch.context() as patch:
+                # by signed value, a window around 0 spans more keys than 32 bits hold: histograms then
+                if magnitude or k != total // 2:
+                    patch.setattr(select, "histogram", no_histograms)
+                got = select_smallest(scores, k, eligible=eligible, magnitude=magnitude, largest=largest)
+            assert_same(got, want)
 
 
 def test_in_place_second_round():

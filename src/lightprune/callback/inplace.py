@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback.masks import mask_of
 from lightprune.prune.distributed import local_of
+from lightprune.prune.functional import remove_masked
 from lightprune.prune.masking import masked_
 
 __all__ = ["InPlaceMasks"]
@@ -53,7 +54,9 @@ class InPlaceMasks:
             if mask is None:
                 continue
             parameter = prune.original(module, name)
-            prune.remove(module, name)
+            with torch.no_grad():  # orig * mask, in place: remove_masked keeps it (no new weight-sized tensor)
+                masked_(parameter, mask)
+            remove_masked(module, name)
             self._entries[(id(module), name)] = (module, name, mask)
             self._by_parameter[id(parameter)] = (parameter, mask)
             if id(parameter) not in self._handles:

@@ -349,7 +349,8 @@ class PruningCallback(Callback):
         if self._collecting:
             self._collecting = False
             self._importance.finish_batch(self._reducer(trainer, "sum"))  # every rank, before any event
-        self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
+        if self._masked is not None and self._masked.averages:
+            self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
         if self.unit == "step":
             self._step(trainer, pl_module, trainer.global_step)
         step = trainer.global_step

@@ -176,22 +176,23 @@ class BasePruningMethod(ABC):
             default_mask = torch.ones_like(t)
         return t * self.compute_mask(scores, default_mask=default_mask)
 
-    def remove(self, module: nn.Module) -> None:
+    def remove(self, module: nn.Module, *, masked: bool = False) -> None:
         """Make the pruning permanent: ``name`` becomes a plain Parameter again holding ``orig * mask``.
 
         The Parameter object is the one that was ``name_orig`` (its ``.data`` is replaced), so optimizers that hold
         it stay valid, and it takes back its place among the module's parameters. The caller (``prune.remove``)
-        also removes the hook from the module.
+        also removes the hook from the module. ``masked=True`` says ``orig`` already holds ``orig * mask`` (zeroed
+        in place by the caller): its values are kept, and no new weight-sized tensor is made.
         """
         from lightprune.prune._reparam import _move_key  # _reparam builds on this module's classes
 
         name = self._attached_name()
-        with torch.no_grad():
-            pruned = self.apply_mask(module)
         orig = module._parameters[name + "_orig"]
+        if not masked:
+            with torch.no_grad():
+                orig.data = self.apply_mask(module)
         position = list(module._parameters).index(name + "_orig")
         module.__dict__.pop(name, None)
-        orig.data = pruned
         del module._parameters[name + "_orig"]
         del module._buffers[name + "_mask"]
         setattr(module, name, orig)

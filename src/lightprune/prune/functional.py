@@ -33,7 +33,7 @@ from lightprune.prune.methods import (
     uniform_draws,
 )
 from lightprune.prune.rowwise import RowwiseL1Unstructured
-from lightprune.prune.select import apply_cut, count_eligible, find_cut
+from lightprune.prune.select import apply_cut, count_eligible, find_cut, one_thread
 from lightprune.prune.semi_structured import SemiStructured
 
 __all__ = [
@@ -343,7 +343,8 @@ def global_unstructured(
 
     with torch.no_grad():
         if _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured)):
-            masks = _global_masks_fast(method, unique, scores)
+            with one_thread(attachments[0].orig.device):  # thousands of chunk-sized operations: no fork-joins
+                masks = _global_masks_fast(method, unique, scores)
         else:
             masks = _global_masks_like_torch(method, unique, scores)
     by_parameter = {id(attachment.orig): mask for attachment, mask in zip(unique, masks, strict=True)}
@@ -425,13 +426,31 @@ def remove(module: nn.Module, name: str) -> nn.Module:
             f"parameter {name!r} of {type(module).__name__} is not pruned, so its pruning cannot be removed; "
             f"pruned here: {[h._tensor_name for _, h in pruning_hooks(module)]}"
         )
+    _remove_hook(module, name, key, hook, masked=False)
+    return module
+
+
+def remove_masked(module: nn.Module, name: str) -> nn.Module:
+    """:func:`remove` for a tensor whose ``name_orig`` already holds ``orig * mask`` (zeroed in place by the caller,
+    e.g. in-place masking taking a tensor back): its values are kept and no new weight-sized tensor is made.
+
+    Raises:
+        ValueError: ``module.<name>`` is not pruned.
+    """
+    key, hook = find_hook(module, name)
+    if hook is None:
+        raise ValueError(f"parameter {name!r} of {type(module).__name__} is not pruned")
+    _remove_hook(module, name, key, hook, masked=True)
+    return module
+
+
+def _remove_hook(module: nn.Module, name: str, key: Any, hook: BasePruningMethod, masked: bool) -> None:
     # all or nothing, as for pruning calls: an exception or a KeyboardInterrupt part-way through would leave a
     # plain Parameter next to a hook that still looks for <name>_orig (every forward then fails)
     with transaction([(module, name)]):
-        hook.remove(module)
+        hook.remove(module, masked=masked)
         del module._forward_pre_hooks[key]
         uninstall_refresh_if_unpruned(module)
-    return module
 
 
 def prepare_for_state_dict(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:

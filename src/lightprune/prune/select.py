@@ -19,6 +19,12 @@ radix search instead:
    threshold are selected, and among those equal to it the first ones in flat
    order (tensor 0 before tensor 1, and so on) until ``k`` is reached.
 
+Before the histograms, a cheaper route is tried (Floyd and Rivest's idea): the keys of a regular sample of about
+``SAMPLE`` entries estimate where the k-th key lies, and one exact pass counts the entries below a narrow key window
+around the estimate and collects the few inside it; the k-th key is then picked among those. When the window misses
+the k-th key (an unrepresentative sample) or holds too many entries, the histogram passes run as above, so the
+result never depends on the sample, only the time does.
+
 The result is a :class:`Cut` (a threshold key and a tie count) so the search
 (:func:`find_cut`) and the writing (:func:`apply_cut`) can be used separately.
 Only per-chunk temporaries (a few MB) and the gathered keys (at most ``BIN_LIMIT``)
@@ -32,13 +38,19 @@ dtype (like ``torch.cat`` would), one chunk at a time.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+_T = TypeVar("_T")
 
 __all__ = ["Cut", "apply_cut", "count_eligible", "find_cut", "select_smallest"]
 # Shared with distributed.py, which runs the same passes across ranks (package-internal, hence not in __all__):
@@ -53,6 +65,10 @@ RADIX_BITS = 16
 #: A histogram bin holding more eligible entries than this is refined by another pass
 #: instead of having its keys gathered and sorted (this bounds that sort's memory).
 BIN_LIMIT = 1 << 20
+#: Entries in the sample that estimates the cut before the exact window pass (0: no estimate, histograms only).
+SAMPLE = 1 << 18
+#: Half-width of the window around the estimated rank, in standard deviations of a sample quantile.
+SIGMAS = 4.0
 
 _FLOAT_LAYOUT = {
     # dtype: (integer view, bits of the integer view, bit pattern of +inf)
@@ -167,6 +183,41 @@ class Keys:
         return (self.hi - self.lo).bit_length()
 
 
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Run the block's CPU operations on one torch thread, then restore the thread count.
+
+    The passes run thousands of chunk-sized operations; with several threads each one is a fork and a join of
+    OpenMP workers, and when another process keeps the cores busy every join waits for a descheduled worker (a
+    scheduler time slice, milliseconds): global L1 at 134M took 46-91 s that way, slower than torch's few large
+    operations. On one thread a chunk stays in that core's cache and nothing waits. Does nothing on other devices.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _on_one_thread(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``fn(scores, ...)`` under :func:`one_thread` for the device of its first score tensor."""
+
+    @functools.wraps(fn)
+    def wrapper(scores: Sequence[Tensor], *args: Any, **kwargs: Any) -> _T:
+        scores = list(scores)
+        first = next((s for s in scores if isinstance(s, Tensor)), None)
+        if first is None:
+            return fn(scores, *args, **kwargs)
+        with one_thread(first.device):
+            return fn(scores, *args, **kwargs)
+
+    return wrapper
+
+
 def common_dtype(scores: Sequence[Tensor]) -> torch.dtype:
     dtype = scores[0].dtype
     for s in scores[1:]:
@@ -255,6 +306,161 @@ def chunks(
             yield _take(s, flat, index), (None if e is None else _as_bool(_take(e, flat, index)))
 
 
+def batches(
+    scores: Sequence[Tensor], eligible: Sequence[Tensor | None], chunk: int
+) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """Like :func:`chunks`, in the same order, but runs of small contiguous tensors come concatenated.
+
+    Each operation on a chunk costs a few microseconds of dispatch whatever its size: over thousands of small
+    tensors (biases, narrow layers) that, not the entries, is the cost of a pass. Concatenating them copies at most
+    ``chunk`` entries at a time. Scores keep their promoted dtype (``torch.cat``'s); eligibility is ``bool``.
+    """
+    run: list[tuple[Tensor, Tensor | None]] = []
+    size = 0
+
+    def flush() -> Iterator[tuple[Tensor, Tensor | None]]:
+        if len(run) == 1:
+            yield from chunks([run[0][0]], [run[0][1]], chunk)
+        elif run:
+            x = torch.cat([t.view(-1) for t, _ in run])
+            if all(e is None for _, e in run):
+                yield x, None
+            else:
+                parts = [
+                    torch.ones(t.numel(), dtype=torch.bool, device=t.device) if e is None else _as_bool(e.view(-1))
+                    for t, e in run
+                ]
+                yield x, torch.cat(parts)
+
+    for s, e in zip(scores, eligible, strict=True):
+        numel = s.numel()
+        if numel * 4 <= chunk and s.is_contiguous() and (e is None or e.is_contiguous()):
+            if size + numel > chunk:
+                yield from flush()
+                run, size = [], 0
+            run.append((s, e))
+            size += numel
+        else:
+            yield from flush()
+            run, size = [], 0
+            yield from chunks([s], [e], chunk)
+    yield from flush()
+
+
+def _sample_keys(
+    scores: Sequence[Tensor], eligible: Sequence[Tensor | None], keys: Keys, numel: int
+) -> tuple[Tensor, int] | None:
+    """Sorted keys of the eligible entries among every ``numel // SAMPLE``-th entry (flat order across tensors),
+    and how many entries were picked (eligible or not).
+
+    ``None`` if a tensor is not contiguous (its flat positions are not a view).
+    """
+    step = max(1, numel // SAMPLE)
+    parts: list[Tensor] = []
+    flags: list[Tensor | None] = []
+    start = 0  # flat position of the next tensor's first entry
+    for s, e in zip(scores, eligible, strict=True):
+        if not s.is_contiguous() or (e is not None and not e.is_contiguous()):
+            return None
+        first = -start % step
+        start += s.numel()
+        if first >= s.numel():
+            continue
+        parts.append(s.view(-1)[first::step])  # a strided view: copied once, by torch.cat below
+        flags.append(None if e is None else e.view(-1)[first::step])
+    if not parts:
+        return None
+    picked = keys(torch.cat(parts))
+    if any(f is not None for f in flags):
+        picked = picked[
+            torch.cat(
+                [
+                    torch.ones(p.numel(), dtype=torch.bool, device=p.device) if f is None else _as_bool(f)
+                    for p, f in zip(parts, flags, strict=True)
+                ]
+            )
+        ]
+    return torch.sort(picked.cpu()).values, sum(p.numel() for p in parts)
+
+
+def _positions(flags: Tensor) -> Tensor:
+    """Indices of the true entries of a 1-D contiguous bool tensor where they are rare (a few per thousand).
+
+    ``nonzero`` and boolean indexing cost several nanoseconds an entry on the CPU however few are true; here the
+    flags are read eight at a time as 64-bit words, so only the words holding a true flag are opened.
+    """
+    n = flags.numel()
+    whole = n - n % 8
+    words = flags[:whole].view(torch.int64)
+    opened = words.nonzero().squeeze(1).mul_(8)
+    candidates = (opened.unsqueeze(1) + torch.arange(8, device=flags.device)).view(-1)
+    found = candidates[flags[candidates]]
+    if whole < n:
+        found = torch.cat([found, flags[whole:].nonzero().squeeze(1).add_(whole)])
+    return found
+
+
+def _window_cut(
+    scores: Sequence[Tensor], eligible: Sequence[Tensor | None], keys: Keys, k: int, numel: int
+) -> tuple[int, int, int] | None:
+    """``(key, ties, equal)`` of the k-th eligible key from one exact pass over a window estimated by a sample.
+
+    The sample's quantiles bound a key window ``[lo, lo + 2**s)`` that holds the k-th key with high probability;
+    one pass counts the eligible keys below the window and collects those inside it (a few per thousand entries),
+    and the k-th key is picked among them. Per chunk that is a handful of cheap integer operations and a sum,
+    without comparisons into fresh masks (slow on the CPU) or ``bincount``. ``None`` when the sample is not usable,
+    the window misses the k-th key or holds too many entries: the caller then runs the histogram passes.
+    """
+    drawn = _sample_keys(scores, eligible, keys, numel) if SAMPLE > 0 else None
+    if drawn is None or drawn[0].numel() == 0:
+        return None
+    sample, picked = drawn
+    m = sample.numel()
+    at = k * picked / numel  # the k-th key's expected rank among the sampled eligible keys
+    p = min(max(at / m, 0.0), 1.0)
+    spread = SIGMAS * math.sqrt(m * p * (1 - p)) + 4
+    a, b = min(math.floor(at - spread), m - 1), math.ceil(at + spread)
+    lo = keys.lo if a < 0 else int(sample[a])
+    top = keys.hi if b >= m else int(sample[b])  # the window must hold keys up to top
+    shift = max(0, (top - lo).bit_length())  # 2**shift > top - lo
+    if (1 << shift) > keys.dmax:  # wider than the key dtype can offset (signed keys around 0): histograms
+        return None
+    if lo + (1 << shift) > keys.dmax:  # near the top of the key range: the same width, ending at its top
+        lo = keys.dmax - (1 << shift)
+    hi = lo + (1 << shift)
+    if lo - 1 < keys.dmin or top >= hi:
+        return None  # the window's bounds would overflow the key dtype: let the histograms handle it
+    expected = (min(b, m) - max(a, 0) + 1) / m * numel
+    capacity = min(numel, max(1 << 16, int(4 * expected)))
+    device = scores[0].device
+    found = torch.empty(capacity, dtype=keys.key_dtype, device=device)
+    pos = 0
+    total = torch.zeros((), dtype=torch.int64, device=device)  # sum over entries: -1 below, 0 inside, 1 above
+    entries = 0
+    for x, e in batches(scores, eligible, chunk_size(device)):
+        t = keys(x)
+        t.clamp_(lo - 1, hi).sub_(lo)  # -1 below the window, 0 .. 2**shift - 1 inside, 2**shift above
+        where = t >> shift  # -1 below, 0 inside, 1 above
+        if e is not None:  # an ineligible entry counts as above the window
+            where.sub_(1).mul_(e).add_(1)
+        hits = t[_positions(torch.logical_not(where))]
+        if pos + hits.numel() > capacity:
+            return None
+        found[pos : pos + hits.numel()] = hits
+        pos += hits.numel()
+        total += where.sum(dtype=torch.int32)
+        entries += x.numel()
+    below = (entries - pos - int(total)) // 2
+    rank = k - below
+    if not 0 < rank <= pos:
+        return None
+    cand = found[:pos].cpu()
+    value = torch.kthvalue(cand, rank).values
+    less = int((cand < value).sum())
+    equal = int((cand == value).sum())
+    return int(value) + lo, rank - less, equal
+
+
 def histogram(
     scores: Sequence[Tensor],
     eligible: Sequence[Tensor | None],
@@ -333,6 +539,7 @@ def _cut_from_sorted(keys: Tensor, rank: int) -> tuple[int, int, int]:
     return int(at[0]), rank - below, equal
 
 
+@_on_one_thread
 def find_cut(
     scores: Sequence[Tensor],
     k: int,
@@ -396,6 +603,11 @@ def find_cut(
         key, ties, equal = _cut_from_sorted(cand, k)
         return _canonical(key, ties, equal, keys)
 
+    if k > 0:
+        window = _window_cut(scores, elig, keys, k, numel)
+        if window is not None:
+            return _canonical(*window, keys)
+
     shift = max(0, keys.bits - RADIX_BITS)
     offset = keys.lo >> shift
     nbins = (keys.hi >> shift) - offset + 1
@@ -438,6 +650,7 @@ def _canonical(key: int, ties: int, equal: int, keys: Keys) -> Cut:
     return Cut(key, ties)
 
 
+@_on_one_thread
 def apply_cut(
     scores: Sequence[Tensor],
     cut: Cut,
@@ -516,13 +729,21 @@ def _apply(
         if threshold < keys.dmin:
             threshold, ties = keys.dmin, 0  # nothing below; no equal key is selected
     device = scores[0].device
+    plain = not select_all and threshold > keys.dmin  # a threshold alone decides where no tie is split
+    if plain and ties == 0:
+        _apply_threshold(scores, threshold, outs, elig, bases, keys, chunk)
+        return
     left = ties  # equal keys still to select (host counter)
     used = torch.zeros((), dtype=torch.int64, device=device)  # equal keys seen so far (device counter)
     for s, e, b, o in zip(scores, elig, bases, outs, strict=True):
         for flat, index in _pieces((s, e, b), chunk):
             key = keys(_take(s, flat, index))
-            sel = torch.ones(key.shape, dtype=torch.bool, device=device) if select_all else key < threshold
             ek = None if e is None else _as_bool(_take(e, flat, index))
+            dst = o.view(-1)[index] if flat else o[index].view(-1)  # type: ignore[index]
+            if plain and not sync_free and left == 0:
+                _write_threshold(key, threshold, ek, [(dst, None if b is None else _take(b, flat, index))])
+                continue
+            sel = torch.ones(key.shape, dtype=torch.bool, device=device) if select_all else key < threshold
             if ek is not None:
                 sel &= ek
             if ties > 0 and (sync_free or left > 0):
@@ -543,7 +764,6 @@ def _apply(
                         n = left
                     sel |= equal
                     left -= n
-            dst = o.view(-1)[index] if flat else o[index].view(-1)  # type: ignore[index]
             if b is None:
                 if dst.dtype == torch.bool:
                     torch.logical_not(sel, out=dst)
@@ -551,6 +771,86 @@ def _apply(
                     dst.copy_(sel.logical_not_())
             else:
                 _write_kept(dst, _take(b, flat, index), sel.logical_not_())
+
+
+def _apply_threshold(
+    scores: list[Tensor],
+    threshold: int,
+    outs: list[Tensor],
+    elig: list[Tensor | None],
+    bases: list[Tensor | None],
+    keys: Keys,
+    chunk: int,
+) -> None:
+    """:func:`_apply` for a cut without split ties: keep what is at or above ``threshold``.
+
+    Runs of small contiguous tensors are concatenated (as in :func:`batches`) and written back one slice each, so
+    that thousands of biases and narrow layers cost one operation each instead of one per step of the pass.
+    """
+    run: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        if not run:
+            return
+        x = torch.cat([scores[i].view(-1) for i in run])
+        flags = [elig[i] for i in run]
+        ek = None
+        if any(f is not None for f in flags):
+            ek = torch.cat(
+                [
+                    torch.ones(scores[i].numel(), dtype=torch.bool, device=x.device)
+                    if f is None
+                    else _as_bool(f.view(-1))
+                    for i, f in zip(run, flags, strict=True)
+                ]
+            )
+        pieces = [(outs[i].view(-1), None if bases[i] is None else bases[i].view(-1)) for i in run]  # type: ignore[union-attr]
+        _write_threshold(keys(x), threshold, ek, pieces)
+
+    for i, (s, e, b, o) in enumerate(zip(scores, elig, bases, outs, strict=True)):
+        numel = s.numel()
+        small = numel * 4 <= chunk and all(t is None or t.is_contiguous() for t in (s, e, b, o))
+        if small:
+            if size + numel > chunk:
+                flush()
+                run, size = [], 0
+            run.append(i)
+            size += numel
+            continue
+        flush()
+        run, size = [], 0
+        for flat, index in _pieces((s, e, b), chunk):
+            ek = None if e is None else _as_bool(_take(e, flat, index))
+            dst = o.view(-1)[index] if flat else o[index].view(-1)  # type: ignore[index]
+            piece = None if b is None else _take(b, flat, index)
+            _write_threshold(keys(_take(s, flat, index)), threshold, ek, [(dst, piece)])
+    flush()
+
+
+def _write_threshold(
+    key: Tensor, threshold: int, ek: Tensor | None, pieces: list[tuple[Tensor, Tensor | None]]
+) -> None:
+    """Write ``base`` (or ones) where ``key >= threshold`` or the entry is not eligible, else 0, into consecutive
+    ``(dst, base)`` pieces covering ``key`` (1-D views; ``base`` may be ``None``).
+
+    ``key >= threshold`` is integer arithmetic (a comparison into a fresh bool tensor is several times slower on the
+    CPU): the keys are clamped to ``{threshold - 1, threshold}`` and shifted to 0 or 1.
+    """
+    kept = key.clamp_(threshold - 1, threshold).sub_(threshold - 1)
+    keep: Tensor = kept
+    if ek is not None or any(base is not None for _, base in pieces):
+        keep = torch.empty(kept.shape, dtype=torch.bool, device=kept.device).copy_(kept)
+        if ek is not None:  # an ineligible entry is never selected
+            keep.logical_or_(ek.logical_not())
+    start = 0
+    for dst, base in pieces:
+        part = keep[start : start + dst.numel()]
+        start += dst.numel()
+        if base is None:
+            dst.copy_(part)
+        else:
+            _write_kept(dst, base, part)
 
 
 def _write_kept(dst: Tensor, src: Tensor, keep: Tensor) -> None:
