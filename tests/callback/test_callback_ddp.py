@@ -37,6 +37,9 @@ SCRIPT = textwrap.dedent(
 
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
+    # Lightning destroys NCCL groups at exit, not gloo ones, which sometimes abort a rank in finalization
+    import atexit
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
 
 
     class Net(L.LightningModule):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Points
-from tiny_lightning import WEIGHTS, N, TinyNet, loader
+from tiny_lightning import WEIGHTS, DestroyGroupAtExit, N, TinyNet, loader
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -67,7 +67,7 @@ def test_spawned_workers_return_the_pruned_trained_model_to_the_main_process(
     model = TinyNet()
     initial = {name: model.get_parameter(name).detach().clone() for name in WEIGHTS}
     callback = PruningCallback(Cubic(final=0.8, start=0, end=6, frequency=2), make_permanent=make_permanent)
-    run = trainer([callback], tmp_path, devices=2, strategy=strategy, max_epochs=2)
+    run = trainer([callback, DestroyGroupAtExit()], tmp_path, devices=2, strategy=strategy, max_epochs=2)
     run.fit(model)
     assert not prune.is_pruned(model)  # plain tensors in the main process, whatever make_permanent
     weights = {name: model.get_parameter(name).detach() for name in WEIGHTS}
