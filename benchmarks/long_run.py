@@ -31,14 +31,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-
-def rss_bytes() -> int:
-    """The process's resident set size (Linux), in bytes."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not in /proc/self/status")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, also when a test loads this file
+from machine import proc_status
 
 
 def run(steps: int, frequency: int, warmup: int, sample_every: int, pruning: bool, log_dir: Path) -> dict[str, Any]:
@@ -80,7 +74,7 @@ def run(steps: int, frequency: int, warmup: int, sample_every: int, pruning: boo
             step = trainer.global_step
             if step in (warmup, steps) or step % sample_every == 0:
                 gc.collect()
-                self.samples.append((step, rss_bytes()))
+                self.samples.append((step, proc_status("VmRSS")))
 
     x = torch.randn(1000, 64)
     y = torch.randint(0, 10, (1000,))

@@ -70,8 +70,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -91,6 +89,9 @@ from lightprune import PruningCallback
 from lightprune.experiment.data import IDX_FILES, read_idx
 from lightprune.experiment.models import LeNet300100
 from lightprune.schedules import Constant, Cubic, Geometric
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, also when a test loads this file
+from machine import describe
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 LAYERS = ("fc1", "fc2", "fc3")
@@ -709,22 +710,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def machine_description() -> str:
-    """CPU model, cores and software versions."""
-    import lightning
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
-        f"lightning {lightning.__version__}"
-    )
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Driver
 # ------------------------------------------------------------------------------------------------------------------
@@ -850,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timing_only:
         timing = time_epochs(settings, max(repeats, 1), arms=args.timing_arms)
         args.out.mkdir(parents=True, exist_ok=True)
-        report = markdown({}, timing, machine_description(), command.strip())
+        report = markdown({}, timing, describe("lightning"), command.strip())
         (args.out / "timing.md").write_text(report)
         (args.out / "timing.json").write_text(json.dumps({"settings": asdict(settings), "timing": timing}, indent=1))
         print(report)
@@ -859,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     results = execute(runs, args.out, args.jobs, args.fresh)
     summary = summarize(results)
     timing = time_epochs(settings, repeats, arms=args.timing_arms) if repeats > 0 else None
-    report = markdown(summary, timing, machine_description(), command.strip())
+    report = markdown(summary, timing, describe("lightning"), command.strip())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(report)
     plot(summary, args.out / "quality.png")
