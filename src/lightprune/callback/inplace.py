@@ -54,9 +54,7 @@ class InPlaceMasks:
             if mask is None:
                 continue
             parameter = prune.original(module, name)
-            with torch.no_grad():  # orig * mask, in place: remove_masked keeps it (no new weight-sized tensor)
-                masked_(parameter, mask)
-            remove_masked(module, name)
+            remove_masked(module, name)  # orig * mask in place: no new weight-sized tensor
             self._entries[(id(module), name)] = (module, name, mask)
             self._by_parameter[id(parameter)] = (parameter, mask)
             if id(parameter) not in self._handles:

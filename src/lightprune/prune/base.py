@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightprune.prune.masking import masked
+from lightprune.prune.masking import masked, masked_
 
 __all__ = ["BasePruningMethod", "PruningContainer"]
 
@@ -176,20 +176,23 @@ class BasePruningMethod(ABC):
             default_mask = torch.ones_like(t)
         return t * self.compute_mask(scores, default_mask=default_mask)
 
-    def remove(self, module: nn.Module, *, masked: bool = False) -> None:
+    def remove(self, module: nn.Module, *, in_place: bool = False) -> None:
         """Make the pruning permanent: ``name`` becomes a plain Parameter again holding ``orig * mask``.
 
         The Parameter object is the one that was ``name_orig`` (its ``.data`` is replaced), so optimizers that hold
         it stay valid, and it takes back its place among the module's parameters. The caller (``prune.remove``)
-        also removes the hook from the module. ``masked=True`` says ``orig`` already holds ``orig * mask`` (zeroed
-        in place by the caller): its values are kept, and no new weight-sized tensor is made.
+        also removes the hook from the module. ``in_place=True`` zeroes ``orig``'s pruned entries in place
+        (:func:`~lightprune.prune.masking.masked_`) instead of computing ``orig * mask`` into a new weight-sized
+        tensor.
         """
         from lightprune.prune._reparam import _move_key  # _reparam builds on this module's classes
 
         name = self._attached_name()
         orig = module._parameters[name + "_orig"]
-        if not masked:
-            with torch.no_grad():
+        with torch.no_grad():
+            if in_place:
+                masked_(orig, module._buffers[name + "_mask"])
+            else:
                 orig.data = self.apply_mask(module)
         position = list(module._parameters).index(name + "_orig")
         module.__dict__.pop(name, None)

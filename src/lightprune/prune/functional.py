@@ -420,37 +420,33 @@ def remove(module: nn.Module, name: str) -> nn.Module:
         >>> sorted(name for name, _ in layer.named_parameters()), int((layer.weight == 0).sum())
         (['bias', 'weight'], 4)
     """
+    return _remove(module, name, in_place=False)
+
+
+def remove_masked(module: nn.Module, name: str) -> nn.Module:
+    """:func:`remove`, zeroing ``name_orig``'s pruned entries in place instead of computing ``orig * mask`` into a
+    new weight-sized tensor (in-place masking taking a tensor back); returns ``module``.
+
+    Raises:
+        ValueError: ``module.<name>`` is not pruned.
+    """
+    return _remove(module, name, in_place=True)
+
+
+def _remove(module: nn.Module, name: str, in_place: bool) -> nn.Module:
     key, hook = find_hook(module, name)
     if hook is None:
         raise ValueError(
             f"parameter {name!r} of {type(module).__name__} is not pruned, so its pruning cannot be removed; "
             f"pruned here: {[h._tensor_name for _, h in pruning_hooks(module)]}"
         )
-    _remove_hook(module, name, key, hook, masked=False)
-    return module
-
-
-def remove_masked(module: nn.Module, name: str) -> nn.Module:
-    """:func:`remove` for a tensor whose ``name_orig`` already holds ``orig * mask`` (zeroed in place by the caller,
-    e.g. in-place masking taking a tensor back): its values are kept and no new weight-sized tensor is made.
-
-    Raises:
-        ValueError: ``module.<name>`` is not pruned.
-    """
-    key, hook = find_hook(module, name)
-    if hook is None:
-        raise ValueError(f"parameter {name!r} of {type(module).__name__} is not pruned")
-    _remove_hook(module, name, key, hook, masked=True)
-    return module
-
-
-def _remove_hook(module: nn.Module, name: str, key: Any, hook: BasePruningMethod, masked: bool) -> None:
     # all or nothing, as for pruning calls: an exception or a KeyboardInterrupt part-way through would leave a
     # plain Parameter next to a hook that still looks for <name>_orig (every forward then fails)
     with transaction([(module, name)]):
-        hook.remove(module, masked=masked)
+        hook.remove(module, in_place=in_place)
         del module._forward_pre_hooks[key]
         uninstall_refresh_if_unpruned(module)
+    return module
 
 
 def prepare_for_state_dict(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
