@@ -133,12 +133,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> None:
+def fit_on_two_ranks(tmp_path: Path, variant: str) -> list[dict]:
+    """Run the script's ``variant`` on two DDP ranks; their dumps, checked to hold identical masks after every batch."""
     script = tmp_path / "ddp_fit.py"
     script.write_text(SCRIPT)
-    run_script(script, str(tmp_path), "magnitude", timeout=300)
-
+    run_script(script, str(tmp_path), variant, timeout=300)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
     # each rank trained on its own shard (else the test would prove nothing about synchronisation) ...
     assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
@@ -150,6 +149,12 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
         assert list(rank0) == list(rank1)
         for key in rank0:
             assert torch.equal(rank0[key], rank1[key]), (step, key)
+    return ranks
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> None:
+    ranks = fit_on_two_ranks(tmp_path, "magnitude")
     for key, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][key]), key
 
@@ -178,16 +183,7 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_ddp_ranks_with_different_data_hold_identical_masks_with_activation_and_movement(tmp_path: Path) -> None:
     """The input statistics and movement scores are summed across ranks: every rank ranks the same scores."""
-    script = tmp_path / "ddp_fit.py"
-    script.write_text(SCRIPT)
-    run_script(script, str(tmp_path), "criteria", timeout=300)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
-    assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
-    steps = sorted(ranks[0]["masks"])
-    assert steps == sorted(ranks[1]["masks"]) == list(range(1, 17))
-    for step in steps:
-        for key, value in ranks[0]["masks"][step].items():
-            assert torch.equal(value, ranks[1]["masks"][step][key]), (step, key)
+    ranks = fit_on_two_ranks(tmp_path, "criteria")
     final = ranks[0]["masks"][16]
     assert (~final["net.0.weight_mask"].bool()).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
     assert int((~final["net.4.weight_mask"].bool()).sum()) == round(0.5 * 48)
