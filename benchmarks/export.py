@@ -8,7 +8,9 @@
   ``weight_orig``/``weight_mask`` pair first); the dense load three ways: ``load_file`` as it returns (memory-mapped,
   nothing read yet), ``load_file`` then ``.clone()`` of every tensor (every value read), and
   ``load_file(backend="pread")`` (every tensor read into memory); the load target is judged against the faster of
-  the two full reads.
+  the two full reads. On Linux both loads are timed again from the disk: each file is flushed and dropped from the
+  page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``, untimed) before ``load_file(backend="pread")`` and
+  ``load_sparse`` read it.
 * **compact**: the app's ``cnn_channels`` model (``SmallCNN`` on 8x8 digits, channels 16/32, ``ln_structured``
   n=2 dim=0 at 50% on both convs with their biases, classifier untouched) at batch 64, dense vs compact in 5 blocks
   of interleaved rounds (median and range over the blocks); then where the time goes: each layer alone (dense vs
@@ -61,15 +63,35 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _interleaved(calls: dict[str, Any], repeats: int) -> dict[str, float]:
-    """Median seconds of each call, run in turn round after round (one untimed round first)."""
+    """Median seconds of each call, run in turn round after round (one untimed round first).
+
+    A call given as a ``(prepare, call)`` pair has ``prepare()`` run untimed just before it, every round.
+    """
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for round_index in range(repeats + 1):
         for name, call in calls.items():
+            if isinstance(call, tuple):
+                prepare, call = call
+                prepare()
             start = time.perf_counter()
             call()
             if round_index:
                 samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _evict(path: Path) -> None:
+    """Drop ``path`` from the page cache (flushed first), so that the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+COLD = hasattr(os, "posix_fadvise")
+"""Whether this platform can drop a file from the page cache (Linux): the cold-load columns."""
 
 
 def _mlp(width: int, layers: int, dtype: torch.dtype) -> nn.Sequential:
@@ -118,18 +140,19 @@ def files(width: int, layers: int, repeats: int, workdir: Path) -> list[dict[str
                 [(m, "weight") for m in model], pruning_method=prune.L1Unstructured, amount=sparsity
             )
             state = {k: v.contiguous() for k, v in effective_state_dict(model).items()}
-            times = _interleaved(
-                {
-                    "save_dense": lambda state=state: save_file(state, str(dense_path)),
-                    "save_lightprune": lambda state=state: save_sparse(state, sparse_path),
-                    "save_lightprune_module": lambda model=model: save_sparse(model, sparse_path),
-                    "load_dense_lazy": lambda: load_file(str(dense_path)),
-                    "load_dense_read": lambda: [t.clone() for t in load_file(str(dense_path)).values()],
-                    "load_dense_pread": lambda: load_file(str(dense_path), backend="pread"),
-                    "load_lightprune": lambda: load_sparse(sparse_path),
-                },
-                repeats,
-            )
+            calls = {
+                "save_dense": lambda state=state: save_file(state, str(dense_path)),
+                "save_lightprune": lambda state=state: save_sparse(state, sparse_path),
+                "save_lightprune_module": lambda model=model: save_sparse(model, sparse_path),
+                "load_dense_lazy": lambda: load_file(str(dense_path)),
+                "load_dense_read": lambda: [t.clone() for t in load_file(str(dense_path)).values()],
+                "load_dense_pread": lambda: load_file(str(dense_path), backend="pread"),
+                "load_lightprune": lambda: load_sparse(sparse_path),
+            }
+            if COLD:
+                calls["load_dense_cold"] = (lambda: _evict(dense_path), calls["load_dense_pread"])
+                calls["load_lightprune_cold"] = (lambda: _evict(sparse_path), calls["load_lightprune"])
+            times = _interleaved(calls, repeats)
             rows.append(
                 {
                     "dtype": dtype_name,
@@ -285,10 +308,16 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| dtype | sparsity | dense safetensors | gzip -6 | torch CSR | lightprune | information limit "
         "| lightprune over limit | save dense / lp (state_dict; pruned module) "
-        "| load dense (lazy / mmap+read / pread) / lp | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load dense (lazy / mmap+read / pread) / lp | load from disk, page cache dropped: dense / lp | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["files"]:
+        cold = (
+            f"{r['load_dense_cold_s'] * 1e3:.1f} / {r['load_lightprune_cold_s'] * 1e3:.1f} ms "
+            f"({r['load_lightprune_cold_s'] / r['load_dense_cold_s']:.2f}x)"
+            if "load_dense_cold_s" in r
+            else "not measured"
+        )
         lines.append(
             f"| {r['dtype']} | {r['sparsity']:.0%} | {_mb(r['dense_bytes'])} | {r['ratio_gzip']:.2f}x "
             f"| {r['ratio_csr']:.2f}x | **{r['ratio_lightprune']:.2f}x** | {r['ratio_limit']:.2f}x "
@@ -297,7 +326,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"({r['save_lightprune_s'] / r['save_dense_s']:.2f}x; {r['save_lightprune_module_s'] * 1e3:.0f} ms) "
             f"| {r['load_dense_lazy_s'] * 1e3:.1f} / {r['load_dense_read_s'] * 1e3:.1f} / "
             f"{r['load_dense_pread_s'] * 1e3:.1f} / {r['load_lightprune_s'] * 1e3:.1f} ms "
-            f"({r['load_lightprune_s'] / _full_read(r):.2f}x of the faster read) | {r['exact']} |"
+            f"({r['load_lightprune_s'] / _full_read(r):.2f}x of the faster read) | {cold} | {r['exact']} |"
         )
     if result["checkpoints"]:
         lines += [

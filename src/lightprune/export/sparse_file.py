@@ -25,8 +25,9 @@ bitmask tensor, ``<name>.__bitmask__`` and ``<name>.__values__``, the table as a
 still read.
 
 Every tensor is packed, selected, unpacked and scattered by NumPy in chunks of :data:`CHUNK` entries (``packbits``,
-``flatnonzero`` and an index gather or scatter: no per-entry branch, intermediates that stay in cache), and written
-or read with one system call per run of bytes, no intermediate copy.
+``flatnonzero`` and an index gather or scatter, intermediates that stay in cache), and written or read with one
+system call per run of bytes, no intermediate copy. Finding the kept entries (``flatnonzero``) is most of a load's
+time; every other NumPy or torch route measured slower (BENCHMARKS.md, export section).
 """
 
 from __future__ import annotations
