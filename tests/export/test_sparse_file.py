@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,40 @@ def test_shared_tensors_are_saved(tmp_path):
     save_sparse({"a": w, "b": w, "c": w[0]}, tmp_path / "x.safetensors")
     out = load_sparse(tmp_path / "x.safetensors")
     assert torch.equal(out["a"], w) and torch.equal(out["b"], w) and torch.equal(out["c"], w[0])
+
+
+def _tiny_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=8)
+    config.bos_token_id = config.eos_token_id = None
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_a_tie_pruned_through_every_owner_round_trips_into_a_tied_model(tmp_path):
+    model = _tiny_gpt2()
+    prune.global_unstructured(
+        [(model.transformer.wte, "weight"), (model.lm_head, "weight")], prune.L1Unstructured, amount=0.5
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_sparse(model, tmp_path / "g.safetensors")
+    state = load_sparse(tmp_path / "g.safetensors")
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    fresh = _tiny_gpt2()
+    fresh.load_state_dict(state)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    ids = torch.randint(0, 50, (2, 8))
+    assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+def test_a_tie_split_by_pruning_one_owner_is_named(tmp_path):
+    model = _tiny_gpt2()
+    prune.l1_unstructured(model.transformer.wte, "weight", amount=0.5)  # lm_head keeps the unpruned Parameter
+    with pytest.warns(UserWarning, match=r"'lm_head.weight' is also 'transformer.wte.weight_orig'.*ties"):
+        save_sparse(model, tmp_path / "g.safetensors")
+    state = load_sparse(tmp_path / "g.safetensors")
+    assert not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
 
 
 # -------------------------------------------------------------------------------------------------------------------

@@ -96,3 +96,23 @@ def test_latency_helpers():
         measure_latency(nn.Identity(), torch.zeros(2), repeats=0)
     with pytest.raises(ValueError, match=r"warmup.*-1"):
         compare_latency({}, torch.zeros(2), warmup=-1)
+
+
+def test_hugging_face_conv1d_layers_count_as_linear():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=50, n_positions=16)
+    config.bos_token_id = config.eos_token_id = None
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    conv1d = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert len(conv1d) == 4
+    prune.global_unstructured([(m, "weight") for _, m in conv1d], prune.L1Unstructured, amount=0.95)
+    ids = torch.randint(0, 50, (4, 16))
+    fast, decisions = to_sparse_linear(model, (ids,), repeats=2, margin=0.0)
+    by_name = {d.name: d for d in decisions}
+    for name, _ in conv1d:
+        assert by_name[name].converted and by_name[name].sparsity > 0.9
+        assert isinstance(fast.get_submodule(name), SparseLinear)
+    assert not by_name["lm_head"].converted  # dense: below min_sparsity
+    with torch.no_grad():
+        assert torch.allclose(fast(ids).logits, model(ids).logits, atol=1e-5)

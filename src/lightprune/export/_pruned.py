@@ -7,6 +7,7 @@ functions read the pair and store the tensor the model computes with, pruned ent
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -54,6 +55,31 @@ def _pruned_module_prefixes(module: nn.Module) -> set[str]:
     return {name + "." if name else "" for name, sub in module.named_modules() if prune.is_pruned(sub)}
 
 
+def _warn_split_ties(module: nn.Module, pairs: dict[str, tuple[str, str]]) -> None:
+    """Warn where one Parameter is the ``_orig`` of a pruned pair under one name and a plain tensor under another.
+
+    That is a tie (an output layer sharing the embedding's weight, say) that pruning only some of its owners has
+    split: the owners compute with different tensors, the file holds both, and a model that ties them again keeps
+    only one of them when it loads the file.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    origs = {keys[0] for keys in pairs.values()}
+    for plain, (orig_key, _) in pairs.items():
+        owner = plain.rpartition(".")[0] or "the model"
+        for other in names.get(id(module.get_parameter(orig_key)), ()):
+            if other not in origs:
+                warnings.warn(
+                    f"the Parameter {other!r} is also {orig_key!r}, which only {owner!r} "
+                    f"prunes: the file holds the unpruned {other!r} and the pruned {plain!r}, and a model that ties "
+                    "them loads only one of the two. Prune every owner of a tied Parameter with one mask "
+                    "(prune.global_unstructured given every owner, or PruningCallback) to keep the tie.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+
+
 def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The tensors a model computes with: each ``name_orig``/``name_mask`` pair becomes ``name``, in key order.
 
@@ -74,6 +100,7 @@ def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Ten
             for plain, keys in pruned_pairs(list(state)).items()
             if plain[: plain.rfind(".") + 1] in prefixes
         }
+        _warn_split_ties(obj, pairs)
     elif isinstance(obj, Mapping):
         state = dict(obj)
         pairs = pruned_pairs(list(state))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,20 @@ from lightprune.export._pruned import effective_state_dict
 from lightprune.export.latency import compare_latency
 
 __all__ = ["LayerDecision", "SparseLinear", "to_sparse_linear"]
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2's Linear with a transposed weight), without importing
+    transformers when the program has not."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return conv1d is not None and type(module) is conv1d
+
+
+def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The effective ``(out_features, in_features)`` weight and the bias of an ``nn.Linear`` or a ``Conv1D``."""
+    state = effective_state_dict(module)
+    weight = state["weight"].t() if _is_conv1d(module) else state["weight"]
+    return weight, state.get("bias")
 
 
 def _to_csr(weight: Tensor) -> Tensor:
@@ -54,9 +69,8 @@ class SparseLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> SparseLinear:
-        """From an ``nn.Linear``, pruned (its effective weight is used) or not."""
-        state = effective_state_dict(linear)
-        return cls(state["weight"], state.get("bias"))
+        """From an ``nn.Linear`` or Hugging Face's ``Conv1D``, pruned (its effective weight is used) or not."""
+        return cls(*_dense_weight_and_bias(linear))
 
     def forward(self, x: Tensor) -> Tensor:
         """``x @ weight.T + bias`` as ``(weight @ x.T).T`` on the CSR kernel."""
@@ -100,11 +114,14 @@ def to_sparse_linear(
 ) -> tuple[nn.Module, list[LayerDecision]]:
     """Copy a model, replacing each unstructured-sparse ``nn.Linear`` by :class:`SparseLinear` where it is faster.
 
-    Each ``nn.Linear`` whose weight is at least ``min_sparsity`` zeros is timed both ways on the input it receives
-    when the model runs ``example_inputs`` (interleaved repeats, see :func:`~lightprune.export.compare_latency`),
-    and converted only when the CSR median beats the dense median by ``margin``. On a 2-core x86 CPU the crossover
-    for a Linear(4096, 4096) at batch 32 lies between 70% and 80% zeros (see BENCHMARKS.md); measuring per layer
-    keeps small layers, where the sparse kernel's overhead dominates, dense.
+    Hugging Face's ``Conv1D`` (GPT-2's attention and MLP layers: a Linear whose weight is stored transposed) counts as a
+    Linear; subclasses of ``nn.Linear`` do not (``nn.MultiheadAttention`` reads its ``out_proj`` weight without calling
+    the layer, so replacing it would change nothing or break the model). Each layer whose weight is at least
+    ``min_sparsity`` zeros is timed both ways on the input it receives when the model runs ``example_inputs``
+    (interleaved repeats, see :func:`~lightprune.export.compare_latency`), and converted only when the CSR median beats
+    the dense median by ``margin``. On a 2-core x86 CPU the crossover for a Linear(4096, 4096) at batch 32 lies between
+    70% and 80% zeros (see BENCHMARKS.md); measuring per layer keeps small layers, where the sparse kernel's overhead
+    dominates, dense.
 
     Args:
         model: The model, plain or pruned with the reparametrization (left untouched).
@@ -115,7 +132,7 @@ def to_sparse_linear(
         margin: Required speed-up: convert when ``dense_s / sparse_s >= margin``.
 
     Returns:
-        ``(model copy in eval mode, one LayerDecision per nn.Linear)``.
+        ``(model copy in eval mode, one LayerDecision per nn.Linear or Conv1D)``.
 
     Raises:
         ValueError: ``min_sparsity`` outside [0, 1] or ``margin`` not positive.
@@ -142,7 +159,7 @@ def to_sparse_linear(
             f"cannot copy the model ({err}); models pruned with torch.nn.utils.prune copy after prune.remove"
         ) from err
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear}
+    linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear or _is_conv1d(m)}
     seen: dict[str, Tensor] = {}
 
     def capture(name: str):
@@ -161,14 +178,14 @@ def to_sparse_linear(
             handle.remove()
     decisions = []
     for name, linear in linears.items():
-        weight = effective_state_dict(linear)["weight"]
+        weight, bias = _dense_weight_and_bias(linear)
         sparsity = float((weight == 0).sum()) / max(weight.numel(), 1)
         if name not in seen or sparsity < min_sparsity or weight.numel() == 0:
             decisions.append(LayerDecision(name, sparsity, None, None, False))
             continue
-        sparse = SparseLinear.from_linear(linear)
-        dense = nn.Linear(linear.in_features, linear.out_features, bias=sparse.bias is not None)
-        dense.load_state_dict({"weight": weight, **({"bias": sparse.bias} if sparse.bias is not None else {})})
+        sparse = SparseLinear(weight, bias)
+        dense = nn.Linear(sparse.in_features, sparse.out_features, bias=bias is not None)
+        dense.load_state_dict({"weight": weight, **({"bias": bias} if bias is not None else {})})
         times = compare_latency({"dense": dense.eval(), "sparse": sparse}, seen[name], repeats=repeats, warmup=2)
         converted = times["dense"].median >= margin * times["sparse"].median
         decisions.append(LayerDecision(name, sparsity, times["dense"].median, times["sparse"].median, converted))
