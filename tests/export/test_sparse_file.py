@@ -170,6 +170,53 @@ def test_bad_inputs_name_the_key(tmp_path):
         save_sparse([torch.ones(3)], tmp_path / "x.safetensors")
 
 
+def test_tensor_subclasses_are_refused_naming_the_key(tmp_path):
+    class Tagged(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match=r"'w' is a Tagged, not a plain tensor"):
+        save_sparse({"b": torch.ones(2), "w": torch.ones(3).as_subclass(Tagged)}, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_dtensor_is_refused_with_the_way_to_gather_it(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        weight = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(TypeError, match=r"'0.weight' is a DTensor.*full_tensor"):
+            save_sparse({"0.weight": weight}, tmp_path / "x.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_save_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    from lightprune.export import sparse_file
+
+    path = tmp_path / "m.safetensors"
+    before = {"w": torch.tensor([0.0, 1.0, 0.0, 2.0])}
+    save_sparse(before, path)
+    written = sparse_file._write_all
+    calls = []
+
+    def disk_full(handle, data):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        written(handle, data)
+
+    monkeypatch.setattr(sparse_file, "_write_all", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_sparse({"w": torch.ones(1000)}, path)
+    assert torch.equal(load_sparse(path)["w"], before["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
 def test_names_of_version_1_entries_are_ordinary_names(tmp_path):
     state = {"w": torch.zeros(1000), "w" + VALUES_SUFFIX: torch.ones(2), "w" + BITMASK_SUFFIX: torch.zeros(9)}
     save_sparse(state, tmp_path / "x.safetensors")

@@ -232,13 +232,22 @@ def _write(path: str | os.PathLike[str], encoded: list[_Encoded]) -> None:
         separators=(",", ":"),
     ).encode()
     header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, so every run is aligned in memory too
-    with open(path, "wb", buffering=0) as handle:
-        _write_all(handle, struct.pack("<Q", len(header)) + header)
-        _write_all(handle, np.array([item.crc for item in encoded], dtype="<u4"))
-        for pad, run in placed:
-            if pad:
-                _write_all(handle, bytes(pad))
-            _write_all(handle, run)
+    # into a temporary file beside the target, then renamed over it: a failed or interrupted save leaves any
+    # previous file at ``path`` whole
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb", buffering=0) as handle:
+            _write_all(handle, struct.pack("<Q", len(header)) + header)
+            _write_all(handle, np.array([item.crc for item in encoded], dtype="<u4"))
+            for pad, run in placed:
+                if pad:
+                    _write_all(handle, bytes(pad))
+                _write_all(handle, run)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _write_all(handle: BinaryIO, data: np.ndarray | bytes) -> None:
@@ -255,10 +264,12 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
         obj: A module, plain or pruned (lightprune's or ``torch.nn.utils.prune``'s reparametrization: the file holds
             ``weight``, the pruned tensor ``weight_orig * weight_mask`` with exact zeros where pruned, instead of the
             pair), or a state_dict (``x_orig``/``x_mask`` pairs are folded the same way).
-        path: The file to write (``.safetensors`` by convention); overwritten if present.
+        path: The file to write (``.safetensors`` by convention); replaced if present, only once the new file is
+            complete (it is written beside it first), so a failed save leaves the previous file whole.
 
     Raises:
-        TypeError: A value that is not a tensor, or a dtype safetensors cannot store, naming the key.
+        TypeError: A value that is not a plain tensor (a DTensor shard, say), or a dtype safetensors cannot store,
+            naming the key.
 
     Example:
         >>> import tempfile
@@ -280,7 +291,16 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
             )
         if value.layout != torch.strided:
             raise TypeError(f"tensor {name!r} has layout {value.layout}; convert it to a dense tensor first")
-        encoded.append(_Encoded(name, value.detach().to("cpu").contiguous()))
+        value = value.detach()
+        if type(value) is not Tensor:
+            hint = (
+                "gather it first (`.full_tensor()`, or torch.distributed.checkpoint's get_model_state_dict with "
+                "StateDictOptions(full_state_dict=True, cpu_offload=True)) and save on one rank"
+                if hasattr(value, "full_tensor")
+                else "convert it to a plain tensor first"
+            )
+            raise TypeError(f"tensor {name!r} is a {type(value).__name__}, not a plain tensor: {hint}")
+        encoded.append(_Encoded(name, value.to("cpu").contiguous()))
     _write(path, encoded)
 
 
