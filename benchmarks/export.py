@@ -14,7 +14,8 @@
 * **compact**: the app's ``cnn_channels`` model (``SmallCNN`` on 8x8 digits, channels 16/32, ``ln_structured``
   n=2 dim=0 at 50% on both convs with their biases, classifier untouched) at batch 64, dense vs compact in 5 blocks
   of interleaved rounds (median and range over the blocks); then where the time goes: each layer alone (dense vs
-  compact), both models in channels_last and with oneDNN disabled, and at batch 256 and 1024.
+  compact), both models in channels_last and with oneDNN disabled, at batch 256 and 1024, and the first
+  convolution alone with 4 to 32 output channels.
 * **sparse Linear**: Linear(4096, 4096) at batch 32, 95% unstructured (and a sweep of sparsities): dense
   ``nn.Linear`` vs ``to_sparse_linear``'s CSR layer.
 
@@ -262,6 +263,14 @@ def cnn_breakdown(repeats: int) -> dict[str, Any]:
         result["no_onednn"] = _pair(dense, small, x, repeats)
     for batch in (256, 1024):
         result[f"batch_{batch}"] = _pair(dense, small, torch.randn(batch, 1, 8, 8), max(10, repeats // 10))
+    conv1 = dense.conv1
+    widths = {
+        width: nn.Conv2d(conv1.in_channels, width, conv1.kernel_size, padding=conv1.padding).eval()
+        for width in (4, 8, 16, 24, 32)
+    }
+    with torch.inference_mode():
+        times = _interleaved({width: lambda conv=conv: conv(x) for width, conv in widths.items()}, repeats)
+    result["conv1_widths"] = [{"out_channels": width, "s": seconds} for width, seconds in times.items()]
     return result
 
 
@@ -375,6 +384,16 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {r['dense_s'] * 1e6:.0f} us | {r['compact_s'] * 1e6:.0f} us | {r['speedup']:.2f}x |"
             )
+    if breakdown.get("conv1_widths"):
+        widths = breakdown["conv1_widths"]
+        lines += [
+            "",
+            "| `conv1` alone (input 64x1x8x8) with output channels | "
+            + " | ".join(str(w["out_channels"]) for w in widths)
+            + " |",
+            "|---|" + "---|" * len(widths),
+            "| latency (median) | " + " | ".join(f"{w['s'] * 1e6:.1f} us" for w in widths) + " |",
+        ]
     lines += [
         "",
         "| Linear | batch | sparsity | dense | CSR | speed-up | to_sparse_linear converts |",

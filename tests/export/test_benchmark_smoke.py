@@ -45,6 +45,8 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
     cnn = result["cnn_channels"]
     assert cnn["params_compact"] < cnn["params_dense"] and cnn["max_relative_error"] <= 1e-5
     assert cnn["dense_s"] > 0 and cnn["compact_s"] > 0
+    widths = cnn["breakdown"]["conv1_widths"]
+    assert [w["out_channels"] for w in widths] == [4, 8, 16, 24, 32] and all(w["s"] > 0 for w in widths)
     (linear,) = result["sparse_linear"]
     assert linear["sparsity"] == 0.95 and linear["max_relative_error"] <= 1e-5
     assert "| cnn_channels compact |" in done.stdout and "| float32 | 90% |" in done.stdout
