@@ -1336,6 +1336,15 @@ def test_method_compute_mask_and_prune_match_torch(data: st.DataObject) -> None:
         assert int((lout == 0).sum()) >= int((tout == 0).sum()) - int((t == 0).sum()), f"{what}: too few pruned"
 
 
+def test_container_structured_on_a_1d_tensor_is_refused_for_its_dims_also_with_nuc() -> None:
+    """The case Hypothesis found on torch 2.14.1: torch's container slices a 1-D tensor into a 2-D one and (from 2.14)
+    ranks it by nuclear norms; lightprune refuses the 1-D tensor itself, before any norm."""
+    method = lp.LnStructured(0, "nuc", 0)
+    method._tensor_name = "w"
+    with pytest.raises(ValueError, match=r"at least 2 dims; got shape \(0,\)"):
+        lp.PruningContainer(method).compute_mask(torch.tensor([]), torch.ones(0))
+
+
 @budget(80)
 @given(data=st.data())
 def test_pruning_container_used_directly(data: st.DataObject) -> None:
@@ -1379,12 +1388,13 @@ def test_pruning_container_used_directly(data: st.DataObject) -> None:
     bool_quirk = names[-1] in ("L1Unstructured", "RandomUnstructured", "RandomStructured") and arg_list[-1][0] is True
     if terr is not None and lerr is None and bool_quirk:
         event("torch quirk (amount=True): torch raised, lightprune did not")
+    elif terr is None and quirk and isinstance(lerr, ValueError):
+        # before the nuclear-norm case: a 1-D tensor also has "other than two dims", but the refusal is the 1-D one
+        event("torch quirk: lightprune raised ValueError")
     elif names[-1] == "LnStructured" and accept_nuclear_norm_refusal(arg_list[-1][1], t.shape, terr, lerr):
         pass
     elif terr is not None:
         assert_compatible_error(terr, lerr, what, alt=(ValueError,) if quirk else ())
-    elif quirk and isinstance(lerr, ValueError):
-        event("torch quirk: lightprune raised ValueError")
     else:
         assert lerr is None, f"{what}: lightprune's compute_mask raised {lerr!r}"
         assert lmask.dtype == tmask.dtype and lmask.shape == tmask.shape, f"{what}: dtype/shape"
