@@ -27,7 +27,7 @@ from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.prune._reparam import pruning_hooks
 from lightprune.schedules import Constant, Cubic, Geometric, Linear, Points, Schedule
-from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, N, TinyNet, folded, loader, pruning_state, state
+from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, N, TinyNet, folded, loader, pruning_state, quiet_trainer, state
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -63,20 +63,9 @@ class Net(TinyNet):
 def trainer(
     callbacks: list[Callback] | Callback = (), *, tmp_path: Path | None = None, logger: Any = False, **kwargs: Any
 ) -> L.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 2,
-        "logger": logger,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        "log_every_n_steps": 1,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return L.Trainer(callbacks=[callbacks] if isinstance(callbacks, Callback) else list(callbacks), **options)
+    options = {"max_epochs": 2, "logger": logger, "num_sanity_val_steps": 0, "log_every_n_steps": 1}
+    options.update(default_root_dir=tmp_path, **kwargs)
+    return quiet_trainer([callbacks] if isinstance(callbacks, Callback) else callbacks, **options)
 
 
 def fit(

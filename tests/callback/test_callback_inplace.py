@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Linear
-from tiny_lightning import WEIGHTS, N, TinyNet
+from tiny_lightning import WEIGHTS, N, TinyNet, quiet_trainer
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -45,18 +45,8 @@ class Net(TinyNet):
 
 
 def fit(model: L.LightningModule, callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> L.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "max_epochs": 3,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    ckpt_path = options.pop("ckpt_path", None)
-    trainer = L.Trainer(callbacks=callbacks, **options)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = quiet_trainer(callbacks, **{"max_epochs": 3, "default_root_dir": tmp_path, **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Points
-from tiny_lightning import WEIGHTS, DestroyGroupAtExit, N, TinyNet, loader
+from tiny_lightning import WEIGHTS, DestroyGroupAtExit, N, TinyNet, loader, quiet_trainer
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -30,18 +30,7 @@ pytestmark = [
 
 
 def trainer(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> L.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 2,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return L.Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(callbacks, **{"max_epochs": 2, "default_root_dir": tmp_path, **kwargs})
 
 
 @pytest.mark.parametrize("order", ["PruningCallback first", "ModelPruning first"])

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Linear
-from tiny_lightning import TinyNet, folded, loader
+from tiny_lightning import TinyNet, folded, loader, quiet_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,19 +112,9 @@ class TinyBert(L.LightningModule):
 
 
 def trainer(callbacks: list[Callback], tmp_path: Path | None = None, **kwargs: Any) -> L.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 3,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return L.Trainer(callbacks=callbacks, **options)
+    return quiet_trainer(
+        callbacks, **{"max_epochs": 3, "num_sanity_val_steps": 0, "default_root_dir": tmp_path, **kwargs}
+    )
 
 
 class EmbeddingSpy(Callback):

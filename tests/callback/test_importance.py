@@ -20,7 +20,7 @@ from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.callback.activations import ActivationStats
 from lightprune.schedules import Constant, Cubic, Linear, Points
-from tiny_lightning import TinyNet, folded
+from tiny_lightning import TinyNet, folded, quiet_trainer
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
@@ -37,18 +37,7 @@ LAYERS = ("net.0", "net.2", "net.4")
 def fit(callbacks: list[Callback], model: L.LightningModule | None = None, **kwargs: Any) -> L.LightningModule:
     model = TinyNet() if model is None else model
     ckpt_path = kwargs.pop("ckpt_path", None)
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 1,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        **kwargs,
-    }
-    L.Trainer(callbacks=callbacks, **options).fit(model, ckpt_path=ckpt_path)
+    quiet_trainer(callbacks, **{"max_epochs": 1, "num_sanity_val_steps": 0, **kwargs}).fit(model, ckpt_path=ckpt_path)
     return model
 
 

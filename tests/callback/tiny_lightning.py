@@ -6,6 +6,7 @@ weights, trained with SGD with momentum (so resuming needs the optimizer state t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import lightning as L
@@ -50,6 +51,22 @@ class TinyNet(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return loader()
+
+
+QUIET: dict[str, Any] = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+"""Trainer options of a one-device CPU run that prints nothing and writes no checkpoint unless a test asks."""
+
+
+def quiet_trainer(callbacks: Iterable[L.Callback] = (), **options: Any) -> L.Trainer:
+    """An ``L.Trainer`` with :data:`QUIET` options, ``options`` overriding them."""
+    return L.Trainer(callbacks=list(callbacks), **{**QUIET, **options})
 
 
 def folded(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
