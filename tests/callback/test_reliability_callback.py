@@ -38,7 +38,7 @@ from torch import Tensor
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
-from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, N, folded, pruning_state, state
+from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, N, folded, pruning_state, quiet_trainer, state
 from tiny_lightning import TinyNet as Net
 
 pytestmark = [
@@ -139,6 +139,11 @@ def pruning(scope: str, method: Any = Flaky) -> PruningCallback:
     return PruningCallback(schedule(), method=method, scope=scope, make_permanent=False, seed=3)
 
 
+def make_trainer(root: Path, callbacks: list[Callback]) -> L.Trainer:
+    """A quiet CPU Trainer for :data:`EPOCHS` epochs whose checkpoints come from the ``ModelCheckpoint`` given."""
+    return quiet_trainer(callbacks, max_epochs=EPOCHS, enable_checkpointing=True, default_root_dir=root)
+
+
 def fit(
     root: Path,
     callbacks: list[Callback],
@@ -147,19 +152,9 @@ def fit(
     checkpoint_callback: ModelCheckpoint | None = None,
 ) -> tuple[Net, L.Trainer]:
     model = Net()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=root,
-        callbacks=[*callbacks, checkpoint_callback or checkpoints(root)],
-    )
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return model, trainer
+    run = make_trainer(root, [*callbacks, checkpoint_callback or checkpoints(root)])
+    run.fit(model, ckpt_path=ckpt_path)
+    return model, run
 
 
 def assert_same_state(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
@@ -290,18 +285,10 @@ def test_exception_in_compute_mask_mid_event(tmp_path: Path, scope: str) -> None
     Flaky.configure(fail_at=fail_at)
     model = Net()
     callback = pruning(scope)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[callback, SaveOnException(root / "on_exception.ckpt"), checkpoints(root)],
-    )
+    run = make_trainer(root, [callback, SaveOnException(root / "on_exception.ckpt"), checkpoints(root)])
     with pytest.raises(RuntimeError, match=f"injected failure at compute_mask call {fail_at}"):
-        trainer.fit(model)
-    assert trainer.global_step == 20 and Flaky.calls == fail_at
+        run.fit(model)
+    assert run.global_step == 20 and Flaky.calls == fail_at
 
     # the model in memory holds the last completed event (step 18), never part of the failed one
     assert callback._last_event == 18
@@ -338,20 +325,12 @@ def test_keyboard_interrupt_mid_epoch_then_resume(tmp_path: Path, where: str, re
         extra, stopped_at, last_event = [], 22, 20
     callback = pruning(scope)
     model = Net()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[callback, *extra, checkpoints(root)],
-    )
+    run = make_trainer(root, [callback, *extra, checkpoints(root)])
     # Lightning catches the KeyboardInterrupt, runs the on_exception hooks, tears down, and exits with status 1
     with pytest.raises(SystemExit) as info:
-        trainer.fit(model)
+        run.fit(model)
     assert info.value.code == 1
-    assert trainer.interrupted and trainer.global_step == stopped_at
+    assert run.interrupted and run.global_step == stopped_at
     assert callback._last_event == last_event
     assert_complete_event(state(model), last_event, scope, "the model after the interrupt")
     paths = assert_checkpoints_hold_complete_events(root, scope)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
-from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, folded, pruning_state
+from tiny_lightning import STEPS_PER_EPOCH, WEIGHTS, folded, pruning_state, quiet_trainer
 from tiny_lightning import TinyNet as Net
 from tiny_lightning import state as state_of
 
@@ -49,15 +49,9 @@ X = torch.randn(5, 8, generator=torch.Generator().manual_seed(7))
 def run(root: Path, *, ckpt_path: Path | None = None, epochs: int = 2, **options: Any) -> tuple[Net, PruningCallback]:
     callback = PruningCallback(Cubic(final=0.6, start=0, end=12, frequency=4), make_permanent=False, **options)
     model = Net()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[callback, ModelCheckpoint(root / "ckpt", every_n_epochs=1, save_top_k=-1)],
-    )
+    checkpoints = ModelCheckpoint(root / "ckpt", every_n_epochs=1, save_top_k=-1)
+    options = {"max_epochs": epochs, "enable_checkpointing": True, "default_root_dir": root}
+    trainer = quiet_trainer([callback, checkpoints], **options)
     trainer.fit(model, ckpt_path=ckpt_path, weights_only=True if ckpt_path is not None else None)
     return model, callback
 
