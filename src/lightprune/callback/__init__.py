@@ -2,9 +2,10 @@
 
 One file per job: :mod:`.pruning` holds the callback (Lightning's hooks, the clock, the events), :mod:`.options` the
 names it accepts, :mod:`.selecting` the checks made when fit starts, :mod:`.importance` what ranks the weights at an
-event (with :mod:`.activations`, :mod:`.movement`, :mod:`.calibration` and :mod:`.layouts` behind it), :mod:`.masks`
-where its masks live (tied owners, checkpoints), :mod:`.neighbours` how it lives beside Lightning's other callbacks
-and launchers, :mod:`.rewinding` the lottery-ticket snapshots and :mod:`.reporting` what it logs and prints.
+event (with :mod:`.activations`, :mod:`.movement` and :mod:`.calibration` behind it, and :mod:`lightprune.layouts`),
+:mod:`.masks` where its masks live (tied owners, checkpoints), :mod:`.neighbours` how it lives beside Lightning's
+other callbacks and launchers, :mod:`.rewinding` the lottery-ticket snapshots and :mod:`.reporting` what it logs and
+prints.
 """
 
 from lightprune.callback.options import METHODS

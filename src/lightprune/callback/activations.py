@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback.layouts import feature_layout, input_dim
+from lightprune.layouts import feature_layout, input_dim
 
 __all__ = ["ActivationStats"]
 
@@ -28,7 +28,7 @@ class ActivationStats:
 
     Args:
         selection: ``(qualified name, module, name)`` of the selected weights; each must have input features (see
-            :func:`~lightprune.callback.layouts.feature_layout`), else a ``ValueError`` names it.
+            :func:`~lightprune.layouts.feature_layout`), else a ``ValueError`` names it.
 
     Example:
         >>> layer = nn.Linear(3, 2)

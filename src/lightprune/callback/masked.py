@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import sharded
 from lightprune.callback.inplace import InPlaceMasks
-from lightprune.callback.layouts import input_dim
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
+from lightprune.layouts import input_dim
 from lightprune.prune import distributed
 from lightprune.prune.masking import masked_
 from lightprune.prune.rowwise import RowwiseToSparsity

@@ -140,7 +140,7 @@ def check_n_m_layout(selection: Selection, m: int) -> None:
         ValueError: semi_structured with m=4 needs the input dim (dim 1) of every weight to be a multiple of m: \
 fc.weight has shape (2, 6); exclude it or choose another m
     """
-    from lightprune.callback.layouts import input_dim
+    from lightprune.layouts import input_dim
 
     for qualified, module, name in selection:
         tensor = prune.original(module, name)

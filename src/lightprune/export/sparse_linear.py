@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,21 +13,15 @@ from torch import Tensor, nn
 
 from lightprune.export._pruned import effective_state_dict
 from lightprune.export.latency import compare_latency
+from lightprune.layouts import is_transformers_conv1d
 
 __all__ = ["LayerDecision", "SparseLinear", "to_sparse_linear"]
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2's Linear with a transposed weight), without importing
-    transformers when the program has not."""
-    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-    return conv1d is not None and type(module) is conv1d
 
 
 def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None]:
     """The effective ``(out_features, in_features)`` weight and the bias of an ``nn.Linear`` or a ``Conv1D``."""
     state = effective_state_dict(module)
-    weight = state["weight"].t() if _is_conv1d(module) else state["weight"]
+    weight = state["weight"].t() if is_transformers_conv1d(module) else state["weight"]
     return weight, state.get("bias")
 
 
@@ -159,7 +152,7 @@ def to_sparse_linear(
             f"cannot copy the model ({err}); models pruned with torch.nn.utils.prune copy after prune.remove"
         ) from err
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear or _is_conv1d(m)}
+    linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear or is_transformers_conv1d(m)}
     seen: dict[str, Tensor] = {}
 
     def capture(name: str):

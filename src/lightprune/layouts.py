@@ -1,7 +1,8 @@
 """Where a layer's input features are: in its weight (the input dim) and in the inputs its forward receives.
 
-Activation importance (Wanda) scales each weight by the norm of the input feature it multiplies, and N:M groups run
-along the input dim. Both need to know the layer's layout:
+Activation importance (Wanda) scales each weight by the norm of the input feature it multiplies, N:M groups run
+along the input dim, and a sparse Linear layer for export needs its weight as ``(out, in)``. All need to know the
+layer's layout (this module imports torch alone, so the callback and the export functions can share it):
 
 * ``nn.Linear``: weight ``(out, in)``, input features on the inputs' last dim;
 * transformers' ``Conv1D`` (GPT-2): weight ``(in, out)``, input features on the last dim;
@@ -13,11 +14,16 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["feature_layout", "input_dim"]
+__all__ = ["feature_layout", "input_dim", "is_transformers_conv1d"]
 
 
-def _is_transformers_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (a Linear whose weight is stored ``(in, out)``), without importing transformers."""
+def is_transformers_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (a Linear whose weight is stored ``(in, out)``), without importing transformers.
+
+    Example:
+        >>> is_transformers_conv1d(nn.Linear(3, 2)), is_transformers_conv1d(nn.Conv1d(3, 2, 1))
+        (False, False)
+    """
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
@@ -28,7 +34,7 @@ def input_dim(module: nn.Module) -> int:
         >>> input_dim(nn.Linear(3, 2)), input_dim(nn.ConvTranspose2d(3, 2, 1))
         (1, 0)
     """
-    if _is_transformers_conv1d(module) or isinstance(module, nn.modules.conv._ConvTransposeNd):
+    if is_transformers_conv1d(module) or isinstance(module, nn.modules.conv._ConvTransposeNd):
         return 0
     return 1
 
@@ -45,7 +51,7 @@ def feature_layout(module: nn.Module, name: str) -> str | None:
     """
     if name != "weight":
         return None
-    if isinstance(module, nn.Linear) or _is_transformers_conv1d(module):
+    if isinstance(module, nn.Linear) or is_transformers_conv1d(module):
         return "last"
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1:
         return "channels"
