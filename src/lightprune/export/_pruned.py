@@ -59,8 +59,8 @@ def _warn_split_ties(module: nn.Module, pairs: dict[str, tuple[str, str]]) -> No
     """Warn where one Parameter is the ``_orig`` of a pruned pair under one name and a plain tensor under another.
 
     That is a tie (an output layer sharing the embedding's weight, say) that pruning only some of its owners has
-    split: the owners compute with different tensors, the file holds both, and a model that ties them again keeps
-    only one of them when it loads the file.
+    split: the owners compute with different tensors, the exported state (a file, a compact model) holds both, and a
+    model that ties them again keeps only one of them when it loads that state.
     """
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -72,7 +72,7 @@ def _warn_split_ties(module: nn.Module, pairs: dict[str, tuple[str, str]]) -> No
             if other not in origs:
                 warnings.warn(
                     f"the Parameter {other!r} is also {orig_key!r}, which only {owner!r} "
-                    f"prunes: the file holds the unpruned {other!r} and the pruned {plain!r}, and a model that ties "
+                    f"prunes: the exported tensors hold the unpruned {other!r} and the pruned {plain!r}, and a model that ties "
                     "them loads only one of the two. Prune every owner of a tied Parameter with one mask "
                     "(prune.global_unstructured given every owner, or PruningCallback) to keep the tie.",
                     UserWarning,
