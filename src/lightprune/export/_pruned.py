@@ -71,9 +71,9 @@ def _warn_split_ties(module: nn.Module, pairs: dict[str, tuple[str, str]]) -> No
         for other in names.get(id(module.get_parameter(orig_key)), ()):
             if other not in origs:
                 warnings.warn(
-                    f"the Parameter {other!r} is also {orig_key!r}, which only {owner!r} "
-                    f"prunes: the exported tensors hold the unpruned {other!r} and the pruned {plain!r}, and a model that ties "
-                    "them loads only one of the two. Prune every owner of a tied Parameter with one mask "
+                    f"the Parameter {other!r} is also {orig_key!r}, which only {owner!r} prunes: the exported "
+                    f"tensors hold the unpruned {other!r} and the pruned {plain!r}, and a model that ties them loads "
+                    "only one of the two. Prune every owner of a tied Parameter with one mask "
                     "(prune.global_unstructured given every owner, or PruningCallback) to keep the tie.",
                     UserWarning,
                     stacklevel=4,
