@@ -41,6 +41,7 @@ __all__ = [
     "config_warnings",
     "is_bundled",
     "is_target",
+    "objective_names",
     "register_configs",
     "unknown_keys",
     "validate_config",
@@ -78,6 +79,13 @@ BUNDLED_DATA_TARGET = "lightprune.experiment.data.bundled_datamodule"
 """The ``_target_`` of every bundled ``data`` preset."""
 BUNDLED_MODEL_TARGET = "lightprune.experiment.models.make_model"
 """The ``_target_`` of every bundled ``model`` preset (given the data's ``input_shape`` and ``num_classes``)."""
+OBJECTIVES = (
+    "final_test_acc", "total_sparsity", "compression_ratio", "theoretical_speedup", "dense_test_acc",
+    "file_size_ratio", "latency_ratio", "nonzero_weights", "nonzero_flops", "wall_time_s", "dense_time_s",
+    "total_weights", "dense_flops", "flops_unattributed", "num_classes",
+)  # fmt: skip
+"""What ``objective`` may name: the scalar (number) fields of a run's ``summary.json``
+(:class:`~lightprune.experiment.summary.RunSummary`), the most searched first."""
 MAX_SEED = 2**32 - 1
 """Seeds reach numpy through ``seed_everything``, which accepts 0 ... 2**32 - 1."""
 
@@ -313,6 +321,9 @@ class ExperimentConfig:
         seed: global seed (weights, data order).
         save_model: write the final pruned model's state_dict to ``model.pt``.
         plots: draw the PNG plots.
+        objective: what the run returns to a Hydra sweeper (Optuna, Ax, Nevergrad): the name of a scalar field of
+            ``summary.json`` (one of :data:`OBJECTIVES`), whose value is returned as ``summary.json`` holds it, or a
+            list of two or more names, returned as a tuple (Optuna's multi-objective search).
     """
 
     data: Any = field(default_factory=DataConfig)
@@ -328,6 +339,7 @@ class ExperimentConfig:
     seed: int = 0
     save_model: bool = True
     plots: bool = True
+    objective: Any = "final_test_acc"
 
 
 def register_configs() -> None:
@@ -492,6 +504,32 @@ def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
 def _check(problems: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         problems.append(f"{key}={value!r}: {allowed}")
+
+
+def objective_names(objective: Any) -> list[str]:
+    """The summary fields an ``objective`` value names, in order: ``[name]`` for one name, the list for a list.
+
+    Example:
+        >>> objective_names("final_test_acc"), objective_names(["final_test_acc", "total_sparsity"])
+        (['final_test_acc'], ['final_test_acc', 'total_sparsity'])
+    """
+    plain = OmegaConf.to_container(objective) if OmegaConf.is_config(objective) else objective
+    return [plain] if isinstance(plain, str) else [str(name) for name in plain]
+
+
+def _check_objective(problems: list[str], objective: Any) -> None:
+    """``objective``: one name of :data:`OBJECTIVES`, or a non-empty list of them."""
+    plain = OmegaConf.to_container(objective) if OmegaConf.is_config(objective) else objective
+    names = f"one of {', '.join(OBJECTIVES)} (the scalar fields of summary.json)"
+    allowed = f"{names}, or a list of them"
+    if isinstance(plain, str):
+        _check(problems, plain in OBJECTIVES, "objective", plain, allowed)
+    elif isinstance(plain, list) and plain:
+        bad = [name for name in plain if name not in OBJECTIVES]
+        if bad:
+            problems.append(f"objective={plain!r}: {bad[0]!r} is not {names}")
+    else:
+        _check(problems, False, "objective", plain, allowed)
 
 
 def _check_patterns(problems: list[str], key: str, patterns: Any) -> None:
@@ -818,5 +856,6 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         "must be None (torch's default) or >= 1",
     )
     _check(problems, 0 <= cfg.seed <= MAX_SEED, "seed", cfg.seed, f"must be in [0, {MAX_SEED}]")
+    _check_objective(problems, cfg.objective)
     if problems:
         raise ConfigError("invalid experiment config:\n  " + "\n  ".join(problems))

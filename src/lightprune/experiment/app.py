@@ -19,6 +19,12 @@ one accuracy-versus-sparsity plot; ``lightprune-experiment load <run dir>`` rebu
 A config error (a bad value or choice, an unknown key, missing data files, a selection that selects nothing) is
 printed as its message alone and the app exits with status 2, before Lightning is imported;
 ``LIGHTPRUNE_DEBUG=1`` (or Hydra's ``HYDRA_FULL_ERROR=1``) shows the traceback.
+
+Each job returns the ``objective`` (:func:`lightprune.experiment.search.objective_value`): the value of a scalar
+field of ``summary.json``, or a tuple of them, which Hydra's Optuna, Ax and Nevergrad sweepers optimise
+(``experiment=sparsity_search``: the accuracy-sparsity trade-off). A job that fails returns nothing: Hydra keeps its
+exception, which the Optuna sweeper records as a failed trial (and re-raises, ending the sweep, beyond
+``hydra.sweeper.max_failure_rate``).
 """
 
 from __future__ import annotations
@@ -665,23 +671,29 @@ def _hydra_main(argv: Sequence[str]) -> int:
     from hydra.types import RunMode
 
     register_configs()
+    # Optuna's storage layer logs its set-up at INFO when Hydra's Optuna sweeper imports it: not the user's business
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     failed: list[ConfigError] = []
     debug = _debug()  # before HYDRA_FULL_ERROR is set below
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
-    def _run_job(cfg: DictConfig) -> None:
+    def _run_job(cfg: DictConfig) -> Any:
+        from lightprune.experiment.search import check_directions, objective_value
+
         hydra_cfg = HydraConfig.get()
         try:
             validate_config(cfg)  # before importing Lightning: a config error is reported in a moment
+            check_directions(cfg.objective, hydra_cfg.sweeper)
             preflight(cfg)
             if logging.getLogger().handlers:
                 _route_lightning_logs_to_hydra()
-            run_experiment(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+            summary = run_experiment(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+            return objective_value(summary.to_dict(), cfg.objective)  # what a sweeper optimises
         except Exception as err:
             _log_to_file(" ".join((_one_line(err) or f"{type(err).__name__}: {err}").split()))
             if isinstance(err, ConfigError) and hydra_cfg.mode == RunMode.RUN and not debug:
                 failed.append(err)  # reported by main() alone, without Hydra's "Error executing job" line
-                return
+                return None
             raise
 
     saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
