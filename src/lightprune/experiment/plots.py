@@ -5,6 +5,7 @@
 * :func:`plot_layer_sparsity` - per-layer sparsity bars (channels kept, for structured pruning).
 * :func:`plot_accuracy_vs_sparsity` - final accuracy against weights kept, one line per arm of a sweep, mean and
   standard deviation over seeds, the dense accuracy as a reference.
+* :func:`plot_pareto` - the same axes for a search (Optuna): every trial a point, the Pareto front marked.
 
 Every colour means one thing within a figure. Plots are drawn on ``matplotlib.figure.Figure`` objects directly (no
 ``pyplot``), so no display is needed, no global backend is switched and no figure is left open; each function returns
@@ -25,9 +26,11 @@ __all__ = [
     "Arm",
     "draw_accuracy_vs_sparsity",
     "draw_layer_sparsity",
+    "draw_pareto",
     "draw_training_curves",
     "plot_accuracy_vs_sparsity",
     "plot_layer_sparsity",
+    "plot_pareto",
     "plot_training_curves",
     "read_metrics_csv",
     "read_phases",
@@ -506,6 +509,23 @@ def _kept(sparsity: float, floor: float) -> float:
     return max(1.0 - sparsity, floor)
 
 
+def _kept_axis(ax: Any, sparsities: Sequence[float]) -> float:
+    """A logarithmic x axis of the weights kept (``1 - sparsity``), decreasing so that sparsity grows to the right,
+    ticks naming the weights kept and the sparsity; returns the floor where a fully pruned run is drawn."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    floor = 10 ** math.floor(math.log10(max(1e-4, min(_kept(s, 1e-4) for s in sparsities)) / 2))
+    lo = min(_kept(s, floor) for s in sparsities)
+    ax.set_xlim(1.25, lo / 1.6)  # decreasing: sparsity grows to the right
+    ticks = [t for t in (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 1e-4) if t >= lo / 1.5]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{100 * x:g}%\n({100 * (1 - x):g}%)"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("weights kept (sparsity), log scale")
+    return floor
+
+
 def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus sparsity") -> Any:
     """The figure :func:`plot_accuracy_vs_sparsity` saves.
 
@@ -516,7 +536,6 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
         ('log', ['scope=global', 'dense'])
     """
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.subplots()
@@ -526,10 +545,7 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
         _note(ax, "no run has both sparsity and final accuracy")
         ax.set_title(title)
         return fig
-    all_sparsities = [s for arm in drawn for s, _ in arm.points]
-    floor = 10 ** math.floor(math.log10(max(1e-4, min(_kept(s, 1e-4) for s in all_sparsities)) / 2))
-    lo = min(_kept(s, floor) for s in all_sparsities)
-    ax.set_xlim(1.25, lo / 1.6)  # decreasing: sparsity grows to the right
+    floor = _kept_axis(ax, [s for arm in drawn for s, _ in arm.points])
     from matplotlib import colormaps
 
     palette = colormaps["tab10"].colors
@@ -567,11 +583,6 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
             ax.axhspan(100 * (mean - std), 100 * (mean + std), color="0.3", alpha=0.12, linewidth=0)
     elif dense_means:
         ax.plot([], [], color="0.3", linestyle=":", label="dense (dotted, in the arm's colour)")
-    ticks = [t for t in (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 1e-4) if t >= lo / 1.5]
-    ax.xaxis.set_major_locator(FixedLocator(ticks))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{100 * x:g}%\n({100 * (1 - x):g}%)"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("weights kept (sparsity), log scale")
     ax.set_ylabel("final test accuracy (%)" + (", mean ± std over seeds" if seeds else ""))
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -614,3 +625,80 @@ def plot_accuracy_vs_sparsity(
         b'\\x89PNG'
     """
     return _save(draw_accuracy_vs_sparsity(arms, title), out_png)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The trials of a search, Pareto front marked
+# --------------------------------------------------------------------------------------------------------------------
+
+FRONT_COLOR = "tab:red"
+TRIAL_COLOR = "tab:blue"
+
+
+def draw_pareto(
+    points: Sequence[tuple[float, float]],
+    front: Sequence[int],
+    dense: Sequence[float] = (),
+    title: str = "Accuracy versus sparsity: the trials of the search",
+) -> Any:
+    """The figure :func:`plot_pareto` saves.
+
+    Example:
+        >>> fig = draw_pareto([(0.5, 0.95), (0.9, 0.93), (0.8, 0.90)], front=[0, 1], dense=[0.96])
+        >>> [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        ['Pareto front (2 of 3 trials)', 'other trials', 'dense']
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    if not points:
+        _note(ax, "no trial has both sparsity and final accuracy")
+        ax.set_title(title)
+        return fig
+    floor = _kept_axis(ax, [sparsity for sparsity, _ in points])
+    on_front = sorted(front, key=lambda i: points[i][0])
+    others = [i for i in range(len(points)) if i not in set(front)]
+    xs = [_kept(points[i][0], floor) for i in on_front]
+    ys = [100 * points[i][1] for i in on_front]
+    ax.plot(xs, ys, color=FRONT_COLOR, marker="o", markersize=7, linewidth=1.5, drawstyle="steps-pre",
+            label=f"Pareto front ({len(on_front)} of {len(points)} trials)", gid="pareto-front")  # fmt: skip
+    ax.plot([_kept(points[i][0], floor) for i in others], [100 * points[i][1] for i in others], linestyle="none",
+            marker="o", markersize=5, color=TRIAL_COLOR, alpha=0.6, label="other trials", gid="trials")  # fmt: skip
+    if dense:
+        mean, _ = _mean_std(list(dense))
+        ax.axhline(100 * mean, color="0.3", linestyle="--", linewidth=1.2, label="dense", gid="dense-reference")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower left")
+    return fig
+
+
+def plot_pareto(
+    points: Sequence[tuple[float, float]],
+    front: Sequence[int],
+    out_png: str | Path,
+    dense: Sequence[float] = (),
+    title: str = "Accuracy versus sparsity: the trials of the search",
+) -> Path:
+    """Final test accuracy against the fraction of weights kept for every trial of a search; saves a PNG.
+
+    The axes are those of :func:`plot_accuracy_vs_sparsity`. The trials on the Pareto front (no other trial is both
+    sparser and more accurate) are joined by a step line: at each sparsity, the best accuracy a trial reached at
+    that sparsity or higher.
+
+    Args:
+        points: ``(sparsity, final accuracy)`` per trial, fractions.
+        front: the indices of ``points`` on the Pareto front (:func:`lightprune.experiment.search.pareto_front`).
+        out_png: Output PNG path.
+        dense: dense test accuracies (their mean is the dashed reference line).
+        title: Figure title.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     plot_pareto([(0.5, 0.95), (0.9, 0.93)], [0, 1], Path(tmp) / "front.png").read_bytes()[:4]
+        b'\\x89PNG'
+    """
+    return _save(draw_pareto(points, front, dense, title), out_png)

@@ -4,7 +4,8 @@
   runs that wrote none, with the reason their log gives).
 * :func:`group_arms` - runs grouped into arms: every setting but sparsity and seed.
 * :func:`write_report`, :func:`report_main` - one Markdown table (per run, and per arm and sparsity: mean ± std over
-  seeds) and one accuracy-versus-sparsity plot (``lightprune-experiment report <dir>``).
+  seeds) and one accuracy-versus-sparsity plot (``lightprune-experiment report <dir>``); for an Optuna search, the
+  trials on the accuracy-sparsity Pareto front marked in both, and the sweeper's own result.
 
 Summaries live in :mod:`lightprune.experiment.summary` and plots in :mod:`lightprune.experiment.plots`; their public
 names are importable from here too.
@@ -25,9 +26,11 @@ from lightprune.experiment.plots import (
     Arm,
     plot_accuracy_vs_sparsity,
     plot_layer_sparsity,
+    plot_pareto,
     plot_training_curves,
     read_metrics_csv,
 )
+from lightprune.experiment.search import OptimizationResults, pareto_front, read_optimization_results
 from lightprune.experiment.summary import (
     SUMMARY_FILE,
     RunSummary,
@@ -290,6 +293,46 @@ def _seed_table(runs: Sequence[RunSummary]) -> list[str]:
     return [*lines, ""]
 
 
+def _is_optuna_search(root: Path, results: OptimizationResults | None) -> bool:
+    """Whether the runs under ``root`` come from Hydra's Optuna sweeper: it wrote its results, or a sweep's
+    ``multirun.yaml`` names it (a search that is still running or was stopped)."""
+    import yaml
+
+    if results is not None:
+        return True
+    for path in root.rglob("multirun.yaml"):
+        try:
+            sweeper = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}
+        except yaml.YAMLError:
+            continue
+        if "optuna" in str(sweeper.get("_target_", "")).lower():
+            return True
+    return False
+
+
+def _search_lines(
+    runs: Sequence[RunSummary], front: Sequence[int], results: OptimizationResults | None, root: Path
+) -> list[str]:
+    """What the report says of an Optuna search: the accuracy-sparsity front, then the sweeper's own result."""
+    lines = [
+        f"Optuna search: the Pareto front of final accuracy and sparsity (no other trial is both sparser and more "
+        f"accurate) holds {len(front)} of the {len(runs)} trials, marked in the table and the plot.",
+    ]
+    if results is None:
+        return [*lines, "The sweeper wrote no optimization_results.yaml (the search is running, or was stopped)."]
+    found = [_run_label(run, root) for run in runs if results.matches(run.overrides)]
+    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    where = f"run{'s' * (len(found) != 1)} {shown}" if found else "no run found here"
+    source = _relative(results.path, root)
+    if results.best_params:
+        lines.append(f"The sweeper's best trial ({source}): value {results.best_value!r}, {where}.")
+    else:
+        lines.append(
+            f"The sweeper's Pareto front of its objectives ({source}): {len(results.solutions)} trials, {where}."
+        )
+    return lines
+
+
 def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out_png: str | Path | None = None) -> str:
     """Writes a Markdown report and an accuracy-versus-sparsity plot for a multirun directory.
 
@@ -298,6 +341,13 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     same sparsity (a seed sweep), a second table gives each arm's mean ± standard deviation. Runs without a summary
     are listed as skipped, with the reason from their log. The plot (see
     :func:`~lightprune.experiment.plots.plot_accuracy_vs_sparsity`) draws one line per arm.
+
+    For a search by Hydra's Optuna sweeper (its ``optimization_results.yaml`` or a ``multirun.yaml`` naming it under
+    ``multirun_dir``), the table's last column marks the trials on the Pareto front of final accuracy and sparsity,
+    the plot (:func:`~lightprune.experiment.plots.plot_pareto`) draws every trial with the front joined, and the
+    report names the runs of the sweeper's result (its best trial, or its Pareto front of its own objectives).
+    ``multirun_dir`` may hold several invocations of one study (a stopped search continued): all their runs count,
+    and the newest ``optimization_results.yaml`` (the whole study's) is read.
 
     Args:
         multirun_dir: The sweep directory.
@@ -339,8 +389,12 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     for run_pairs in pairs:
         keys += [key for key in run_pairs if key not in keys]
     measured = any(run.file_size_ratio is not None or run.latency_ratio is not None for run in runs)
+    results = read_optimization_results(root)
+    search = _is_optuna_search(root, results)
+    front = pareto_front([(run.final_test_acc, run.total_sparsity) for run in runs]) if search else []
     header = ["run", *keys, "sparsity", "dense acc", "final acc", "compression", "speed-up"]
     header += ["file size", "latency"] if measured else []
+    header += ["Pareto front"] if search else []
     lines = [
         f"# Pruning report: {root}",
         "",
@@ -354,11 +408,12 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
             else []
         ),
         *_attribution_note(runs),
+        *(["", *_search_lines(runs, front, results, root)] if search else []),
         "",
         "| " + " | ".join(_md_cell(h) for h in header) + " |",
         "|" + "|".join("---" if i <= len(keys) else "---:" for i in range(len(header))) + "|",
     ]
-    for run, run_pairs in zip(runs, pairs, strict=True):
+    for index, (run, run_pairs) in enumerate(zip(runs, pairs, strict=True)):
         cells = [
             _run_label(run, root),
             *(run_pairs.get(key, "") for key in keys),
@@ -368,6 +423,7 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
             _times(run.compression_ratio),
             _times(run.theoretical_speedup),
             *([_times(run.file_size_ratio), _times(run.latency_ratio)] if measured else []),
+            *(["yes" if index in front else ""] if search else []),
         ]
         lines.append("| " + " | ".join(_md_cell(cell) for cell in cells) + " |")
     lines.append("")
@@ -376,7 +432,13 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
         lines += [f"Skipped {len(skipped)} run(s) without a {SUMMARY_FILE}:", ""]
         lines += [f"- {_md_cell(_relative(Path(s.run_dir), root))}: {_md_cell(s.reason)}" for s in skipped]
         lines.append("")
-    plot_accuracy_vs_sparsity(group_arms(runs), out_png)
+    if search:
+        drawn = [i for i, run in enumerate(runs) if run.total_sparsity is not None and run.final_test_acc is not None]
+        points = [(runs[i].total_sparsity, runs[i].final_test_acc) for i in drawn]
+        dense = [run.dense_test_acc for run in runs if run.dense_test_acc is not None]
+        plot_pareto(points, [drawn.index(i) for i in front], out_png, dense=dense)  # type: ignore[arg-type]
+    else:
+        plot_accuracy_vs_sparsity(group_arms(runs), out_png)
     try:
         link = out_png.resolve().relative_to(out_md.resolve().parent).as_posix()
     except ValueError:
