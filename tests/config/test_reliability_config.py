@@ -96,6 +96,7 @@ KEYS: dict[str, Key] = {
     "seed": Key(["abc", "0.5"], ["-1", str(2**32)]),
     "save_model": Key(["maybe"], []),
     "plots": Key(["maybe"], []),
+    "objective": Key([], ["accuracy", "[final_test_acc,acc]", "[]", "3"]),  # any type composes: the check names it
     "cache.dense": Key(["maybe"], []),
     "cache.dir": Key(["[1]"], []),
     "cache.retrain": Key(["maybe"], []),
