@@ -17,7 +17,7 @@ try:
     from hydra_plugins.hydra_optuna_sweeper import config as _optuna_config
     from hydra_plugins.hydra_optuna_sweeper import optuna_sweeper as _optuna_sweeper
 except ImportError:  # the `sweep` extra is not installed
-    _optuna_sweeper = None
+    _optuna_sweeper = None  # type: ignore[assignment]
 
 if _optuna_sweeper is not None:
     from hydra.core.config_store import ConfigStore

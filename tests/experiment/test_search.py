@@ -244,6 +244,8 @@ def test_a_stopped_search_continues_from_sqlite_storage(tmp_path: Path, monkeypa
     first = summaries(sweep_dir)
     assert len(first) == 2
     kept = {name: (sweep_dir / name / "summary.json").read_bytes() for name in first}
+    assert len(report_rows(sweep_dir)) == 2  # a stopped search is reported as a search
+    assert "wrote no optimization_results.yaml" in (sweep_dir / "report.md").read_text()
 
     monkeypatch.setattr(app, "run_experiment", run_experiment)
     sweep(sweep_dir, *search)  # the same command again

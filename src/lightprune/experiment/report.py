@@ -294,19 +294,18 @@ def _seed_table(runs: Sequence[RunSummary]) -> list[str]:
 
 
 def _is_optuna_search(root: Path, results: OptimizationResults | None) -> bool:
-    """Whether the runs under ``root`` come from Hydra's Optuna sweeper: it wrote its results, or a sweep's
-    ``multirun.yaml`` names it (a search that is still running or was stopped)."""
+    """Whether the runs under ``root`` come from Hydra's Optuna sweeper: it wrote its results, or a job's
+    ``.hydra/hydra.yaml`` names it (a search that is still running or was stopped)."""
     import yaml
 
     if results is not None:
         return True
-    for path in root.rglob("multirun.yaml"):
+    for path in sorted(root.rglob(".hydra/hydra.yaml"), key=_natural_key)[:1]:  # the jobs of a sweep share it
         try:
             sweeper = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}
         except yaml.YAMLError:
-            continue
-        if "optuna" in str(sweeper.get("_target_", "")).lower():
-            return True
+            return False
+        return "optuna" in str(sweeper.get("_target_", "")).lower()
     return False
 
 
@@ -324,11 +323,12 @@ def _search_lines(
     shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
     where = f"run{'s' * (len(found) != 1)} {shown}" if found else "no run found here"
     source = _relative(results.path, root)
+    count = len(results.solutions)
     if results.best_params:
         lines.append(f"The sweeper's best trial ({source}): value {results.best_value!r}, {where}.")
     else:
         lines.append(
-            f"The sweeper's Pareto front of its objectives ({source}): {len(results.solutions)} trials, {where}."
+            f"The sweeper's Pareto front of its objectives ({source}): {count} trial{'s' * (count != 1)}, {where}."
         )
     return lines
 
@@ -342,10 +342,11 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     are listed as skipped, with the reason from their log. The plot (see
     :func:`~lightprune.experiment.plots.plot_accuracy_vs_sparsity`) draws one line per arm.
 
-    For a search by Hydra's Optuna sweeper (its ``optimization_results.yaml`` or a ``multirun.yaml`` naming it under
-    ``multirun_dir``), the table's last column marks the trials on the Pareto front of final accuracy and sparsity,
-    the plot (:func:`~lightprune.experiment.plots.plot_pareto`) draws every trial with the front joined, and the
-    report names the runs of the sweeper's result (its best trial, or its Pareto front of its own objectives).
+    For a search by Hydra's Optuna sweeper (its ``optimization_results.yaml`` under ``multirun_dir``, or a job's
+    ``.hydra/hydra.yaml`` naming it), the table's last column marks the trials on the Pareto front of final accuracy
+    and sparsity, the plot (:func:`~lightprune.experiment.plots.plot_pareto`) draws every trial with the front
+    joined, and the report names the runs of the sweeper's result (its best trial, or its Pareto front of its own
+    objectives).
     ``multirun_dir`` may hold several invocations of one study (a stopped search continued): all their runs count,
     and the newest ``optimization_results.yaml`` (the whole study's) is read.
 
