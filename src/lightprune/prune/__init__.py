@@ -6,8 +6,9 @@ signatures, reparametrization (``name_orig``, ``name_mask``, forward pre-hook) a
 Beyond torch's API: :func:`mask_dtype` (boolean masks), :func:`prepare_for_state_dict` (load checkpoints across the
 reparametrization), :func:`pruned_names` and :func:`original` (which tensors are pruned, and the Parameter behind
 one), :func:`refresh_pruned`, :func:`transaction` (all or nothing over several calls) and :func:`apply_method` (a
-method object, with the new mask's dtype as an argument). The rest of lightprune (the callback, selection, export)
-reaches the engine through these names only.
+method object, with the new mask's dtype as an argument), ``max_layer_sparsity`` on :func:`global_unstructured` and
+:class:`LayerCollapseWarning` (a parameter left with no weight). The rest of lightprune (the callback, selection,
+export) reaches the engine through these names only.
 
 Example:
     >>> import torch
@@ -38,6 +39,7 @@ from lightprune.prune.amount import (
     _validate_structured_pruning,
 )
 from lightprune.prune.base import BasePruningMethod, PruningContainer
+from lightprune.prune.collapse import LayerCollapseWarning
 from lightprune.prune.functional import (
     apply_method,
     custom_from_mask,
@@ -69,6 +71,7 @@ __all__ = [
     "CustomFromMask",
     "Identity",
     "L1Unstructured",
+    "LayerCollapseWarning",
     "LnStructured",
     "PruningContainer",
     "RandomStructured",

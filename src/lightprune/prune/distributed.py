@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount, validate_amount
+from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps
 from lightprune.prune.select import (
     RADIX_BITS,
     Cut,
@@ -421,6 +422,7 @@ def sharded_unstructured_masks(
     importance_scores: Sequence[Tensor | None] | None = None,
     dtype: torch.dtype = torch.bool,
     group: Any = None,
+    max_layer_sparsity: float = 1.0,
 ) -> list[Tensor]:
     """New local masks pruning ``amount`` more entries over all ``tensors`` together (global unstructured pruning).
 
@@ -438,12 +440,14 @@ def sharded_unstructured_masks(
         importance_scores: Per tensor, ``None`` or scores of the tensor's layout ranking it instead of its values.
         dtype: dtype of the new masks.
         group: The process group (``None``: the default one).
+        max_layer_sparsity: no tensor ends with more than this share of its entries pruned; the total stays
+            ``amount`` (:func:`lightprune.prune.collapse.fill_under_caps`, each round's cut found across ranks).
 
     Returns:
         Per tensor, the new mask of this rank's part (the local shard's shape; the full shape for a plain tensor).
 
     Raises:
-        ValueError: If ``method`` is unknown or ``amount`` exceeds what is left.
+        ValueError: If ``method`` is unknown, ``amount`` exceeds what is left, or the caps leave less than it.
 
     Example:
         >>> w = [torch.tensor([[0.5, -0.1], [0.3, 0.1]]), torch.tensor([2.0, 0.2])]
@@ -454,6 +458,7 @@ def sharded_unstructured_masks(
     if method not in ("l1", "random"):
         raise ValueError(f"method must be 'l1' or 'random', got {method!r}")
     validate_amount(amount)
+    max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
     tensors = list(tensors)
     pieces = _pieces_of(tensors, group)
     current = [None] * len(pieces) if current is None else [_local(c) for c in current]
@@ -475,12 +480,35 @@ def sharded_unstructured_masks(
         k = _compute_nparams_toprune(amount, available)
         _validate_pruning_amount(k, available)
         random = method == "random"
-        cuts = find_cuts(pieces, k, eligible=current, magnitude=not random, largest=random, group=group)
-        masks = []
-        for p, c, cut in zip(pieces, current, cuts, strict=True):
-            out = torch.empty(p.local.shape, dtype=dtype, device=p.local.device)
-            apply_cut([p.local], cut, out=[out], eligible=[c], base=[c], magnitude=not random, largest=random)
-            masks.append(out)
+        masks = [torch.empty(p.local.shape, dtype=dtype, device=p.local.device) for p in pieces]
+        capped = max_layer_sparsity < 1
+        counts = pruned_units(tensors, current, group=group) if capped else []
+
+        def select(indices: list[int], n: int) -> list[int]:
+            """Select ``n`` over the tensors ``indices`` across ranks; how many each lost, over all ranks."""
+            cuts = find_cuts(
+                [pieces[i] for i in indices], n, eligible=[current[i] for i in indices],
+                magnitude=not random, largest=random, group=group,
+            )  # fmt: skip
+            for i, cut in zip(indices, cuts, strict=True):
+                c = current[i]
+                apply_cut([pieces[i].local], cut, out=[masks[i]], eligible=[c], base=[c], magnitude=not random,
+                          largest=random)  # fmt: skip
+            if not capped:
+                return []
+            after = pruned_units([tensors[i] for i in indices], [masks[i] for i in indices], group=group)
+            return [pruned - counts[i][1] for i, (_, pruned) in zip(indices, after, strict=True)]
+
+        if not capped:
+            select(list(range(len(pieces))), k)
+            return masks
+        caps = [max(0, cap_units(max_layer_sparsity, units) - pruned) for units, pruned in counts]
+        if k > sum(caps):
+            raise ValueError(
+                f"max_layer_sparsity={max_layer_sparsity} leaves {sum(caps)} of the {available} unpruned entries "
+                f"prunable, fewer than the {k} asked for (amount={amount!r})"
+            )
+        fill_under_caps(caps, k, select)
     return masks
 
 

@@ -23,6 +23,7 @@ from lightprune.prune._reparam import (
 )
 from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount
 from lightprune.prune.base import BasePruningMethod, _check_same_shape, _has_fast_path, _to_mask_dtype, next_mask
+from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps, warn_collapsed
 from lightprune.prune.methods import (
     CustomFromMask,
     Identity,
@@ -261,6 +262,7 @@ def global_unstructured(
     importance_scores: dict[tuple[nn.Module, str], Tensor] | None = None,
     *,
     mask_dtype: Any = FROM_SETTING,
+    max_layer_sparsity: float = 1.0,
     **kwargs: Any,
 ) -> None:
     """Prune many parameters with one ranking across all of them (e.g. the smallest 90% of all weights).
@@ -281,24 +283,43 @@ def global_unstructured(
     twice). A tied Parameter pruned through one owner only leaves the others computing with the dense tensor: give
     every owner.
 
+    A global ranking may take every weight of a parameter whose values are small next to the others' (layer
+    collapse: a collapsed output layer outputs its bias alone, whatever the input). The result is the ranking's, as
+    torch's API promises, but a :class:`~lightprune.prune.collapse.LayerCollapseWarning` names every parameter this
+    call left with no unpruned entry. ``max_layer_sparsity`` prevents it: no parameter ends with more than that
+    share of its entries pruned (entries pruned before count), and the call still prunes exactly ``amount``, taking
+    what a capped parameter cannot give from the parameters under their caps, in rank order.
+
     Args:
         parameters: ``(module, name)`` pairs.
         pruning_method: an unstructured ``BasePruningMethod`` subclass.
         importance_scores: optional ``{(module, name): scores}``; parameters not in it are ranked by their values.
         mask_dtype: the dtype of the masks of parameters not pruned yet (``None``: each parameter's); by default
             the :func:`~lightprune.prune.mask_dtype` setting. Pruned parameters keep their masks' dtypes.
+        max_layer_sparsity: the largest share of any one parameter's entries that may end up pruned, in (0, 1]
+            (1.0: no cap). Below 1, the method must be ``L1Unstructured`` or ``RandomUnstructured``.
         **kwargs: the method's arguments, e.g. ``amount=0.9``.
 
     Raises:
         TypeError: ``parameters`` is not iterable, ``importance_scores`` not a dict, or the method not unstructured.
-        ValueError: a pair appears twice, scores have the wrong shape, or ``amount`` is too large.
+        ValueError: a pair appears twice, scores have the wrong shape, ``amount`` is too large, or
+            ``max_layer_sparsity`` is out of range, given with another method, or leaves fewer than ``amount``
+            entries to prune. Nothing is changed then.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
         >>> global_unstructured([(net[0], "weight"), (net[1], "weight")], L1Unstructured, amount=0.75)
         >>> sum(int((m.weight == 0).sum()) for m in net)
         150
+        >>> wide, narrow = torch.nn.Linear(64, 20), torch.nn.Linear(20, 2)
+        >>> with torch.no_grad():
+        ...     _ = narrow.weight.mul_(0.01)  # small weights: an uncapped ranking would take all of them
+        >>> global_unstructured([(wide, "weight"), (narrow, "weight")], L1Unstructured, amount=0.8,
+        ...                     max_layer_sparsity=0.9)
+        >>> int((narrow.weight == 0).sum()), int((wide.weight == 0).sum()) + int((narrow.weight == 0).sum())
+        (36, 1056)
     """
+    max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
     if isinstance(parameters, (str, bytes)) or not isinstance(parameters, Iterable):
         raise TypeError(
             f"global_unstructured(): parameters must be an iterable of (module, name) pairs, got {parameters!r}"
@@ -315,6 +336,12 @@ def global_unstructured(
         raise TypeError(
             'global_unstructured() needs a pruning method of PRUNING_TYPE "unstructured"; '
             f"{getattr(pruning_method, '__name__', pruning_method)} is {getattr(method, 'PRUNING_TYPE', None)!r}"
+        )
+    fast = _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured))
+    if max_layer_sparsity < 1 and not fast:
+        raise ValueError(
+            f"global_unstructured(): max_layer_sparsity={max_layer_sparsity} needs L1Unstructured or "
+            f"RandomUnstructured; got {type(method).__name__}"
         )
     seen: set[tuple[int, str]] = set()
     attachments: list[_Attachment] = []
@@ -342,11 +369,12 @@ def global_unstructured(
         scores.append(score.detach().to(attachment.orig.device))
 
     with torch.no_grad():
-        if _has_fast_path(method) and isinstance(method, (L1Unstructured, RandomUnstructured)):
+        if fast:
             with one_thread(attachments[0].orig.device):  # thousands of chunk-sized operations: no fork-joins
-                masks = _global_masks_fast(method, unique, scores)
+                masks = _global_masks_fast(method, unique, scores, max_layer_sparsity)
         else:
             masks = _global_masks_like_torch(method, unique, scores)
+        collapsed = _newly_collapsed(unique, masks, pairs)
     by_parameter = {id(attachment.orig): mask for attachment, mask in zip(unique, masks, strict=True)}
     for attachment in attachments:
         attachment.mask = by_parameter[id(attachment.orig)]
@@ -356,12 +384,34 @@ def global_unstructured(
         # the mask lives on as the buffer <name>_mask; a copy held by the hook would outlive the buffer once a
         # later call or a conversion (.half(), .to()) replaces it, one more full mask per pruning step
         attachment.method.mask = None
+    warn_collapsed(collapsed, "global_unstructured()")
+
+
+def _newly_collapsed(attachments: list[_Attachment], masks: list[Tensor], pairs: list[Any]) -> list[str]:
+    """Names of the parameters whose new mask prunes every entry and whose current one did not."""
+    collapsed = []
+    for attachment, mask in zip(attachments, masks, strict=True):
+        if mask.numel() == 0 or bool(mask.any()):
+            continue
+        current = attachment.current_mask
+        if current is None or bool(current.any()):
+            index = next(i for i, (m, n) in enumerate(pairs) if m is attachment.module and n == attachment.name)
+            collapsed.append(
+                f"parameters[{index}] ({type(attachment.module).__name__}.{attachment.name}, "
+                f"shape {tuple(attachment.orig.shape)})"
+            )
+    return collapsed
 
 
 def _global_masks_fast(
-    method: L1Unstructured | RandomUnstructured, attachments: list[_Attachment], scores: list[Tensor]
+    method: L1Unstructured | RandomUnstructured,
+    attachments: list[_Attachment],
+    scores: list[Tensor],
+    max_layer_sparsity: float = 1.0,
 ) -> list[Tensor]:
-    """One exact threshold across all tensors, written into one new mask per tensor."""
+    """One exact threshold across all tensors, written into one new mask per tensor; with a cap below 1, the
+    exact capped selection of :func:`~lightprune.prune.collapse.fill_under_caps` (one threshold per filled tensor
+    and one for the rest)."""
     current = [a.current_mask for a in attachments]
     random = isinstance(method, RandomUnstructured)
     magnitude = not random and method._by_magnitude  # the signed variant of L1Unstructured ranks by value
@@ -371,9 +421,30 @@ def _global_masks_fast(
     available = count_eligible(current, scores)
     k = _compute_nparams_toprune(method.amount, available)
     _validate_pruning_amount(k, available)
-    cut = find_cut(scores, k, eligible=current, magnitude=magnitude, largest=random)
     masks = [torch.empty(a.orig.shape, dtype=a.mask_dtype(), device=a.orig.device) for a in attachments]
-    apply_cut(scores, cut, out=masks, eligible=current, base=current, magnitude=magnitude, largest=random)
+    if max_layer_sparsity >= 1:
+        cut = find_cut(scores, k, eligible=current, magnitude=magnitude, largest=random)
+        apply_cut(scores, cut, out=masks, eligible=current, base=current, magnitude=magnitude, largest=random)
+        return masks
+    left = [count_eligible([c], [s]) for c, s in zip(current, scores, strict=True)]
+    caps = [
+        max(0, cap_units(max_layer_sparsity, s.numel()) - (s.numel() - n)) for s, n in zip(scores, left, strict=True)
+    ]
+    if k > sum(caps):
+        raise ValueError(
+            f"global_unstructured(): max_layer_sparsity={max_layer_sparsity} leaves {sum(caps)} of the {available} "
+            f"unpruned entries prunable, fewer than the {k} asked for (amount={method.amount!r})"
+        )
+
+    def select(indices: list[int], n: int) -> list[int]:
+        some = [scores[i] for i in indices]
+        elig = [current[i] for i in indices]
+        cut = find_cut(some, n, eligible=elig, magnitude=magnitude, largest=random)
+        outs = [masks[i] for i in indices]
+        apply_cut(some, cut, out=outs, eligible=elig, base=elig, magnitude=magnitude, largest=random)
+        return [left[i] - count_eligible([masks[i]], [scores[i]]) for i in indices]
+
+    fill_under_caps(caps, k, select)
     return masks
 
 
