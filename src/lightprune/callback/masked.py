@@ -10,6 +10,7 @@ Lightning: the callback owns the clock and decides when.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
 from lightprune.layouts import input_dim
 from lightprune.prune import distributed
+from lightprune.prune.collapse import LayerCollapseWarning, cap_units
 from lightprune.prune.masking import masked_
 from lightprune.prune.rowwise import RowwiseToSparsity
 from lightprune.prune.signed import signed_variant
@@ -45,6 +47,8 @@ class MaskedSelection:
         seed: seed of the random methods' draws, combined with each event's time.
         inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
             tensors plain Parameters, zeroed in place; events put the reparametrization back for their duration.
+        max_layer_sparsity: no tensor is pruned beyond this share of its units; a global event still prunes its
+            exact count (from the tensors under the cap), a layerwise one stops each tensor at the cap.
 
     Sharded tensors (DTensors: FSDP2, ``ModelParallelStrategy``) are always masked in place, each rank keeping the
     mask of its local shard only (``torch.bool`` unless ``mask_dtype`` says otherwise); events select with
@@ -70,11 +74,13 @@ class MaskedSelection:
         mask_dtype: torch.dtype | None,
         seed: int,
         inplace: bool = False,
+        max_layer_sparsity: float = 1.0,
     ) -> None:
         self.selection, self.ties, self.biases = selection, ties, biases
         self.method, self.method_kwargs, self.scope = method, dict(method_kwargs), scope
         self.structured = getattr(method, "PRUNING_TYPE", None) == "structured"
         self.mask_dtype, self.seed = mask_dtype, seed
+        self.max_layer_sparsity = max_layer_sparsity
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
         tensors = [prune.original(module, name) for _, module, name in selection]
@@ -118,6 +124,20 @@ class MaskedSelection:
             return tensor.shape[dim], 0
         other = [d for d in range(mask.dim()) if d != dim]
         return tensor.shape[dim], int((torch.count_nonzero(mask, dim=other) == 0).sum())
+
+    def collapsed(self) -> list[str]:
+        """Qualified names of the selected tensors with every unit pruned (no weight, or no channel, left).
+
+        Example:
+            >>> layer = nn.Linear(2, 2)
+            >>> masked = MaskedSelection([("fc.weight", layer, "weight")], [], [], prune.L1Unstructured, {},
+            ...                          "layerwise", torch.bool, 0)
+            >>> masked.prune_to(1.0, event=0)
+            >>> masked.collapsed()
+            ['fc.weight']
+        """
+        counts = self.counts()
+        return [q for (q, _, _), (units, pruned) in zip(self.selection, counts, strict=True) if 0 < units == pruned]
 
     def counts(self) -> list[tuple[int, int]]:
         """:meth:`units` of every selected tensor."""
@@ -180,6 +200,7 @@ class MaskedSelection:
             with self._seeded(event):
                 self._prune_sharded(target)
             return
+        cap = self.max_layer_sparsity
         # new masks get self.mask_dtype through the calls' mask_dtype= (the user's prune.mask_dtype setting is theirs)
         with self.reparametrized(), self._seeded(event), self.all_or_nothing():
             method = signed_variant(self.method) if signed else self.method
@@ -190,6 +211,7 @@ class MaskedSelection:
             elif self.scope == "row":
                 for qualified, module, name in self.selection:
                     self._apply(module, name, RowwiseToSparsity(target, by_magnitude=not signed), scores, qualified)
+                self._check_caps(target)
             elif self.scope == "global":
                 counts = self.counts()
                 total = sum(units for units, _ in counts)
@@ -197,23 +219,40 @@ class MaskedSelection:
                 if increment > 0:
                     pairs = [(module, name) for _, module, name in self.selection]
                     by_pair = None if scores is None else {(m, n): scores[q] for q, m, n in self.selection}
-                    prune.global_unstructured(
-                        pairs,
-                        method,
-                        importance_scores=by_pair,
-                        mask_dtype=self.mask_dtype,
-                        amount=increment,
-                        **self.method_kwargs,
-                    )
+                    with warnings.catch_warnings():  # the callback says it, naming the tensors (PruningCallback)
+                        warnings.simplefilter("ignore", LayerCollapseWarning)
+                        prune.global_unstructured(
+                            pairs,
+                            method,
+                            importance_scores=by_pair,
+                            mask_dtype=self.mask_dtype,
+                            max_layer_sparsity=cap,
+                            amount=increment,
+                            **self.method_kwargs,
+                        )
             else:
                 for qualified, module, name in self.selection:
                     units, pruned = self.units(module, name)
-                    increment = round(target * units) - pruned
+                    increment = min(round(target * units), cap_units(cap, units)) - pruned
                     if increment > 0:
                         self._apply(module, name, method(amount=increment, **self.method_kwargs), scores, qualified)
             for module in self.biases:
                 _prune_bias(module, self.mask_dtype)
             self._share_everywhere()
+
+    def _check_caps(self, target: float) -> None:
+        """Per-row ranking prunes every row to the target, rounded row by row: refuse an event that would take a
+        tensor past ``max_layer_sparsity`` (the event is then undone whole)."""
+        if self.max_layer_sparsity >= 1:
+            return
+        for qualified, module, name in self.selection:
+            units, pruned = self.units(module, name)
+            if pruned > cap_units(self.max_layer_sparsity, units):
+                raise ValueError(
+                    f"scope='row' at target {target} would prune {pruned} of the {units} weights of {qualified}, "
+                    f"beyond max_layer_sparsity={self.max_layer_sparsity} (rows round to whole weights): lower the "
+                    "target or raise the cap"
+                )
 
     def _apply(
         self, module: nn.Module, name: str, method: prune.BasePruningMethod, scores: Any, qualified: str
@@ -245,7 +284,7 @@ class MaskedSelection:
         current = [self.mask(module, name) for module, name in pairs]
         new = sharded.new_masks(
             tensors, current, self.counts(), target, self.method, self.method_kwargs, self.scope, self._sharded_dtype,
-            self.group,
+            self.group, self.max_layer_sparsity,
         )  # fmt: skip
         for i, mask in new.items():
             module, name = pairs[i]

@@ -41,6 +41,7 @@ from lightprune.callback.options import (
     resolve_schedule,
     schedule_for_run,
 )
+from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
 from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
 from lightprune.selection import (
@@ -147,10 +148,21 @@ class PruningCallback(Callback):
             fine-tuning, in one fit) has statistics. Not run when resuming.
         adopt_zeros: when fit starts, mask the entries of the selected weights that are exactly zero (a checkpoint
             pruned by another tool), so they stay zero through training; the schedule's targets count them.
+        max_layer_sparsity: the largest share of any one tensor's units (weights, or channels) that may be pruned,
+            in (0, 1]; 1.0 (the default) is no cap. A global ranking can otherwise take every weight of a layer
+            whose weights are small next to the others' (layer collapse: a collapsed output layer outputs its bias
+            alone): with a cap, each global event still prunes its exact count, taking what a capped tensor cannot
+            give from the tensors under their caps. In ``"layerwise"`` and ``"row"`` scope every tensor is pruned
+            to the target, so a cap below the schedule's final sparsity is refused. A cap the selection cannot meet
+            (the capped tensors hold fewer units than the final target) is refused before the first step.
+
+    Layer collapse is said whatever the cap: when an event leaves a selected tensor with no unpruned weight (no
+    channel, for structured methods), a :class:`~lightprune.prune.LayerCollapseWarning` names every such tensor
+    (rank zero), and the end-of-fit table marks them.
 
     The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
     is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
-    class runs past 350 lines because its constructor checks its twenty-three arguments eagerly, as Lightning's
+    class runs past 350 lines because its constructor checks its twenty-four arguments eagerly, as Lightning's
     callbacks do, and this docstring documents them.)
 
     Raises:
@@ -191,6 +203,7 @@ class PruningCallback(Callback):
         activation_window: int = 1,
         calibration_batches: int = 0,
         adopt_zeros: bool = False,
+        max_layer_sparsity: float = 1.0,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
@@ -200,6 +213,9 @@ class PruningCallback(Callback):
             check_semi_structured_schedule(self.schedule, self.method_kwargs["n"], self.method_kwargs["m"])
         if not isinstance(adopt_zeros, bool):
             raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
+        self.max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
+        if self.schedule.is_resolved:  # else checked when the run's length resolves it, before the first step
+            selecting.check_cap(self.max_layer_sparsity, scope, self.schedule.final_sparsity)
         check_choice("unit", unit, UNITS)
         check_choice("masking", masking, MASKING)
         raise_problems(
@@ -263,6 +279,7 @@ class PruningCallback(Callback):
         self._last_logged = -1
         self._given_snapshot = snapshot
         self._rewind_snapshot: dict[str, Tensor] | None = snapshot
+        self._collapsed: set[str] | None = None  # the tensors with every unit pruned, after the last event
         self._stale = StaleRefresher()  # pruned tensors a parent reads without calling their module's forward
 
     # ------------------------------------------------------------------------------------------------------------
@@ -292,6 +309,7 @@ class PruningCallback(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
+            selecting.refuse_strategy(trainer.strategy)
             self._reset()
             neighbours.run_after_weight_averaging(trainer, self)
 
@@ -313,6 +331,9 @@ class PruningCallback(Callback):
         if self._masks_in_place:
             self._step_handles = neighbours.mask_after_optimizer_steps(trainer, pl_module, self._in_place)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
+        if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
+            counts = self._masked.counts() if self.scope == "global" else None
+            selecting.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
         self._events = self._resolved.events() if self._importance.kind == "activation" else []  # for its window
         fresh = trainer.global_step == 0 and self._last_event < 0
         self._check_first_event(fresh)
@@ -465,6 +486,7 @@ class PruningCallback(Callback):
         self._importance.unbind()
         self._events = []
         self._collecting = False
+        self._collapsed = None
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
@@ -508,6 +530,7 @@ class PruningCallback(Callback):
             self.mask_dtype,
             self.seed,
             inplace=self.masking == "inplace",
+            max_layer_sparsity=self.max_layer_sparsity,
         )
 
     @property
@@ -568,15 +591,32 @@ class PruningCallback(Callback):
             scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
         else:  # an event at level 0 (a ramp's first) prunes nothing: it needs no scores and keeps the statistics
             scores = None
+        if target > 0 and self._collapsed is None:  # (every rank: counting sharded tensors is collective)
+            self._collapsed = set(self._masked.collapsed())  # what a resumed fit brought back is not news
         self._masked.prune_to(target, event, scores, signed=self._importance.signed)
         if target > 0:
             self._importance.after_event()
+            self._say_collapsed(event)
         self._last_event = event
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
             self._in_place()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
+
+    def _say_collapsed(self, event: int) -> None:
+        """Warn (rank zero) naming every tensor this event left with no unpruned unit: layer collapse."""
+        assert self._masked is not None
+        now = self._masked.collapsed()
+        new = [qualified for qualified in now if qualified not in (self._collapsed or set())]
+        self._collapsed = set(now)
+        if new:
+            unit = f"channel (dim {self.method_kwargs['dim']})" if self.structured else "weight"
+            where = f"{self._title()}: the event at {self.unit} {event}"
+            rank_zero_warn(collapse_message(new, where, unit), category=LayerCollapseWarning)
+
+    def _title(self) -> str:
+        return "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
 
     def _next_event(self) -> int | None:
         """The first event of the schedule after the last one taken, or ``None``."""
@@ -682,8 +722,7 @@ class PruningCallback(Callback):
             return "PruningCallback: nothing selected yet"
         unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
         rows = [(q, tuple(prune.original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
-        title = "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
-        return reporting.summary_table(f"{title}: pruned {self.scope}, {self.method.__name__}", unit, rows)
+        return reporting.summary_table(f"{self._title()}: pruned {self.scope}, {self.method.__name__}", unit, rows)
 
     def _warn_if_schedule_unfinished(self, trainer: Trainer) -> None:
         """Fit ended (EarlyStopping, max_steps, interruption) before the schedule's last event: say how far it got."""

@@ -28,6 +28,9 @@ def sparsities(masks: Mapping[str, Tensor], prefix: str, device: torch.device) -
 def summary_table(title: str, unit: str, rows: Sequence[tuple[str, Sequence[int], int, int]]) -> str:
     """A table of ``(parameter, shape, units, pruned units)`` rows and their total, as ModelSummary prints one.
 
+    A tensor with every unit pruned (layer collapse) is marked ``COLLAPSED``, and a note under the table says what
+    that means.
+
     Example:
         >>> print(summary_table("pruned", "weights", [("fc.weight", (2, 3), 6, 3)]))
         pruned
@@ -36,22 +39,41 @@ def summary_table(title: str, unit: str, rows: Sequence[tuple[str, Sequence[int]
         fc.weight  2x3                   3 / 6    50.00%
         ------------------------------------------------
         total                            3 / 6    50.00%
+        >>> print(summary_table("pruned", "weights", [("net.0.weight", (4, 2), 8, 4), ("net.2.weight", (1, 4), 4, 4)]))
+        pruned
+        parameter     shape  kept / total weights  sparsity
+        --------------------------------------------------------------
+        net.0.weight  4x2                   4 / 8    50.00%
+        net.2.weight  1x4                   0 / 4   100.00%  COLLAPSED
+        --------------------------------------------------------------
+        total                              4 / 12    66.67%
+        COLLAPSED: no weights left (layer collapse): the layer computes nothing from its input; see max_layer_sparsity
     """
-    table = [("parameter", "shape", f"kept / total {unit}", "sparsity")]
+    table = [("parameter", "shape", f"kept / total {unit}", "sparsity", "")]
     kept_all = total_all = 0
+    collapsed = False
     for qualified, shape, units, pruned in rows:
         kept_all, total_all = kept_all + units - pruned, total_all + units
         size = "x".join(str(s) for s in shape)
-        table.append((qualified, size, f"{units - pruned:,} / {units:,}", f"{pruned / max(units, 1):.2%}"))
-    table.append(("total", "", f"{kept_all:,} / {total_all:,}", f"{1 - kept_all / max(total_all, 1):.2%}"))
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
+        mark = "COLLAPSED" if 0 < units == pruned else ""
+        collapsed = collapsed or bool(mark)
+        table.append((qualified, size, f"{units - pruned:,} / {units:,}", f"{pruned / max(units, 1):.2%}", mark))
+    table.append(("total", "", f"{kept_all:,} / {total_all:,}", f"{1 - kept_all / max(total_all, 1):.2%}", ""))
+    columns = 5 if collapsed else 4
+    widths = [max(len(row[i]) for row in table) for i in range(columns)]
     lines = []
     for row in table:
-        padded = zip(row, widths, strict=True)
-        cells = [cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(padded)]
-        lines.append("  ".join(cells))
-    lines.insert(1, "-" * len(lines[0]))
-    lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        padded = zip(row[:columns], widths, strict=True)
+        cells = [cell.ljust(width) if i in (0, 1, 4) else cell.rjust(width) for i, (cell, width) in enumerate(padded)]
+        lines.append("  ".join(cells).rstrip())
+    width = max(len(line) for line in lines)
+    lines.insert(1, "-" * width)
+    lines.insert(len(lines) - 1, "-" * width)
+    if collapsed:
+        lines.append(
+            f"COLLAPSED: no {unit} left (layer collapse): the layer computes nothing from its input; see "
+            "max_layer_sparsity"
+        )
     return title + "\n" + "\n".join(lines)
 
 

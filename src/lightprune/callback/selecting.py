@@ -10,9 +10,11 @@ from torch import nn
 
 from lightprune import prune
 from lightprune._checks import is_int
+from lightprune.prune.collapse import cap_units
 
 __all__ = [
     "SMALL_SHARE",
+    "check_cap",
     "check_dims",
     "check_n_m_layout",
     "check_rows",
@@ -20,6 +22,7 @@ __all__ = [
     "find_ties",
     "refuse_overlaps",
     "refuse_sharded_criteria",
+    "refuse_strategy",
     "warn_small_share",
 ]
 
@@ -46,6 +49,87 @@ def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str
             )
 
 
+def refuse_strategy(strategy: Any) -> None:
+    """Refuse, by ``isinstance`` and with the reason, the strategies under which masks cannot hold.
+
+    DeepSpeed (a ``DDPStrategy`` subclass): ZeRO keeps the optimizer's own fp32 master weights and writes them back
+    into the module after every step, and under stage 3 the module's parameters are empty partitions, so masks on
+    the module's tensors are overwritten or meaningless. XLA: untested, and its lazy tensors would hold masks
+    applied between steps unrun. ``FSDPStrategy`` (FSDP1) flattens the parameters into flat shards whose layout is
+    not the tensors'. Subclasses of the tested strategies (``DDPStrategy``, ``ModelParallelStrategy``...) that users
+    write to tweak them are accepted.
+
+    Example:
+        >>> from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+        >>> refuse_strategy(DDPStrategy())
+        >>> refuse_strategy(object.__new__(DeepSpeedStrategy))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: PruningCallback does not support DeepSpeedStrategy: ZeRO keeps its own master weights ...
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, SingleDeviceXLAStrategy, XLAStrategy
+
+    refused = (
+        (
+            DeepSpeedStrategy,
+            "ZeRO keeps its own master weights and writes them over the module's after every step (under stage 3 the "
+            "module's parameters are empty partitions), so masks on the module's tensors would be overwritten; use "
+            "DDPStrategy, or ModelParallelStrategy with fully_shard (FSDP2) in configure_model",
+        ),
+        (
+            FSDPStrategy,
+            "FSDP1 flattens the parameters into flat shards whose layout is not the tensors'; use "
+            "ModelParallelStrategy with fully_shard (FSDP2) in configure_model, whose DTensor shards are pruned "
+            "exactly",
+        ),
+        (
+            (XLAStrategy, SingleDeviceXLAStrategy),
+            "pruning has not been tested on XLA devices, where masks applied between steps act on lazy tensors; "
+            "train on CPU or CUDA",
+        ),
+    )
+    for kinds, why in refused:
+        if isinstance(strategy, kinds):
+            raise ValueError(f"PruningCallback does not support {type(strategy).__name__}: {why}")
+
+
+def check_cap(max_layer_sparsity: float, scope: str, final: float, counts: list[tuple[int, int]] | None = None) -> None:
+    """Refuse a ``max_layer_sparsity`` under which the schedule's ``final`` sparsity cannot be met, before any step.
+
+    In ``"layerwise"`` and ``"row"`` scope every tensor is pruned to the target, so a cap below the final target is
+    refused outright. In ``"global"`` scope, with the selection's ``(units, pruned units)`` ``counts``, the cap is
+    refused when the capped tensors cannot hold the final count (tensors already pruned beyond the cap, e.g. by an
+    earlier fit, keep what they have and count as full).
+
+    Example:
+        >>> check_cap(0.9, "global", 0.8, [(100, 0), (10, 0)])
+        >>> check_cap(0.5, "global", 0.8, [(100, 0), (10, 0)])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: max_layer_sparsity=0.5 lets at most 55 of the selection's 110 units (50.00%) be pruned, fewer ...
+    """
+    if max_layer_sparsity >= 1:
+        return
+    if scope != "global":
+        if final > max_layer_sparsity:
+            raise ValueError(
+                f"max_layer_sparsity={max_layer_sparsity} is below the schedule's final sparsity {final}, and "
+                f"scope={scope!r} prunes every tensor to the target: lower the target or raise the cap"
+            )
+        return
+    if counts is None:
+        return
+    total = sum(units for units, _ in counts)
+    need = round(final * total)
+    reachable = sum(max(pruned, cap_units(max_layer_sparsity, units)) for units, pruned in counts)
+    if need > reachable:
+        raise ValueError(
+            f"max_layer_sparsity={max_layer_sparsity} lets at most {reachable} of the selection's {total} units "
+            f"({reachable / max(total, 1):.2%}) be pruned, fewer than the schedule's final sparsity {final} asks for "
+            f"({need}): raise the cap or lower the target"
+        )
+
+
 def check_sharded(
     selection: Selection, strategy: Any, method: Any, rewind: Any, owners: Mapping[int, Selection] | None = None
 ) -> None:
@@ -53,21 +137,17 @@ def check_sharded(
 
     Parameters sharded as DTensor (``ModelParallelStrategy``, FSDP2's ``fully_shard``) are pruned exactly with the
     built-in methods, masked in place on each rank's shard. Refused: DTensors under any other strategy (untested
-    there, and their checkpoints would not carry the masks' shards), ``FSDPStrategy`` (FSDP1 flattens the
-    parameters into flat shards whose layout is not the tensors'), custom pruning methods, rewinding and tied
-    weights of a sharded selection.
+    there, and their checkpoints would not carry the masks' shards), custom pruning methods, rewinding and tied
+    weights of a sharded selection. (``FSDPStrategy`` is refused whatever the selection: :func:`refuse_strategy`.)
     """
-    if type(strategy).__name__ == "FSDPStrategy":
-        raise ValueError(
-            "PruningCallback does not support FSDPStrategy (FSDP1 flat parameters); use ModelParallelStrategy with "
-            "fully_shard (FSDP2) in configure_model, whose DTensor shards are pruned exactly"
-        )
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
     from lightprune.prune.distributed import is_sharded
 
     sharded = [qualified for qualified, module, name in selection if is_sharded(prune.original(module, name))]
     if not sharded:
         return
-    if type(strategy).__name__ != "ModelParallelStrategy":
+    if not isinstance(strategy, ModelParallelStrategy):
         raise ValueError(
             f"PruningCallback does not support parameters sharded as DTensor outside ModelParallelStrategy (got "
             f"{type(strategy).__name__}); sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Shard with "

@@ -95,20 +95,24 @@ def new_masks(
     scope: str,
     dtype: torch.dtype,
     group: Any,
+    max_layer_sparsity: float = 1.0,
 ) -> dict[int, Tensor]:
     """This rank's new local masks for an event to ``target`` (by the index of the tensor; tensors that need no
     more pruning are left out), from :mod:`lightprune.prune.distributed`: the masks one process would compute.
 
     ``counts`` holds each tensor's ``(units, pruned units)`` over all ranks; ``method`` is one of the built-in
-    unstructured or structured methods (the callback refuses others at setup).
+    unstructured or structured methods (the callback refuses others at setup). No tensor is pruned beyond
+    ``max_layer_sparsity`` of its units: a global event takes its exact count from the tensors under the cap, a
+    layerwise one stops each tensor at the cap.
     """
     from lightprune.prune import distributed
+    from lightprune.prune.collapse import cap_units
 
     new: dict[int, Tensor] = {}
     if method.PRUNING_TYPE == "structured":
         n = method_kwargs.get("n")  # None: RandomStructured
         for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-            increment = round(target * units) - pruned
+            increment = min(round(target * units), cap_units(max_layer_sparsity, units)) - pruned
             if increment > 0:
                 new[i] = distributed.sharded_structured_mask(
                     tensor, increment, dim=method_kwargs["dim"], n=n, current=mask, dtype=dtype, group=group
@@ -119,12 +123,13 @@ def new_masks(
         increment = round(target * sum(u for u, _ in counts)) - sum(p for _, p in counts)
         if increment > 0:
             masks = distributed.sharded_unstructured_masks(
-                tensors, increment, method=name, current=current, dtype=dtype, group=group
-            )
+                tensors, increment, method=name, current=current, dtype=dtype, group=group,
+                max_layer_sparsity=max_layer_sparsity,
+            )  # fmt: skip
             new = dict(enumerate(masks))
         return new
     for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-        increment = round(target * units) - pruned
+        increment = min(round(target * units), cap_units(max_layer_sparsity, units)) - pruned
         if increment > 0:
             new[i] = distributed.sharded_unstructured_masks(
                 [tensor], increment, method=name, current=[mask], dtype=dtype, group=group
