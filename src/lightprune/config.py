@@ -228,6 +228,9 @@ class PruningConfig:
         calibration_batches: training batches run forward before fine-tuning starts, so that an event at its start
             has input statistics (``importance=activation`` only).
         adopt_zeros: weights already exactly zero when fine-tuning starts stay zero (masked).
+        max_layer_sparsity: the largest share of any one layer's weights (channels) that may be pruned, in (0, 1];
+            ``1.0``: no cap. A global ranking can otherwise prune a layer away entirely (layer collapse); with a cap
+            the global total stays exact. In ``layerwise``/``row`` scope it may not be below ``final_sparsity``.
         nm_n: weights kept in every group of ``semi_structured``.
         nm_m: the group size of ``semi_structured`` (must divide every pruned layer's input size).
     """
@@ -258,6 +261,7 @@ class PruningConfig:
     activation_window: int = 1
     calibration_batches: int = 0
     adopt_zeros: bool = False
+    max_layer_sparsity: float = 1.0
     nm_n: int = 2
     nm_m: int = 4
 
@@ -616,6 +620,7 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
         method, kind, scope=pruning.scope, prune_channel_bias=pruning.prune_channel_bias, dim=pruning.dim
     )
     found += rules.importance_problems(importance, method, calibration_batches=pruning.calibration_batches)
+    found += rules.cap_problems(pruning.max_layer_sparsity, scope=pruning.scope, final_sparsity=pruning.final_sparsity)
     if method == "semi_structured":
         _check(problems, pruning.nm_m >= 2, "pruning.nm_m", pruning.nm_m, "a group of >= 2 weights")
         _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")

@@ -14,11 +14,12 @@ is structured: use scope=layerwise')]
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from lightprune import choices
 
-__all__ = ["Problem", "importance_problems", "kind_of", "method_problems", "semi_structured_problems"]
+__all__ = ["Problem", "cap_problems", "importance_problems", "kind_of", "method_problems", "semi_structured_problems"]
 
 
 class Problem(NamedTuple):
@@ -151,3 +152,34 @@ in one event: give a one-shot schedule to 0.5"
             + (f" (this one prunes to {sparsity:g})" if one_event and sparsity else ""),
         )
     ]
+
+
+def cap_problems(
+    max_layer_sparsity: Any, *, scope: str | None = None, final_sparsity: float | None = None
+) -> list[Problem]:
+    """``max_layer_sparsity`` is a float in (0, 1] (1.0: no cap); in ``"layerwise"`` and ``"row"`` scope, where every
+    tensor is pruned to the target, it may not be below the schedule's ``final_sparsity`` (``None``: not known yet).
+
+    Example:
+        >>> cap_problems(0.9, scope="global", final_sparsity=0.95)
+        []
+        >>> [p.format() for p in cap_problems(1.5)]
+        ['max_layer_sparsity=1.5: must be a float in (0, 1] (1.0: no cap)']
+        >>> print(cap_problems(0.5, scope="layerwise", final_sparsity=0.8)[0].message)
+        is below the final sparsity 0.8, and scope=layerwise prunes every tensor to the target: lower the target or \
+raise the cap
+    """
+    value = max_layer_sparsity
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if not (number and 0 < value <= 1):
+        return [Problem("max_layer_sparsity", value, "must be a float in (0, 1] (1.0: no cap)")]
+    if scope not in (None, "global") and final_sparsity is not None and final_sparsity > value:
+        return [
+            Problem(
+                "max_layer_sparsity",
+                value,
+                f"is below the final sparsity {final_sparsity:g}, and scope={scope} prunes every tensor to the "
+                "target: lower the target or raise the cap",
+            )
+        ]
+    return []

@@ -111,6 +111,45 @@ def test_structured_methods_need_layerwise_scope() -> None:
     assert problems(config(pruning={"method": "random_structured", "scope": "layerwise"})) == []
 
 
+def test_max_layer_sparsity_is_checked_by_the_callbacks_rule() -> None:
+    assert problems(config(pruning={"max_layer_sparsity": 0.95})) == []  # global: the callback checks the counts
+    layerwise = {"scope": "layerwise", "final_sparsity": 0.9, "max_layer_sparsity": 0.8}
+    assert problems(config(pruning=layerwise)) == [
+        "pruning.max_layer_sparsity=0.8: is below the final sparsity 0.9, and scope=layerwise prunes every tensor to "
+        "the target: lower the target or raise the cap"
+    ]
+    assert problems(config(pruning={**layerwise, "final_sparsity": 0.8})) == []
+
+
+# callback arguments the app sets itself (from other keys, or always the same) rather than from a pruning.* key
+SET_BY_THE_APP = {
+    "log_every_n_steps": "trainer.log_every_n_steps",
+    "make_permanent": "the app's phases",
+    "masking": "reparametrize",
+    "method_kwargs": "pruning.n, dim, nm_n, nm_m",
+    "module_types": "the default Linear/Conv",
+    "name": "one callback",
+    "parameter_names": "weights",
+    "parameters": "pruning.include / exclude",
+    "summary": "printed",
+}
+
+
+def test_the_config_mirrors_every_argument_of_the_callback() -> None:
+    """A new PruningCallback argument gets a pruning.* key (or an entry above saying where the app sets it)."""
+    import dataclasses
+    import inspect
+
+    from lightprune.callback import PruningCallback
+
+    arguments = set(inspect.signature(PruningCallback).parameters) - {"schedule"}
+    keys = {field.name for field in dataclasses.fields(PruningConfig)}
+    assert sorted(arguments - keys) == sorted(SET_BY_THE_APP)
+    assert (
+        inspect.signature(PruningCallback).parameters["max_layer_sparsity"].default == PruningConfig.max_layer_sparsity
+    )
+
+
 def test_small_cnn_needs_images() -> None:
     assert problems(config(model={"name": "small_cnn"}, data={"flatten": True}))[0].startswith("data.flatten=True")
     assert problems(config(model={"name": "lenet300100"}, data={"flatten": True})) == []

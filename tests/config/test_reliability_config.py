@@ -80,6 +80,7 @@ KEYS: dict[str, Key] = {
     "pruning.activation_window": Key(["abc", "1.5"], ["0", "-1"], ["pruning=wanda_gradual"]),
     "pruning.calibration_batches": Key(["abc"], ["-1"], ["pruning=wanda_gradual"]),
     "pruning.adopt_zeros": Key(["maybe"], []),
+    "pruning.max_layer_sparsity": Key(["abc", "[0.9]"], ["0", "-0.1", "1.5", "nan"]),
     "pruning.nm_n": Key(["abc"], ["0", "4"], ["pruning=nm_2_4"]),
     "pruning.nm_m": Key(["abc"], ["1"], ["pruning=nm_2_4"]),
     "trainer.dense_epochs": Key(["abc", "1.5"], ["0", "-1"]),

@@ -8,8 +8,9 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightprune import prune
+from lightprune import prune, rules
 from lightprune._checks import is_int
+from lightprune.callback.options import raise_problems
 from lightprune.prune.collapse import cap_units
 
 __all__ = [
@@ -110,13 +111,7 @@ def check_cap(max_layer_sparsity: float, scope: str, final: float, counts: list[
     """
     if max_layer_sparsity >= 1:
         return
-    if scope != "global":
-        if final > max_layer_sparsity:
-            raise ValueError(
-                f"max_layer_sparsity={max_layer_sparsity} is below the schedule's final sparsity {final}, and "
-                f"scope={scope!r} prunes every tensor to the target: lower the target or raise the cap"
-            )
-        return
+    raise_problems(rules.cap_problems(max_layer_sparsity, scope=scope, final_sparsity=final))
     if counts is None:
         return
     total = sum(units for units, _ in counts)

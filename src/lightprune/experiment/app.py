@@ -150,6 +150,7 @@ def build_callback(
         activation_window=p.activation_window,
         calibration_batches=p.calibration_batches,
         adopt_zeros=p.adopt_zeros,
+        max_layer_sparsity=p.max_layer_sparsity,
     )
 
 
