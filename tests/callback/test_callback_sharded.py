@@ -140,6 +140,10 @@ SCRIPT = textwrap.dedent(
     if "global" in cases:
         fit("global", torch.float32, {}, 8, ckpt_dir=out / "ckpt", log=True)
         fit("resumed", torch.float32, {}, 8, ckpt_path=out / "ckpt" / "epoch=0-step=4.ckpt")
+    if "capped" in cases:  # layers held at max_layer_sparsity, the total exact; and resumed
+        fit("capped", torch.float32, {"max_layer_sparsity": 0.72}, 8, ckpt_dir=out / "ckpt_capped")
+        fit("capped_resumed", torch.float32, {"max_layer_sparsity": 0.72}, 8,
+            ckpt_path=out / "ckpt_capped" / "epoch=0-step=4.ckpt")
     if "layerwise" in cases:
         fit("layerwise", torch.bfloat16, {"scope": "layerwise"}, 6)
     if "structured" in cases:
@@ -168,6 +172,7 @@ def run(tmp_path: Path, world: int, cases: str) -> None:
 
 
 NAMES = ("net.0.weight", "net.2.weight", "net.4.weight")
+CAP = 0.72  # the "capped" case's max_layer_sparsity
 
 
 def reference_masks(
@@ -187,13 +192,15 @@ def reference_masks(
                 prune.custom_from_mask(m, "weight", previous[key])
         modules[key] = m
     with prune.mask_dtype(torch.bool):
-        if how in ("global", "random"):
+        if how in ("global", "random", "capped"):
             total = sum(increments.values())
             method = prune.L1Unstructured
             if how == "random":  # the callback draws from (seed, event): seed 5, the event's step
                 method = prune.RandomUnstructured
                 torch.manual_seed((5 * 1_000_003 + step) % (2**63))
-            prune.global_unstructured([(modules[k], "weight") for k in NAMES], method, amount=total)
+            cap = CAP if how == "capped" else 1.0
+            pairs = [(modules[k], "weight") for k in NAMES]
+            prune.global_unstructured(pairs, method, amount=total, max_layer_sparsity=cap)
         else:
             for key in NAMES:
                 if increments[key] <= 0:
@@ -249,9 +256,11 @@ def check_events(record: dict, how: str) -> int:
             assert not entry["after"][key][~masks[key]].any(), (how, step, key)
         previous = masks
     final = {key: record["final"]["masks"][key] for key in NAMES}  # the weights' (biases follow them)
-    if how in ("global", "random"):
+    if how in ("global", "random", "capped"):
         total = sum(m.numel() for m in final.values())
         assert sum(pruned_units(m, how) for m in final.values()) == round(0.7 * total)
+        if how == "capped":
+            assert all(pruned_units(m, how) / m.numel() <= CAP for m in final.values())
     else:
         for mask in final.values():
             assert pruned_units(mask, how) == round(0.7 * units(mask, how))
@@ -328,16 +337,9 @@ def test_three_ranks_structured_along_dim_0_and_dim_1_and_random(tmp_path: Path)
                 assert not final["weights"][key.replace("weight", "bias")][dead].any(), key
 
 
-class _Strategy:
-    """Stands in for a Lightning strategy: only its class name is read."""
-
-
-def _strategy(name: str) -> object:
-    return type(name, (_Strategy,), {})()
-
-
 def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path) -> None:
     dist = pytest.importorskip("torch.distributed")
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -349,15 +351,29 @@ def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path
         mesh = init_device_mesh("cpu", (1,))
         layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
         selection = [("fc.weight", layer, "weight")]
-        parallel = _strategy("ModelParallelStrategy")
+        parallel = ModelParallelStrategy()
         check_sharded(selection, parallel, prune.L1Unstructured, None)  # supported
-        with pytest.raises(ValueError, match="does not support FSDPStrategy"):
-            check_sharded([], _strategy("FSDPStrategy"), prune.L1Unstructured, None)
+        check_sharded(selection, type("Mine", (ModelParallelStrategy,), {})(), prune.L1Unstructured, None)  # a subclass
         with pytest.raises(ValueError, match=r"outside ModelParallelStrategy \(got DDPStrategy\).*'fc\.weight'"):
-            check_sharded(selection, _strategy("DDPStrategy"), prune.L1Unstructured, None)
+            check_sharded(selection, DDPStrategy(), prune.L1Unstructured, None)
         with pytest.raises(ValueError, match=r"built-in methods.*got Identity for \['fc\.weight'\]"):
             check_sharded(selection, parallel, prune.Identity, None)
         with pytest.raises(ValueError, match=r"does not rewind sharded.*rewind='init'"):
             check_sharded(selection, parallel, prune.L1Unstructured, "init")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_global_with_max_layer_sparsity_and_resumed(tmp_path: Path) -> None:
+    """FSDP2: every capped event is the one-process capped selection, bit for bit; resuming gives the same end."""
+    run(tmp_path, 2, "capped")
+    record = torch.load(tmp_path / "capped.pt", weights_only=False)
+    assert check_events(record, "capped") == 3
+    final = record["final"]["masks"]
+    assert any(int((~m).sum()) == int(CAP * m.numel()) for m in final.values())  # a layer held at its cap
+    resumed = torch.load(tmp_path / "capped_resumed.pt", weights_only=False)
+    for key, value in final.items():
+        assert torch.equal(value, resumed["final"]["masks"][key]), key
+    assert min(resumed["steps"]) == 5
