@@ -104,7 +104,8 @@ SCRIPT = textwrap.dedent(
     else:  # magnitude (global) and random draws
         callbacks = [
             PruningCallback(
-                Linear(final=0.6, start=0, end=12, frequency=3), include=r"net\\.[02]\\.weight", make_permanent=False
+                Linear(final=0.6, start=0, end=12, frequency=3), include=r"net\\.[02]\\.weight", make_permanent=False,
+                max_layer_sparsity=0.62,
             ),
             PruningCallback(
                 Geometric(0.3, start=1, frequency=2, rounds=6),
@@ -161,6 +162,9 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
     # both callbacks reached their targets to the unit
     final = ranks[0]["masks"][16]
     assert int((~final["net.0.weight_mask"]).sum() + (~final["net.2.weight_mask"]).sum()) == round(0.6 * (128 + 192))
+    # ... each layer held under max_layer_sparsity=0.62 (0.62 of 128 is 79.36, of 192 is 119.04), one of them at it
+    pruned = [int((~final[key]).sum()) for key in ("net.0.weight_mask", "net.2.weight_mask")]
+    assert pruned[0] <= 79 and pruned[1] <= 119 and (pruned[0] == 79 or pruned[1] == 119), pruned
     assert int((~final["net.4.weight_mask"]).sum()) == round((1 - 0.7**6) * 48)
     # the random masks changed at each of their events (steps 1, 3, ..., 11), drawn afresh
     pruned = [int((~ranks[0]["masks"][step]["net.4.weight_mask"]).sum()) for step in (1, 3, 5, 7, 9, 11)]
