@@ -264,3 +264,16 @@ def test_fsdp1_is_refused_at_setup_and_users_subclasses_of_tested_strategies_are
     model, callback = TinyNet(), PruningCallback(0.5, make_permanent=False)
     fit(callback, model, strategy=MyDDP(process_group_backend="gloo"))
     assert sum(pruned(model, name)[1] for name in callback.selection) == round(0.5 * 368)
+
+
+def test_a_structured_event_that_removes_every_channel_is_named_in_channels() -> None:
+    model = TinyNet()
+    callback = PruningCallback(
+        Linear(final=1.0, start=0, end=2, frequency=2), method="ln_structured", scope="layerwise",
+        include=r"net\.4\.weight", make_permanent=False,
+    )  # fmt: skip
+    (warning,) = fit(callback, model, max_steps=3)  # step 0 prunes nothing (level 0), step 2 every channel
+    assert str(warning.message).startswith(
+        "PruningCallback: the event at step 2 pruned every channel (dim 0) of net.4.weight: layer collapse"
+    )
+    assert "COLLAPSED: no channels (dim 0) left" in callback.summary_table()
