@@ -228,11 +228,11 @@ def test_impossible_caps_are_refused_before_any_step() -> None:
 
 
 def test_layerwise_stops_each_layer_at_the_cap() -> None:
-    model, callback = TinyNet(), PruningCallback(0.5, scope="layerwise", max_layer_sparsity=0.5, make_permanent=False)
+    """Layers of 15 and 9 weights at 50%: rounding would take 8 of 15 (round(7.5)), the cap holds 7."""
+    model = MLP((5, 3, 3))
+    callback = PruningCallback(0.5, scope="layerwise", max_layer_sparsity=0.5, make_permanent=False)
     fit(callback, model)
-    for name in callback.selection:
-        units, count = pruned(model, name)
-        assert count == units // 2
+    assert [pruned(model, name) for name in callback.selection] == [(15, 7), (9, 4)]
 
 
 @pytest.mark.parametrize("kind", [DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy])

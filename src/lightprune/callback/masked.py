@@ -23,7 +23,7 @@ from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
 from lightprune.layouts import input_dim
 from lightprune.prune import distributed
-from lightprune.prune.collapse import LayerCollapseWarning, cap_units
+from lightprune.prune.collapse import LayerCollapseWarning, cap_units, capped_count
 from lightprune.prune.masking import masked_
 from lightprune.prune.rowwise import RowwiseToSparsity
 from lightprune.prune.signed import signed_variant
@@ -233,7 +233,7 @@ class MaskedSelection:
             else:
                 for qualified, module, name in self.selection:
                     units, pruned = self.units(module, name)
-                    increment = min(round(target * units), cap_units(cap, units)) - pruned
+                    increment = capped_count(target, units, cap) - pruned
                     if increment > 0:
                         self._apply(module, name, method(amount=increment, **self.method_kwargs), scores, qualified)
             for module in self.biases:

@@ -106,13 +106,13 @@ def new_masks(
     layerwise one stops each tensor at the cap.
     """
     from lightprune.prune import distributed
-    from lightprune.prune.collapse import cap_units
+    from lightprune.prune.collapse import capped_count
 
     new: dict[int, Tensor] = {}
     if method.PRUNING_TYPE == "structured":
         n = method_kwargs.get("n")  # None: RandomStructured
         for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-            increment = min(round(target * units), cap_units(max_layer_sparsity, units)) - pruned
+            increment = capped_count(target, units, max_layer_sparsity) - pruned
             if increment > 0:
                 new[i] = distributed.sharded_structured_mask(
                     tensor, increment, dim=method_kwargs["dim"], n=n, current=mask, dtype=dtype, group=group
@@ -129,7 +129,7 @@ def new_masks(
             new = dict(enumerate(masks))
         return new
     for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-        increment = min(round(target * units), cap_units(max_layer_sparsity, units)) - pruned
+        increment = capped_count(target, units, max_layer_sparsity) - pruned
         if increment > 0:
             new[i] = distributed.sharded_unstructured_masks(
                 [tensor], increment, method=name, current=[mask], dtype=dtype, group=group

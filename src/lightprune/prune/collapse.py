@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "LayerCollapseWarning",
     "cap_units",
+    "capped_count",
     "check_max_layer_sparsity",
     "fill_under_caps",
     "warn_collapsed",
@@ -78,6 +79,17 @@ def cap_units(max_sparsity: float, units: int) -> int:
     while pruned > 0 and pruned / units > max_sparsity:
         pruned -= 1
     return pruned
+
+
+def capped_count(target: float, units: int, max_sparsity: float) -> int:
+    """How many units of a tensor of ``units`` a layerwise event to ``target`` prunes in all: ``round(target * units)``,
+    stopped at the cap (:func:`cap_units`) when rounding would pass it.
+
+    Example:
+        >>> capped_count(0.5, 3, 1.0), capped_count(0.5, 3, 0.5)
+        (2, 1)
+    """
+    return min(round(target * units), cap_units(max_sparsity, units))
 
 
 def fill_under_caps(caps: Sequence[int], k: int, select: Callable[[list[int], int], list[int]]) -> None:
