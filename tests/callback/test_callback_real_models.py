@@ -395,6 +395,40 @@ def test_fit_end_prints_a_summary_table(tmp_path: Path, caplog: pytest.LogCaptur
     assert re.fullmatch(r"total +184 / 368 +50\.00%", lines[-1])
 
 
+def pruned_units(weight: Tensor, structured: bool) -> int:
+    """Zero entries of a plain weight, or its all-zero output channels (dim 0): counted apart from the callback."""
+    if structured:
+        return int((weight.detach().flatten(1).count_nonzero(dim=1) == 0).sum())
+    return zeros(weight.detach())
+
+
+@pytest.mark.parametrize(
+    ("model_class", "options"),
+    [(TinyBert, {}), (TinyBert, {"method": "ln_structured"}), (TinyNet, {"masking": "inplace"})],
+    ids=["bert-global-l1", "bert-ln-structured", "tinynet-inplace"],
+)
+def test_summary_table_after_a_permanent_fit_is_the_one_printed_at_fit_end(
+    model_class: type[L.LightningModule], options: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    callback = PruningCallback(Linear(final=0.6, start=0, end=2, frequency=1), make_permanent=True, **options)
+    model = model_class()
+    with caplog.at_level(logging.INFO):
+        trainer([callback], max_steps=3).fit(model)
+    (printed,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("PruningCallback: pruned")]
+    assert not prune.is_pruned(model)  # the masks are gone: the zeros are in the plain weights
+    assert callback.summary_table() == printed
+    rows = [line.split() for line in printed.splitlines()[3:-2]]
+    assert [row[0] for row in rows] == callback.selection
+    structured = "method" in options
+    pruned = 0
+    for qualified, _, kept, _, total, _ in rows:
+        units = int(total.replace(",", ""))
+        assert units - int(kept.replace(",", "")) == pruned_units(model.get_parameter(qualified), structured)
+        pruned += units - int(kept.replace(",", ""))
+    if not structured:  # global: the exact count of the final target, in the plain weights
+        assert pruned == round(0.6 * sum(model.get_parameter(q).numel() for q in callback.selection))
+
+
 class StopAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step

@@ -87,6 +87,7 @@ class MaskedSelection:
         self.sharded = any(distributed.is_sharded(t) for t in tensors)
         self.group = distributed.group_of(tensors) if self.sharded else None
         self.inplace = InPlaceMasks() if inplace or self.sharded else None
+        self.permanent = False  # made permanent: the masks are gone, the pruned entries are the weights' zeros
 
     def mask(self, module: nn.Module, name: str) -> Tensor | None:
         """The mask of ``module.<name>`` (under the reparametrization or kept apart in place), or ``None``."""
@@ -111,11 +112,28 @@ class MaskedSelection:
         return [(module, name) for _, module, name in self.named_pairs()]
 
     def units(self, module: nn.Module, name: str) -> tuple[int, int]:
-        """``(units, pruned units)`` of a tensor: entries, or channels along ``dim`` for structured methods."""
+        """``(units, pruned units)`` of a tensor: entries, or channels along ``dim`` for structured methods.
+
+        After :meth:`make_permanent` removed the reparametrization, the pruned units are read from the plain weight:
+        its zero entries, or its all-zero channels.
+
+        Example:
+            >>> layer = nn.Linear(4, 2)
+            >>> masked = MaskedSelection([("fc.weight", layer, "weight")], [], [], prune.L1Unstructured, {},
+            ...                          "layerwise", torch.bool, 0)
+            >>> masked.prune_to(0.5, event=0)
+            >>> masked.units(layer, "weight")
+            (8, 4)
+            >>> masked.make_permanent()
+            >>> prune.is_pruned(layer), masked.units(layer, "weight")
+            (False, (8, 4))
+        """
         if self.sharded:
             return self._sharded_counts([(module, name)])[0]
         tensor = prune.original(module, name)
         mask = self.mask(module, name)
+        if mask is None and self.permanent:
+            mask = tensor.detach() != 0
         if not self.structured:
             pruned = 0 if mask is None else tensor.numel() - int(torch.count_nonzero(mask))
             return tensor.numel(), pruned
@@ -353,6 +371,7 @@ class MaskedSelection:
         for module, name in self.pairs():
             if name in prune.pruned_names(module):
                 prune.remove(module, name)
+        self.permanent = True
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints

@@ -712,7 +712,8 @@ class PruningCallback(Callback):
 
     def summary_table(self) -> str:
         """A table of the pruned tensors (parameter, shape, kept / total, sparsity) and the total, as printed at the
-        end of fit; units are entries, or channels along ``dim`` for structured methods.
+        end of fit; units are entries, or channels along ``dim`` for structured methods. After a fit that made the
+        pruning permanent, the pruned units are the plain weights' zeros (all-zero channels).
 
         Example:
             >>> PruningCallback(0.5).summary_table()
