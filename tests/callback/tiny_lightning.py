@@ -6,7 +6,7 @@ weights, trained with SGD with momentum (so resuming needs the optimizer state t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lightning as L
@@ -28,6 +28,36 @@ def loader(samples: int = 64, seed: int = 1) -> DataLoader:
     x = torch.randn(samples, 8, generator=generator)
     y = torch.randint(0, 4, (samples,), generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+class ResumableBatches:
+    """The batches of a loader as a resumable iterable: Lightning writes its position into checkpoints
+    (``state_dict``) and restores it (``load_state_dict``), so a fit resumed mid-epoch sees the batches that the
+    uninterrupted fit saw next (a plain DataLoader would start the epoch again from its first batch).
+
+    The position is the count of batches Lightning has taken from the current pass; a pass that was taken whole
+    restores to the start of the next one.
+    """
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self.batches = list(batches)
+        self._start = 0
+        self._taken = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._taken, self._start = self._start, 0
+        for batch in self.batches[self._taken :]:
+            self._taken += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"taken": self._taken}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._start = state["taken"] % len(self.batches)
 
 
 class TinyNet(L.LightningModule):

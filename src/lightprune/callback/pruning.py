@@ -71,7 +71,10 @@ class PruningCallback(Callback):
     an event at epoch ``e`` runs when epoch ``e`` starts, after ``e`` epochs (and at the end of fit for the last one).
     Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``. Every fit
     starts the schedule afresh, also with a callback reused from an earlier fit; a fit resumed from a checkpoint
-    (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included. Pruned tensors
+    (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included, and ends with
+    the masks and weights of the uninterrupted run, as long as Lightning replays the same batches: a mid-epoch
+    checkpoint needs a resumable dataloader, and a run bounded by ``max_steps`` resumed from a checkpoint written at
+    an epoch's end trains one extra batch (a Lightning issue; the callback warns when it happens). Pruned tensors
     that a parent reads without calling their module's forward (``nn.MultiheadAttention``'s ``out_proj``) are
     recomputed by the callback, so they never go stale.
 
@@ -355,6 +358,8 @@ class PruningCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx >= trainer.num_training_batches:  # (inf for a loader without length)
+            reporting.warn_batch_past_epoch_end(trainer.current_epoch, batch_idx, int(trainer.num_training_batches))
         self._stale.refresh()
         if self._masked is not None:
             self._stale.watch(self._masked.pairs())

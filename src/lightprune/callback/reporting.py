@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightprune.metrics import SparsityCollection
 
-__all__ = ["sparsities", "summary_table", "warn_unfinished"]
+__all__ = ["sparsities", "summary_table", "warn_batch_past_epoch_end", "warn_unfinished"]
 
 
 def sparsities(masks: Mapping[str, Tensor], prefix: str, device: torch.device) -> dict[str, float]:
@@ -82,5 +82,34 @@ def warn_unfinished(unit: str, now: int, last_event: int, reached: float, final:
     rank_zero_warn(
         f"PruningCallback: fit ended at {unit} {now}, before the schedule's last event at {unit} {last_event}: "
         f"sparsity reached {reached:.4f}, scheduled final sparsity {final:.4f}",
+        category=UserWarning,
+    )
+
+
+def warn_batch_past_epoch_end(epoch: int, batch_idx: int, batches: int) -> None:
+    """Lightning is about to train a batch past the end of an epoch: say that the resumed run is no longer exact.
+
+    Lightning (2.6 and earlier) treats every run bounded by ``max_steps`` as restarting mid-epoch, so a fit resumed
+    from a checkpoint written at the end of an epoch (``ModelCheckpoint`` saving in ``on_train_epoch_end``) can train
+    one batch more in that epoch (``batch_idx == batches``, drawn from a new pass over the data; it does when no
+    validation runs at that epoch's end) before the whole next epoch: one batch twice, the run's last batch never.
+    The callback cannot change Lightning's loop; its own state was restored exactly, but later events see other
+    weights.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_batch_past_epoch_end(0, 8, 8)
+        >>> str(caught[0].message).split(":")[1].strip()
+        "Lightning is training batch 8 of epoch 0, past the epoch's 8 batches"
+    """
+    rank_zero_warn(
+        f"PruningCallback: Lightning is training batch {batch_idx} of epoch {epoch}, past the epoch's {batches} "
+        "batches: a fit bounded by max_steps and resumed from a checkpoint written at the end of an epoch trains one "
+        "extra batch there and never the run's last one (Lightning's loop, not the callback). Unless the training "
+        "data is a function of the step alone, the weights from here on, and the masks of later events, differ from "
+        "the uninterrupted run's. To resume exactly, write checkpoints with ModelCheckpoint(every_n_train_steps=...) "
+        "or bound the run with max_epochs instead of max_steps",
         category=UserWarning,
     )
