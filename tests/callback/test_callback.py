@@ -362,7 +362,8 @@ def test_log_per_parameter_false_and_log_every_n_steps(tmp_path: Path) -> None:
 # 4. Resume from a mid-schedule end-of-epoch checkpoint is exact
 # ----------------------------------------------------------------------------------------------------------------------
 # A checkpoint saved mid-epoch would resume with a different data order (the default DataLoader is not resumable),
-# so only end-of-epoch checkpoints are compared.
+# so only end-of-epoch checkpoints are compared (under max_epochs); test_callback_resume.py resumes from every kind of
+# checkpoint, with a resumable loader, under max_steps and max_epochs.
 
 RESUME_CASES = {
     "l1 global, permanent": ({}, {}),
