@@ -1,0 +1,605 @@
+"""Structured pruning units of a model, found from one traced forward: MLP hidden neurons and attention heads.
+
+A *unit* is a set of weight slices that must go together for the model to stay a smaller model of the same shape:
+
+* **neurons**: one hidden unit of an MLP, the rows (with bias entries) of every projection whose output reaches the
+  next projection only through elementwise operations (both ``gate_proj`` and ``up_proj`` in a gated MLP, ``wi_0``
+  and ``wi_1`` in T5 v1.1), and the matching input columns of that next projection;
+* **heads**: one key/value head with all the query heads that read it: its rows of the query, key and value
+  projections (with bias entries) and the matching input columns of the output projection. Without grouped-query
+  attention a unit is one head; with grouped-query or multi-query attention it is one whole group (a key/value head
+  and its ``num_attention_heads / num_key_value_heads`` query heads), so the ratio of query to key/value heads, and
+  with it the model's code, stays valid.
+
+The units are read from the graph of one forward (``torch.export.export(model, (), kwargs, strict=False)``), not
+from class names: a projection is a ``linear`` (``nn.Linear``, ``nn.MultiheadAttention``'s packed ``in_proj``) or an
+``addmm`` on a parameter (transformers' ``Conv1D``); neurons are what flows from projections to one projection
+through elementwise operations; heads are the arguments of ``scaled_dot_product_attention`` (or of the
+``matmul``-``softmax``-``matmul`` of eager attention) followed back to the projections that made them, through
+reshapes, transposes, splits of a fused projection (GPT-2's ``c_attn``, the packed ``in_proj`` of
+``nn.MultiheadAttention``), rotary embeddings and key/value repetition. A projection's feature ``f`` belongs to head
+``f // head_dim`` (the graph is checked for a view that splits the features as ``(heads, head_dim)``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+__all__ = ["Slice", "UnitError", "UnitGroup", "find_units"]
+
+
+class UnitError(ValueError):
+    """A model whose pruning units cannot be found (the message names the module)."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Where the units of a group sit in one parameter: unit ``u`` owns entries ``offset + u * per_unit`` up to
+    ``offset + (u + 1) * per_unit`` (exclusive) along ``dim``.
+
+    Example:
+        >>> Slice("fc1", "weight", dim=0, offset=0, per_unit=1).indices(unit=3)
+        range(3, 4)
+    """
+
+    module: str
+    name: str
+    dim: int
+    offset: int
+    per_unit: int
+
+    def indices(self, unit: int) -> range:
+        """The entries of ``unit`` along :attr:`dim`."""
+        start = self.offset + unit * self.per_unit
+        return range(start, start + self.per_unit)
+
+
+@dataclass(frozen=True)
+class UnitGroup:
+    """A set of units pruned together: the MLP neurons or the attention heads of one block.
+
+    Attributes:
+        kind: ``"neurons"`` or ``"heads"``.
+        module: the qualified name of the module holding every projection of the group (the MLP, the attention).
+        count: how many units.
+        produce: slices of the projections computing the units (rows of a Linear weight and its bias).
+        consume: slices of the projection reading the units (input columns).
+        heads_per_unit: query heads per unit (heads: the grouped-query ratio; neurons: 1).
+        head_dim: features per query head (neurons: 1).
+        per_head_bias: heads only: the attention scores get a per-head tensor from outside the projections (T5's
+            relative position bias, shared by every layer): masks are exact, but the heads cannot be removed.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+        >>> group = find_units(mlp, (torch.randn(2, 4),))[0]
+        >>> group.kind, group.count, [(s.module, s.name, s.dim) for s in group.produce + group.consume]
+        ('neurons', 6, [('0', 'weight', 0), ('0', 'bias', 0), ('2', 'weight', 1)])
+    """
+
+    kind: str
+    module: str
+    count: int
+    produce: tuple[Slice, ...]
+    consume: tuple[Slice, ...]
+    heads_per_unit: int = 1
+    head_dim: int = 1
+    per_head_bias: bool = False
+
+    @property
+    def slices(self) -> tuple[Slice, ...]:
+        """Every slice of the group: producers first, then consumers."""
+        return self.produce + self.consume
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Reading the exported graph
+# ------------------------------------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+_LINEAR = {_aten.linear.default}
+_ADDMM = {_aten.addmm.default}
+_SDPA = {_aten.scaled_dot_product_attention.default}
+_SOFTMAX = {_aten.softmax.int, _aten._softmax.default, _aten._safe_softmax.default}
+_MATMUL = {_aten.matmul.default, _aten.bmm.default}
+_IGNORED_USERS = {_aten._assert_tensor_metadata.default}
+# elementwise: every output feature depends only on the same input feature (with scalars or per-token factors)
+_ELEMENTWISE_NAMES = {
+    "gelu",
+    "relu",
+    "relu_",
+    "silu",
+    "silu_",
+    "tanh",
+    "sigmoid",
+    "mul",
+    "add",
+    "sub",
+    "div",
+    "pow",
+    "neg",
+    "erf",
+    "exp",
+    "dropout",
+    "clone",
+    "contiguous",
+    "alias",
+    "to",
+    "_to_copy",
+    "type_as",
+    "hardtanh",
+    "leaky_relu",
+    "elu",
+    "softplus",
+    "mish",
+    "hardswish",
+    "hardsigmoid",
+    "detach",
+    "square",
+    "rsub",
+    "abs",
+}
+_RESHAPES = {"view", "reshape", "_unsafe_view"}
+_PASS_THROUGH = {
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "transpose",
+    "permute",
+    "contiguous",
+    "clone",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "to",
+    "_to_copy",
+    "type_as",
+    "dropout",
+    "alias",
+    "detach",
+}
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(int(s) for s in value.shape) if isinstance(value, Tensor) else None
+
+
+@dataclass(frozen=True)
+class _Param:
+    module: str
+    name: str
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """A matrix product with a parameter: where its output features and input features sit in the weight."""
+
+    node: fx.Node
+    input: fx.Node
+    weight: _Param
+    bias: _Param | None
+    out_dim: int
+    in_dim: int
+    width: int
+    in_width: int
+
+    def rows(self, offset: int, per_unit: int) -> tuple[Slice, ...]:
+        slices = [Slice(self.weight.module, self.weight.name, self.out_dim, offset, per_unit)]
+        if self.bias is not None:
+            slices.append(Slice(self.bias.module, self.bias.name, 0, offset, per_unit))
+        return tuple(slices)
+
+    def columns(self, per_unit: int) -> Slice:
+        return Slice(self.weight.module, self.weight.name, self.in_dim, 0, per_unit)
+
+
+class _Graph:
+    def __init__(self, program: torch.export.ExportedProgram, shapes_of: Mapping[str, tuple[int, ...]]) -> None:
+        self.graph = program.graph
+        signature = program.graph_signature
+        self.params = dict(signature.inputs_to_parameters)
+        self.buffers = dict(signature.inputs_to_buffers)
+        self.shapes_of = shapes_of
+        self.projections: dict[fx.Node, _Projection] = {}
+        for node in self.graph.nodes:
+            projection = self._projection(node)
+            if projection is not None:
+                self.projections[node] = projection
+
+    def param(self, node: Any) -> _Param | None:
+        """The parameter a node reads: a lifted parameter, or a pruned one (``name_orig * name_mask``)."""
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "placeholder" and node.name in self.params:
+            module, _, name = self.params[node.name].rpartition(".")
+            return _Param(module, name)
+        if node.op == "call_function" and _op_name(node) == "mul" and len(node.args) == 2:
+            found = [self.param(arg) for arg in node.args]
+            masks = [arg for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.buffers]
+            for param in found:
+                if param is not None and param.name.endswith("_orig") and masks:
+                    return _Param(param.module, param.name[: -len("_orig")])
+        return None
+
+    def _projection(self, node: fx.Node) -> _Projection | None:
+        if node.op != "call_function":
+            return None
+        if node.target in _LINEAR:
+            weight = self.param(node.args[1])
+            bias = self.param(node.args[2]) if len(node.args) > 2 else None
+            if weight is None or _shape(node.args[1]) is None or len(_shape(node.args[1])) != 2:
+                return None
+            out_features, in_features = _shape(node.args[1])
+            return _Projection(node, node.args[0], weight, bias, 0, 1, out_features, in_features)
+        if node.target in _ADDMM and not node.kwargs:
+            weight = self.param(node.args[2])
+            if weight is None:
+                return None
+            in_features, out_features = _shape(node.args[2])
+            return _Projection(node, node.args[1], weight, self.param(node.args[0]), 1, 0, out_features, in_features)
+        return None
+
+    def where(self, node: fx.Node) -> str:
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [path for path, _ in stack.values() if path]
+        return paths[-1] if paths else "the model's forward"
+
+
+def _users(node: fx.Node) -> list[fx.Node]:
+    return [user for user in node.users if user.target not in _IGNORED_USERS]
+
+
+def _common_module(names: Sequence[str]) -> str:
+    parts = [name.split(".") for name in names]
+    common: list[str] = []
+    for pieces in zip(*parts, strict=False):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    return ".".join(common)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Neurons
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _find_neurons(graph: _Graph) -> list[UnitGroup]:
+    """Projections whose outputs reach other projections' inputs only through elementwise operations."""
+    root: dict[fx.Node, fx.Node] = {}  # region node -> producer projection node (union-find on producers)
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(node: fx.Node) -> fx.Node:
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    def union(a: fx.Node, b: fx.Node) -> None:
+        parent[find(a)] = find(b)
+
+    escaped: set[fx.Node] = set()
+    consumers: dict[fx.Node, set[fx.Node]] = {}
+    width = {}
+    for node in graph.graph.nodes:  # topological order: a region grows forward from its producer
+        if node.target in _IGNORED_USERS:
+            continue
+        if node in graph.projections:
+            parent[node] = node
+            root[node] = node
+            width[node] = graph.projections[node].width
+        args = [arg for arg in node.args if isinstance(arg, fx.Node)]
+        reached = [arg for arg in args if arg in root]
+        if not reached:
+            continue
+        producers = {find(root[arg]) for arg in reached}
+        first = next(iter(producers))
+        for other in producers:
+            union(other, first)
+        projection = graph.projections.get(node)
+        if projection is not None and all(arg is projection.input for arg in reached):
+            consumers.setdefault(node, set()).update(producers)
+            continue
+        shape = _shape(node)
+        in_shape = _shape(reached[0])
+        name = _op_name(node)
+        keeps_features = shape is not None and in_shape is not None and len(shape) > 0 and shape[-1] == in_shape[-1]
+        others_fine = all(
+            arg in root or (_shape(arg) is not None and (len(_shape(arg)) == 0 or _shape(arg)[-1] == 1)) for arg in args
+        )
+        if keeps_features and ((name in _ELEMENTWISE_NAMES and others_fine) or (name in _RESHAPES)):
+            root[node] = first
+        else:
+            escaped.update(producers)
+    for node in graph.graph.nodes:
+        if node.op == "output":
+            for arg in torch.utils._pytree.tree_leaves(node.args):
+                if isinstance(arg, fx.Node) and arg in root:
+                    escaped.add(find(root[arg]))
+    escaped = {find(node) for node in escaped}
+    by_root: dict[fx.Node, tuple[set[fx.Node], set[fx.Node]]] = {}
+    for producer in graph.projections:
+        by_root.setdefault(find(producer), (set(), set()))[0].add(producer)
+    for consumer, producers in consumers.items():
+        for producer in producers:
+            by_root[find(producer)][1].add(consumer)
+    groups = []
+    for key, (producers, readers) in by_root.items():
+        if key in escaped or not readers:
+            continue
+        widths = {graph.projections[p].width for p in producers} | {graph.projections[c].in_width for c in readers}
+        if len(widths) != 1:
+            continue
+        count = widths.pop()
+        produce = tuple(s for p in _ordered(producers) for s in graph.projections[p].rows(0, 1))
+        consume = tuple(graph.projections[c].columns(1) for c in _ordered(readers))
+        module = _common_module([s.module for s in produce + consume])
+        groups.append(UnitGroup("neurons", module, count, produce, consume))
+    return groups
+
+
+def _ordered(nodes: set[fx.Node]) -> list[fx.Node]:
+    order = {node: i for i, node in enumerate(next(iter(nodes)).graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Heads
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _back_through(node: Any, names: set[str], limit: int = 12) -> fx.Node | None:
+    """Follow ``node``'s first argument back through ops named in ``names``."""
+    for _ in range(limit):
+        if not isinstance(node, fx.Node) or node.op != "call_function" or _op_name(node) not in names:
+            return node if isinstance(node, fx.Node) else None
+        node = node.args[0]
+    return None
+
+
+def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, Any]]:
+    """``(core, q, k, v, bias)`` of every attention: sdpa, or matmul(softmax(matmul(q, k^T) + ...), v)."""
+    cores = []
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _SDPA:
+            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            cores.append((node, node.args[0], node.args[1], node.args[2], mask))
+        elif node.target in _MATMUL:
+            probs = _back_through(node.args[0], {"dropout", "to", "_to_copy", "type_as", "clone", "contiguous"})
+            if probs is None or probs.target not in _SOFTMAX:
+                continue
+            scores, extra = probs.args[0], []
+            for _ in range(8):
+                if not isinstance(scores, fx.Node) or scores.target in _MATMUL:
+                    break
+                tensors = [arg for arg in scores.args if isinstance(arg, fx.Node)]
+                if not tensors:
+                    scores = None
+                    break
+                scores, extra = tensors[0], extra + tensors[1:]
+            if isinstance(scores, fx.Node) and scores.target in _MATMUL:
+                cores.append((node, scores.args[0], scores.args[1], node.args[1], extra[0] if extra else None))
+    return cores
+
+
+@dataclass(frozen=True)
+class _Source:
+    projection: _Projection
+    offset: int
+    split_width: int  # features of the projection's output that the view into heads split
+
+
+def _sources(graph: _Graph, node: Any, head_dim: int) -> set[_Source] | None:
+    """The projections a query/key/value tensor comes from, with the offset of its features in their outputs."""
+    found: set[_Source] = set()
+    seen: set[tuple[fx.Node, int, bool, int | None]] = set()
+
+    def visit(current: Any, offset: int, split: int | None, select: int | None) -> bool:
+        if not isinstance(current, fx.Node):
+            return True
+        key = (current, offset, split is not None, select)
+        if key in seen:
+            return True
+        seen.add(key)
+        projection = graph.projections.get(current)
+        if projection is not None:
+            if split is None:
+                return False  # features reached a projection without a view splitting them into heads
+            found.add(_Source(projection, offset, split))
+            return True
+        if current.op != "call_function":
+            return True  # a model input, a buffer, a constant: no projection on this path
+        name = _op_name(current)
+        shape, first = _shape(current), current.args[0] if current.args else None
+        if split is None and name in _RESHAPES | {"unflatten"}:
+            in_shape = _shape(first)
+            if shape and in_shape and shape[-1] == head_dim and in_shape[-1] != head_dim:
+                if in_shape[-1] % head_dim:
+                    return False
+                return visit(first, offset, in_shape[-1], select)
+        if split is not None:
+            if name == "getitem" and isinstance(first, fx.Node) and _op_name(first) in {"split", "split_with_sizes"}:
+                source, sizes, dim = first.args[0], first.args[1], first.args[2] if len(first.args) > 2 else 0
+                in_shape = _shape(source)
+                if in_shape is None or dim % len(in_shape) != len(in_shape) - 1:
+                    return False
+                index = current.args[1]
+                sizes = [sizes] * (index + 1) if isinstance(sizes, int) else list(sizes)
+                return visit(source, offset + sum(sizes[:index]), split, select)
+            if name == "select":
+                return visit(first, offset, split, current.args[2])
+            if name == "unflatten" and select is not None:
+                sizes = current.args[2]
+                return visit(first, offset + select * int(sizes[-1]), split, None)
+            if name == "slice":
+                in_shape = _shape(first)
+                dim = current.args[1] if len(current.args) > 1 else 0
+                if in_shape is not None and dim % len(in_shape) == len(in_shape) - 1:
+                    start = current.args[2] if len(current.args) > 2 and current.args[2] is not None else 0
+                    return visit(first, offset + int(start), split, select)
+        leaves = torch.utils._pytree.tree_leaves(list(current.args))
+        return all(visit(arg, offset, split, select) for arg in leaves if isinstance(arg, fx.Node))
+
+    return found if visit(node, 0, None, None) else None
+
+
+def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Projection | None:
+    """The one projection reading the attention output, after it is merged back from ``(heads, head_dim)``."""
+    frontier, merged, reader = [core], False, None
+    while frontier:
+        node = frontier.pop()
+        for user in _users(node):
+            projection = graph.projections.get(user)
+            if projection is not None and projection.input is node and merged:
+                if reader is not None and reader is not projection:
+                    return None
+                reader = projection
+                continue
+            name = _op_name(user)
+            if user.op != "call_function" or name not in _PASS_THROUGH:
+                return None
+            in_shape, shape = _shape(node), _shape(user)
+            if name in _RESHAPES and in_shape and shape and shape[-1] == heads * head_dim != in_shape[-1]:
+                if tuple(in_shape[-2:]) != (heads, head_dim):
+                    return None
+                merged = True
+            frontier.append(user)
+    return reader
+
+
+def _find_heads(graph: _Graph) -> list[UnitGroup]:
+    groups = []
+    for core, q, k, v, bias in _cores(graph):
+        where = graph.where(core)
+        q_shape, v_shape = _shape(q), _shape(v)
+        if q_shape is None or v_shape is None:
+            raise UnitError(f"cannot read the attention inputs' shapes in {where!r}")
+        head_dim, value_dim = q_shape[-1], v_shape[-1]
+        roles = {}
+        for role, node, dim in (("query", q, head_dim), ("key", k, head_dim), ("value", v, value_dim)):
+            found = _sources(graph, node, dim)
+            if not found or len(found) != 1:
+                raise UnitError(
+                    f"cannot follow the attention {role} of {where!r} back to one projection split into heads "
+                    f"of size {dim}; its heads cannot be pruned"
+                )
+            roles[role] = found.pop()
+        heads = roles["query"].split_width // head_dim
+        kv_heads = roles["key"].split_width // head_dim
+        if kv_heads == 0 or heads % kv_heads or roles["value"].split_width // value_dim != kv_heads:
+            raise UnitError(f"the attention of {where!r} has {heads} query and {kv_heads} key/value heads")
+        reader = _reader(graph, core, heads, value_dim)
+        if reader is None or reader.in_width != heads * value_dim:
+            raise UnitError(f"cannot find the one output projection of the attention of {where!r}")
+        ratio = heads // kv_heads
+        produce = (
+            roles["query"].projection.rows(roles["query"].offset, ratio * head_dim)
+            + roles["key"].projection.rows(roles["key"].offset, head_dim)
+            + roles["value"].projection.rows(roles["value"].offset, value_dim)
+        )
+        consume = (reader.columns(ratio * value_dim),)
+        bias_shape = _shape(bias)
+        per_head_bias = bias_shape is not None and len(bias_shape) >= 3 and bias_shape[-3] > 1
+        module = _common_module([s.module for s in produce + consume])
+        groups.append(UnitGroup("heads", module, kv_heads, produce, consume, ratio, head_dim, per_head_bias))
+    return groups
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The public function
+# ------------------------------------------------------------------------------------------------------------------
+
+_KINDS = ("neurons", "heads")
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+    try:
+        with torch.no_grad():
+            return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as err:
+        raise UnitError(
+            f"cannot trace {type(model).__name__} with torch.export to find its pruning units: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}. Pass inputs that run one plain forward (for Hugging "
+            "Face models, use_cache=False)"
+        ) from err
+
+
+def find_units(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Tensor = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    kinds: Sequence[str] = _KINDS,
+) -> list[UnitGroup]:
+    """Find the MLP neurons and attention heads of ``model`` from one traced forward on the example inputs.
+
+    Args:
+        model: a torch or Hugging Face model (left unchanged; traced in its current mode).
+        example_inputs: positional inputs of one forward (a tensor or a sequence).
+        example_kwargs: keyword inputs; for Hugging Face models with a cache, ``use_cache=False`` is added.
+        kinds: which units to find, among ``"neurons"`` and ``"heads"``.
+
+    Returns:
+        The groups in graph order, each a :class:`UnitGroup`.
+
+    Raises:
+        UnitError: the model cannot be traced, an attention's heads cannot be followed to its projections, a
+            projection belongs to two groups, or a kind asked for has no group (the message names the module).
+        ValueError: an unknown kind.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaModel
+        >>> config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        ...                      num_key_value_heads=2, intermediate_size=48)
+        >>> groups = find_units(LlamaModel(config), example_kwargs={"input_ids": torch.zeros(1, 5, dtype=torch.long)})
+        >>> [(g.kind, g.module, g.count, g.heads_per_unit) for g in groups]
+        [('heads', 'layers.0.self_attn', 2, 2), ('neurons', 'layers.0.mlp', 48, 1)]
+    """
+    unknown = [kind for kind in kinds if kind not in _KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown unit kinds {unknown or list(kinds)!r}; allowed: {list(_KINDS)}")
+    args = (example_inputs,) if isinstance(example_inputs, Tensor) else tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache") and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    graph = _Graph(_export(model, args, kwargs), {})
+    groups = []
+    if "heads" in kinds:
+        groups += _find_heads(graph)
+    if "neurons" in kinds:
+        groups += _find_neurons(graph)
+    owner: dict[tuple[str, str, int], str] = {}
+    for group in groups:
+        for piece in group.slices:
+            key = (piece.module, piece.name, piece.dim)
+            if key in owner and owner[key] != group.module + group.kind:
+                raise UnitError(f"{piece.module}.{piece.name} belongs to two unit groups; it cannot be pruned as one")
+            owner[key] = group.module + group.kind
+    unique = list(dict.fromkeys(groups))
+    for kind in kinds:
+        if not any(group.kind == kind for group in unique):
+            raise UnitError(f"found no {kind} in {type(model).__name__}: no projection feeds {_WHAT[kind]}")
+    return unique
+
+
+_WHAT = {
+    "neurons": "another projection through elementwise operations only",
+    "heads": "an attention (scaled_dot_product_attention or matmul-softmax-matmul) that could be followed back",
+}
