@@ -545,7 +545,7 @@ def find_units(
     example_inputs: Sequence[Any] | Tensor = (),
     example_kwargs: Mapping[str, Any] | None = None,
     *,
-    kinds: Sequence[str] = _KINDS,
+    kinds: Sequence[str] | None = None,
 ) -> list[UnitGroup]:
     """Find the MLP neurons and attention heads of ``model`` from one traced forward on the example inputs.
 
@@ -553,7 +553,8 @@ def find_units(
         model: a torch or Hugging Face model (left unchanged; traced in its current mode).
         example_inputs: positional inputs of one forward (a tensor or a sequence).
         example_kwargs: keyword inputs; for Hugging Face models with a cache, ``use_cache=False`` is added.
-        kinds: which units to find, among ``"neurons"`` and ``"heads"``.
+        kinds: which units to find, among ``"neurons"`` and ``"heads"``; each one named must be found. By default
+            both are looked for and at least one group must be found.
 
     Returns:
         The groups in graph order, each a :class:`UnitGroup`.
@@ -571,6 +572,8 @@ def find_units(
         >>> [(g.kind, g.module, g.count, g.heads_per_unit) for g in groups]
         [('heads', 'layers.0.self_attn', 2, 2), ('neurons', 'layers.0.mlp', 48, 1)]
     """
+    required = kinds is not None
+    kinds = _KINDS if kinds is None else tuple(kinds)
     unknown = [kind for kind in kinds if kind not in _KINDS]
     if unknown or not kinds:
         raise ValueError(f"unknown unit kinds {unknown or list(kinds)!r}; allowed: {list(_KINDS)}")
@@ -593,9 +596,14 @@ def find_units(
                 raise UnitError(f"{piece.module}.{piece.name} belongs to two unit groups; it cannot be pruned as one")
             owner[key] = group.module + group.kind
     unique = list(dict.fromkeys(groups))
-    for kind in kinds:
+    for kind in kinds if required else ():
         if not any(group.kind == kind for group in unique):
             raise UnitError(f"found no {kind} in {type(model).__name__}: no projection feeds {_WHAT[kind]}")
+    if not unique:
+        raise UnitError(
+            f"found no neurons and no heads in {type(model).__name__}: no projection feeds {_WHAT['neurons']}, "
+            f"and none feeds {_WHAT['heads']}"
+        )
     return unique
 
 
