@@ -4,6 +4,8 @@
   bitmask plus its kept values, whichever is smaller; loads back bit for bit into a plain state_dict.
 * :func:`compact` - a smaller model with the pruned channels of Linear/Conv layers physically removed, computing
   the same function (constants of removed channels folded into the next layer).
+* :func:`remove_units` / :func:`load_compact` - pruned MLP neurons and attention heads removed from Hugging Face and
+  torch models (same class, no ``torch.fx``), and the compact model loaded back from ``save_pretrained``.
 * :func:`to_sparse_linear` - unstructured-sparse ``nn.Linear`` layers on torch's CSR kernel, where measured faster.
 * :func:`measure_latency` / :func:`compare_latency` - inference latency, models interleaved.
 
@@ -21,6 +23,7 @@ from lightprune.export.compact import CompactError, compact
 from lightprune.export.latency import Latency, compare_latency, measure_latency
 from lightprune.export.sparse_file import SparseFileError, load_sparse, save_sparse, stored_layouts
 from lightprune.export.sparse_linear import LayerDecision, SparseLinear, to_sparse_linear
+from lightprune.export.units import load_compact, remove_units
 
 __all__ = [
     "CompactError",
@@ -30,8 +33,10 @@ __all__ = [
     "SparseLinear",
     "compact",
     "compare_latency",
+    "load_compact",
     "load_sparse",
     "measure_latency",
+    "remove_units",
     "save_sparse",
     "stored_layouts",
     "to_sparse_linear",

@@ -23,6 +23,7 @@ reshapes, transposes, splits of a fused projection (GPT-2's ``c_attn``, the pack
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
+
+from lightprune import prune
 
 __all__ = ["Slice", "UnitError", "UnitGroup", "find_units"]
 
@@ -208,12 +211,11 @@ class _Projection:
 
 
 class _Graph:
-    def __init__(self, program: torch.export.ExportedProgram, shapes_of: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, program: torch.export.ExportedProgram) -> None:
         self.graph = program.graph
         signature = program.graph_signature
         self.params = dict(signature.inputs_to_parameters)
         self.buffers = dict(signature.inputs_to_buffers)
-        self.shapes_of = shapes_of
         self.projections: dict[fx.Node, _Projection] = {}
         for node in self.graph.nodes:
             projection = self._projection(node)
@@ -221,18 +223,10 @@ class _Graph:
                 self.projections[node] = projection
 
     def param(self, node: Any) -> _Param | None:
-        """The parameter a node reads: a lifted parameter, or a pruned one (``name_orig * name_mask``)."""
-        if not isinstance(node, fx.Node):
-            return None
-        if node.op == "placeholder" and node.name in self.params:
+        """The parameter a node reads, if it is a lifted parameter."""
+        if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in self.params:
             module, _, name = self.params[node.name].rpartition(".")
             return _Param(module, name)
-        if node.op == "call_function" and _op_name(node) == "mul" and len(node.args) == 2:
-            found = [self.param(arg) for arg in node.args]
-            masks = [arg for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.buffers]
-            for param in found:
-                if param is not None and param.name.endswith("_orig") and masks:
-                    return _Param(param.module, param.name[: -len("_orig")])
         return None
 
     def _projection(self, node: fx.Node) -> _Projection | None:
@@ -528,6 +522,21 @@ def _find_heads(graph: _Graph) -> list[UnitGroup]:
 _KINDS = ("neurons", "heads")
 
 
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every pruned tensor made permanent (plain Parameters, same names).
+
+    Example:
+        >>> layer = prune.l1_unstructured(nn.Linear(3, 2), "weight", amount=2)
+        >>> sorted(name for name, _ in plain_copy(layer).named_parameters()), prune.is_pruned(layer)
+        (['bias', 'weight'], True)
+    """
+    copied = copy.deepcopy(model)
+    for module in copied.modules():
+        for name in prune.pruned_names(module):
+            prune.remove(module, name)
+    return copied
+
+
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad():
@@ -582,7 +591,9 @@ def find_units(
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache") and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
-    graph = _Graph(_export(model, args, kwargs), {})
+    if any(prune.is_pruned(module) for module in model.modules()):
+        model = plain_copy(model)  # trace plain Parameters under their plain names
+    graph = _Graph(_export(model, args, kwargs))
     groups = []
     if "heads" in kinds:
         groups += _find_heads(graph)

@@ -1,0 +1,298 @@
+"""Physical removal of pruned MLP neurons and attention heads, without ``torch.fx``: the same model class, smaller.
+
+:func:`remove_units` copies the model, makes its pruning permanent, and for every unit group (see
+:func:`lightprune.structure.find_units`) drops the units whose output columns in the consuming projection are all
+zero (so removing them is exact whatever their rows hold): smaller ``Linear`` / ``Conv1D`` weights and biases, their
+``in_features`` / ``out_features`` / ``nf``, and the attention attributes that count heads or widths
+(``num_heads``, ``num_attention_heads``, ``n_heads``, ``n_head``, ``num_key_value_heads``, ``split_size``,
+``all_head_size``, ``inner_dim``; a value is changed only where it equals the old count). The models' own code then
+runs as it is: Hugging Face attentions infer the head count from the projection's width.
+
+Saving: where every layer keeps the same counts and a model built from the updated config has the compact model's
+shapes, the config's sizes are updated (``intermediate_size``, ``num_attention_heads``, ...), and
+``save_pretrained`` / ``from_pretrained`` round-trip. Otherwise (per-layer counts, or a config that derives the head
+size from the head count, as BERT's does) the config keeps its sizes and records the kept units per group in
+``config.lightprune_kept_units``; :func:`load_compact` rebuilds that shape and loads the weights.
+
+Refused (:class:`~lightprune.export.CompactError`, naming the module): heads of ``nn.MultiheadAttention`` (its
+forward derives the head size from ``embed_dim``, so heads cannot go without changing the class) and heads that get a
+per-head bias from outside their projections (T5's relative position bias, computed once and shared by every layer).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+from lightprune.export.compact import CompactError
+from lightprune.layouts import is_transformers_conv1d
+from lightprune.structure.units import UnitGroup, find_units, plain_copy
+
+__all__ = ["load_compact", "remove_units"]
+
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_WIDTHS = ("split_size", "all_head_size", "inner_dim")
+_CONFIG_NEURONS = ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "dim_feedforward")
+_CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_CONFIG_KV = ("num_key_value_heads",)
+KEPT_UNITS = "lightprune_kept_units"
+
+
+def _per_unit_zero(weight: Tensor, dim: int, offset: int, count: int, per_unit: int) -> Tensor:
+    block = weight.detach().narrow(dim, offset, count * per_unit).movedim(dim, 0).reshape(count, -1)
+    return (block == 0).all(1).cpu()
+
+
+def _removable(model: nn.Module, group: UnitGroup) -> Tensor:
+    """Units whose every output column is zero: removing them changes nothing."""
+    removable = torch.ones(group.count, dtype=torch.bool)
+    for piece in group.consume:
+        weight = getattr(model.get_submodule(piece.module), piece.name)
+        removable &= _per_unit_zero(weight, piece.dim, piece.offset, group.count, piece.per_unit)
+    if bool(removable.all()):
+        removable[0] = False  # keep one unit: a block without units is not a model its code can run
+    return removable
+
+
+def _check_removable(model: nn.Module, group: UnitGroup) -> None:
+    for piece in group.slices:
+        owner = model.get_submodule(piece.module)
+        if not (isinstance(owner, nn.Linear) or is_transformers_conv1d(owner)):
+            raise CompactError(
+                f"cannot remove {group.kind} of {group.module!r}: {piece.module or 'the model'!r} "
+                f"({type(owner).__name__}) holds them in {piece.name!r}, not in a Linear or Conv1D"
+                + (" (its forward derives the head size from embed_dim)" if piece.name == "in_proj_weight" else "")
+            )
+    if group.per_head_bias:
+        raise CompactError(
+            f"cannot remove heads of {group.module!r}: its attention scores get a per-head bias from outside its "
+            "projections (a relative position bias shared by every layer); prune its neurons, or keep its heads"
+        )
+
+
+def _shrink(model: nn.Module, groups: Sequence[UnitGroup], removed: Sequence[Tensor]) -> None:
+    """Remove the units where ``removed`` is True, in place (plain, unpruned modules)."""
+    kept: dict[tuple[str, str], dict[int, Tensor]] = {}
+    for group, gone in zip(groups, removed, strict=True):
+        if not bool(gone.any()):
+            continue
+        _check_removable(model, group)
+        for piece in group.slices:
+            size = getattr(model.get_submodule(piece.module), piece.name).shape[piece.dim]
+            line = kept.setdefault((piece.module, piece.name), {}).setdefault(piece.dim, torch.ones(size, dtype=bool))
+            start = piece.offset
+            line[start : start + group.count * piece.per_unit] &= ~gone.repeat_interleave(piece.per_unit)
+    for (module_name, name), lines in kept.items():
+        module = model.get_submodule(module_name)
+        tensor = getattr(module, name).detach()
+        for dim, line in lines.items():
+            tensor = tensor.index_select(dim, line.nonzero().flatten().to(tensor.device))
+        setattr(module, name, nn.Parameter(tensor.clone(), requires_grad=getattr(module, name).requires_grad))
+    for module_name in {module for module, _ in kept}:
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+        elif is_transformers_conv1d(module):
+            module.nf = module.weight.shape[1]
+    for group, gone in zip(groups, removed, strict=True):
+        if group.kind == "heads" and bool(gone.any()):
+            _set_head_attributes(model, group, int((~gone).sum()))
+
+
+def _set_head_attributes(model: nn.Module, group: UnitGroup, units: int) -> None:
+    ratio, dim = group.heads_per_unit, group.head_dim
+    changes = {name: (group.count * ratio, units * ratio) for name in _HEAD_COUNTS} | {
+        name: (group.count * ratio * dim, units * ratio * dim) for name in _WIDTHS
+    }
+    if ratio > 1:
+        changes |= {name: (group.count, units) for name in _KV_COUNTS}
+    projections = {piece.module for piece in group.slices}
+    for name, module in model.get_submodule(group.module).named_modules(prefix=group.module):
+        if name in projections:
+            continue
+        for attribute, (old, new) in changes.items():
+            if isinstance(module.__dict__.get(attribute), int) and module.__dict__[attribute] == old:
+                setattr(module, attribute, new)
+
+
+def _update_config(model: nn.Module, groups: Sequence[UnitGroup], counts: list[int]) -> None:
+    """Write uniform counts into the config if a model built from it has the compact shapes; else record counts."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    if list(counts) == [group.count for group in groups]:
+        return
+    changes: dict[str, Any] = {}
+    for kind, names, scale in (
+        ("neurons", _CONFIG_NEURONS, 1),
+        ("heads", _CONFIG_HEADS, None),
+        ("heads", _CONFIG_KV, 0),
+    ):
+        pairs = {(g.count, c, g.heads_per_unit) for g, c in zip(groups, counts, strict=True) if g.kind == kind}
+        if len(pairs) != 1:
+            if pairs:
+                changes = {}
+                break
+            continue
+        old, new, ratio = pairs.pop()
+        factor = ratio if scale is None else 1
+        for name in names:
+            value = getattr(config, name, "absent")
+            if value == old * factor or (value is None and name == "n_inner"):
+                changes[name] = new * factor
+    if changes and _config_fits(model, config, changes):
+        for name, value in changes.items():
+            setattr(config, name, value)
+    else:
+        setattr(config, KEPT_UNITS, list(counts))
+
+
+def _config_fits(model: nn.Module, config: Any, changes: Mapping[str, Any]) -> bool:
+    trial = copy.deepcopy(config)
+    for name, value in changes.items():
+        setattr(trial, name, value)
+    try:
+        with torch.device("meta"):
+            fresh = type(model)(trial)
+    except Exception:
+        return False
+    want = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    got = {name: tuple(p.shape) for name, p in fresh.state_dict().items()}
+    return want == got
+
+
+def _outputs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Tensor]:
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    return [t for t in _pytree.tree_leaves(out) if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def _inputs(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> tuple[tuple, dict]:
+    args = (example_inputs,) if isinstance(example_inputs, Tensor) else tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache") and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def remove_units(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Tensor = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    groups: Sequence[UnitGroup] | None = None,
+    rtol: float = 1e-5,
+) -> nn.Module:
+    """Return a copy of ``model``, same class, with its pruned neurons and heads physically removed.
+
+    A unit is removed when all its output columns in the consuming projection are zero in the tensors the model
+    computes with (what :func:`lightprune.structure.prune_units` produces); at least one unit per group stays. The
+    copy holds plain tensors (no pruning reparametrization) and is in eval mode; ``model`` is left unchanged.
+
+    Args:
+        model: the pruned model.
+        example_inputs: positional inputs of one forward (for finding the units and checking the result).
+        example_kwargs: keyword inputs (Hugging Face models get ``use_cache=False`` if not given).
+        groups: the unit groups, if already found on this model (default: :func:`~lightprune.structure.find_units`).
+        rtol: tolerance of the check against the masked model, relative to the largest output.
+
+    Returns:
+        The compact model. Its config (Hugging Face) is updated as the module's docstring says.
+
+    Raises:
+        CompactError: units of a module that cannot shrink (named), or the compact model's outputs differ.
+        lightprune.structure.UnitError: the units cannot be found.
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> from lightprune.structure import find_units, prune_units
+        >>> gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_inner=64)).eval()
+        >>> ids = {"input_ids": torch.randint(0, 64, (1, 6))}
+        >>> _ = prune_units(gpt, find_units(gpt, (), ids), 0.5)
+        >>> small = remove_units(gpt, (), ids)
+        >>> small.transformer.h[0].mlp.c_fc.nf, small.transformer.h[0].attn.split_size
+        (32, 16)
+        >>> small.config.n_head, small.config.lightprune_kept_units  # GPT-2 derives head_dim from n_head
+        (4, [2, 2, 32, 32])
+    """
+    args, kwargs = _inputs(model, example_inputs, example_kwargs)
+    groups = list(groups) if groups is not None else find_units(model, args, kwargs)
+    compact = plain_copy(model).eval()
+    removed = [_removable(compact, group) for group in groups]
+    _shrink(compact, groups, removed)
+    _update_config(compact, groups, [int((~gone).sum()) for gone in removed])
+    was_training = model.training
+    model.eval()
+    try:
+        want = _outputs(model, args, kwargs)
+    finally:
+        model.train(was_training)
+    got = _outputs(compact, args, kwargs)
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        scale = max(float(a.abs().max()) if a.numel() else 0.0, 1e-30)
+        tolerance = max(rtol, 16 * torch.finfo(a.dtype).eps) * scale
+        if a.shape != b.shape or float((a.double() - b.double()).abs().max()) > tolerance:
+            raise CompactError(
+                f"the compact {type(model).__name__}'s output {i} differs from the masked model's on the example "
+                "inputs; please report this model"
+            )
+    return compact
+
+
+def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
+    """Load a model saved with ``save_pretrained`` after :func:`remove_units`, whatever its per-layer counts.
+
+    Where the config holds the compact sizes this is ``model_class.from_pretrained(path, **kwargs)``. Where it
+    records ``lightprune_kept_units`` (per-layer counts, or BERT's heads), the model is built from the config, its
+    units found on its ``dummy_inputs`` and cut to the recorded counts, and the saved weights loaded into it.
+
+    Example:
+        >>> import tempfile
+        >>> from transformers import BertConfig, BertModel
+        >>> from lightprune.structure import find_units, prune_units
+        >>> bert = BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        ...                             intermediate_size=48)).eval()
+        >>> ids = {"input_ids": torch.randint(0, 64, (1, 6))}
+        >>> _ = prune_units(bert, find_units(bert, (), ids), 0.5)
+        >>> small = remove_units(bert, (), ids)
+        >>> with tempfile.TemporaryDirectory() as path:
+        ...     small.save_pretrained(path)
+        ...     loaded = load_compact(BertModel, path).eval()
+        >>> torch.equal(loaded(**ids).last_hidden_state, small(**ids).last_hidden_state)
+        True
+    """
+    config = model_class.config_class.from_pretrained(path)
+    counts = getattr(config, KEPT_UNITS, None)
+    if counts is None:
+        return model_class.from_pretrained(path, **kwargs)
+    model = model_class(config)
+    groups = find_units(model, (), dict(model.dummy_inputs))
+    if len(groups) != len(counts):
+        raise CompactError(f"{path}: the config records {len(counts)} unit groups, the model has {len(groups)}")
+    removed = []
+    for group, count in zip(groups, counts, strict=True):
+        gone = torch.zeros(group.count, dtype=torch.bool)
+        gone[count:] = True
+        removed.append(gone)
+    _shrink(model, groups, removed)
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(os.listdir(path)):
+        if file.endswith(".safetensors"):
+            state |= load_file(os.path.join(path, file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or any(key not in tied for key in missing):
+        raise CompactError(f"{path}: the saved weights do not fit (missing {missing}, unexpected {unexpected})")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
