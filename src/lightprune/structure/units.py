@@ -211,7 +211,8 @@ class _Projection:
 
 
 class _Graph:
-    def __init__(self, program: torch.export.ExportedProgram) -> None:
+    def __init__(self, program: torch.export.ExportedProgram, model_name: str) -> None:
+        self.model_name = model_name
         self.graph = program.graph
         signature = program.graph_signature
         self.params = dict(signature.inputs_to_parameters)
@@ -250,7 +251,7 @@ class _Graph:
     def where(self, node: fx.Node) -> str:
         stack = node.meta.get("nn_module_stack") or {}
         paths = [path for path, _ in stack.values() if path]
-        return paths[-1] if paths else "the model's forward"
+        return repr(paths[-1]) if paths else f"the forward of {self.model_name}"
 
 
 def _users(node: fx.Node) -> list[fx.Node]:
@@ -447,6 +448,8 @@ def _sources(graph: _Graph, node: Any, head_dim: int) -> set[_Source] | None:
                 if in_shape is not None and dim % len(in_shape) == len(in_shape) - 1:
                     start = current.args[2] if len(current.args) > 2 and current.args[2] is not None else 0
                     return visit(first, offset + int(start), split, select)
+            if name not in _PASS_THROUGH | _ELEMENTWISE_NAMES:
+                return False  # an op that may mix the projection's features before they are split into heads
         leaves = torch.utils._pytree.tree_leaves(list(current.args))
         return all(visit(arg, offset, split, select) for arg in leaves if isinstance(arg, fx.Node))
 
@@ -483,24 +486,24 @@ def _find_heads(graph: _Graph) -> list[UnitGroup]:
         where = graph.where(core)
         q_shape, v_shape = _shape(q), _shape(v)
         if q_shape is None or v_shape is None:
-            raise UnitError(f"cannot read the attention inputs' shapes in {where!r}")
+            raise UnitError(f"cannot read the attention inputs' shapes in {where}")
         head_dim, value_dim = q_shape[-1], v_shape[-1]
         roles = {}
         for role, node, dim in (("query", q, head_dim), ("key", k, head_dim), ("value", v, value_dim)):
             found = _sources(graph, node, dim)
             if not found or len(found) != 1:
                 raise UnitError(
-                    f"cannot follow the attention {role} of {where!r} back to one projection split into heads "
+                    f"cannot follow the attention {role} of {where} back to one projection split into heads "
                     f"of size {dim}; its heads cannot be pruned"
                 )
             roles[role] = found.pop()
         heads = roles["query"].split_width // head_dim
         kv_heads = roles["key"].split_width // head_dim
         if kv_heads == 0 or heads % kv_heads or roles["value"].split_width // value_dim != kv_heads:
-            raise UnitError(f"the attention of {where!r} has {heads} query and {kv_heads} key/value heads")
+            raise UnitError(f"the attention of {where} has {heads} query and {kv_heads} key/value heads")
         reader = _reader(graph, core, heads, value_dim)
         if reader is None or reader.in_width != heads * value_dim:
-            raise UnitError(f"cannot find the one output projection of the attention of {where!r}")
+            raise UnitError(f"cannot find the one output projection of the attention of {where}")
         ratio = heads // kv_heads
         produce = (
             roles["query"].projection.rows(roles["query"].offset, ratio * head_dim)
@@ -593,7 +596,7 @@ def find_units(
         kwargs["use_cache"] = False
     if any(prune.is_pruned(module) for module in model.modules()):
         model = plain_copy(model)  # trace plain Parameters under their plain names
-    graph = _Graph(_export(model, args, kwargs))
+    graph = _Graph(_export(model, args, kwargs), type(model).__name__)
     groups = []
     if "heads" in kinds:
         groups += _find_heads(graph)

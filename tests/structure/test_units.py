@@ -1,0 +1,191 @@
+"""find_units: the neurons and heads of real model classes, checked against their known layout and behaviour."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_transformers import BUILDERS, outputs
+from torch import nn
+
+from lightprune import prune
+from lightprune.structure import UnitError, find_units
+
+pytestmark = pytest.mark.usefixtures("one_thread_for_module")
+
+
+def _qkv(prefix: str, names: tuple[str, str, str], per_unit: tuple[int, int, int], bias: bool) -> set[tuple]:
+    out = set()
+    for name, size in zip(names, per_unit, strict=True):
+        out.add((f"{prefix}{name}", "weight", 0, 0, size))
+        if bias:
+            out.add((f"{prefix}{name}", "bias", 0, 0, size))
+    return out
+
+
+def _expected(model_name: str) -> list[tuple[str, str, int, int, bool, set[tuple]]]:
+    """(kind, module, count, query heads per unit, per-head bias, slices), written from each model's source."""
+    if model_name == "bert":
+        groups = []
+        for i in range(2):
+            layer = f"encoder.layer.{i}"
+            heads = _qkv(f"{layer}.attention.self.", ("query", "key", "value"), (8, 8, 8), True)
+            heads.add((f"{layer}.attention.output.dense", "weight", 1, 0, 8))
+            groups.append(("heads", f"{layer}.attention", 4, 1, False, heads))
+            neurons = {
+                (f"{layer}.intermediate.dense", "weight", 0, 0, 1),
+                (f"{layer}.intermediate.dense", "bias", 0, 0, 1),
+                (f"{layer}.output.dense", "weight", 1, 0, 1),
+            }
+            groups.append(("neurons", layer, 40, 1, False, neurons))
+        return groups
+    if model_name == "gpt2":
+        groups = []
+        for i in range(2):
+            attn, mlp = f"transformer.h.{i}.attn", f"transformer.h.{i}.mlp"
+            heads = {(f"{attn}.c_attn", "weight", 1, offset, 8) for offset in (0, 32, 64)}
+            heads |= {(f"{attn}.c_attn", "bias", 0, offset, 8) for offset in (0, 32, 64)}
+            heads.add((f"{attn}.c_proj", "weight", 0, 0, 8))
+            groups.append(("heads", attn, 4, 1, False, heads))
+            neurons = {(f"{mlp}.c_fc", "weight", 1, 0, 1), (f"{mlp}.c_fc", "bias", 0, 0, 1)}
+            neurons.add((f"{mlp}.c_proj", "weight", 0, 0, 1))
+            groups.append(("neurons", mlp, 40, 1, False, neurons))
+        return groups
+    if model_name == "llama":  # 8 query heads, 4 key/value heads of 4 features: a unit is 2 query heads + 1 kv head
+        groups = []
+        for i in range(2):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            heads = _qkv(f"{attn}.", ("q_proj", "k_proj", "v_proj"), (8, 4, 4), True)
+            heads.add((f"{attn}.o_proj", "weight", 1, 0, 8))
+            groups.append(("heads", attn, 4, 2, False, heads))
+            neurons = {(f"{mlp}.{name}", "weight", 0, 0, 1) for name in ("gate_proj", "up_proj")}
+            neurons.add((f"{mlp}.down_proj", "weight", 1, 0, 1))
+            groups.append(("neurons", mlp, 40, 1, False, neurons))
+        return groups
+    if model_name == "t5":
+        groups = []
+        for attn in (
+            "encoder.block.0.layer.0.SelfAttention",
+            "decoder.block.0.layer.0.SelfAttention",
+            "decoder.block.0.layer.1.EncDecAttention",
+        ):
+            heads = _qkv(f"{attn}.", ("q", "k", "v"), (8, 8, 8), False) | {(f"{attn}.o", "weight", 1, 0, 8)}
+            groups.append(("heads", attn, 4, 1, True, heads))
+        for mlp in ("encoder.block.0.layer.1.DenseReluDense", "decoder.block.0.layer.2.DenseReluDense"):
+            neurons = {(f"{mlp}.{name}", "weight", 0, 0, 1) for name in ("wi_0", "wi_1")}
+            neurons.add((f"{mlp}.wo", "weight", 1, 0, 1))
+            groups.append(("neurons", mlp, 40, 1, False, neurons))
+        return groups
+    assert model_name == "encoder_layer"
+    heads = {("self_attn", name, 0, offset, 8) for name in ("in_proj_weight", "in_proj_bias") for offset in (0, 32, 64)}
+    heads.add(("self_attn.out_proj", "weight", 1, 0, 8))
+    neurons = {("linear1", "weight", 0, 0, 1), ("linear1", "bias", 0, 0, 1), ("linear2", "weight", 1, 0, 1)}
+    return [("heads", "self_attn", 4, 1, False, heads), ("neurons", "", 40, 1, False, neurons)]
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def found(request: pytest.FixtureRequest) -> tuple[str, nn.Module, dict, list]:
+    model, example, _ = BUILDERS[request.param]()
+    return request.param, model, example, find_units(model, (), example)
+
+
+def test_groups_are_the_models_known_units(found: tuple) -> None:
+    name, _, _, groups = found
+    got = sorted(
+        (g.kind, g.module, g.count, g.heads_per_unit, g.per_head_bias, frozenset(_as_tuples(g))) for g in groups
+    )
+    want = sorted((k, m, c, r, b, frozenset(s)) for k, m, c, r, b, s in _expected(name))
+    assert got == want
+
+
+def _as_tuples(group) -> set[tuple]:
+    return {(s.module, s.name, s.dim, s.offset, s.per_unit) for s in group.slices}
+
+
+def _zero(model: nn.Module, slices, unit: int) -> None:
+    with torch.no_grad():
+        for piece in slices:
+            param = getattr(model.get_submodule(piece.module), piece.name)
+            param.narrow(piece.dim, piece.offset + unit * piece.per_unit, piece.per_unit).zero_()
+
+
+def test_a_units_rows_act_only_through_its_columns(found: tuple) -> None:
+    """With a unit's output columns zeroed, zeroing its rows too changes nothing, and the rows alone do matter:
+    the rows found belong to that unit and to no other."""
+    _, model, example, groups = found
+    for group in groups:
+        for unit in (0, group.count - 1):
+            columns_only, everything, rows_only = (copy.deepcopy(model) for _ in range(3))
+            _zero(columns_only, group.consume, unit)
+            _zero(everything, group.slices, unit)
+            _zero(rows_only, group.produce, unit)
+            for a, b in zip(outputs(columns_only, example), outputs(everything, example), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            changed = [
+                float((a - b).abs().max())
+                for a, b in zip(outputs(model, example), outputs(rows_only, example), strict=True)
+            ]
+            assert max(changed) > 1e-5, (group.module, unit)
+
+
+def test_units_of_a_pruned_model_are_those_of_the_plain_one() -> None:
+    model, example, _ = BUILDERS["gpt2"]()
+    plain = find_units(model, (), example)
+    prune.l1_unstructured(model.transformer.h[0].mlp.c_fc, "weight", amount=0.3)
+    prune.random_unstructured(model.transformer.h[1].attn.c_attn, "bias", amount=2)
+    assert find_units(model, (), example) == plain
+    assert prune.is_pruned(model.transformer.h[0].mlp.c_fc)
+
+
+def test_kinds_select_and_must_be_found() -> None:
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3))
+    assert [g.kind for g in find_units(mlp, (torch.randn(2, 4),), kinds=["neurons"])] == ["neurons"]
+    with pytest.raises(UnitError, match=r"found no heads in Sequential"):
+        find_units(mlp, (torch.randn(2, 4),), kinds=["heads"])
+    with pytest.raises(ValueError, match=r"unknown unit kinds \['channels'\]; allowed: \['neurons', 'heads'\]"):
+        find_units(mlp, (torch.randn(2, 4),), kinds=["channels"])
+
+
+def test_no_unit_through_a_non_elementwise_op() -> None:
+    """A softmax between two projections mixes features: no neurons; nothing else either: refused by name."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Softmax(-1), nn.Linear(6, 3))
+    with pytest.raises(UnitError, match=r"found no neurons and no heads in Sequential"):
+        find_units(model, (torch.randn(2, 4),))
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.sum()) > 0:  # Python on a tensor value: not traceable
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_is_refused_by_name() -> None:
+    with pytest.raises(UnitError, match=r"cannot trace _Branchy with torch.export"):
+        find_units(_Branchy(), (torch.randn(2, 4),))
+
+
+class _OddAttention(nn.Module):
+    """Queries made by a projection and then mixed across heads by a second matmul: not followable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.mix = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = (self.q(x) @ self.mix).view(2, 3, 2, 4).transpose(1, 2)
+        k = self.k(x).view(2, 3, 2, 4).transpose(1, 2)
+        v = self.v(x).view(2, 3, 2, 4).transpose(1, 2)
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).reshape(2, 3, 8))
+
+
+def test_attention_that_cannot_be_followed_is_refused_by_name() -> None:
+    with pytest.raises(UnitError, match=r"cannot follow the attention query of the forward of _OddAttention"):
+        find_units(_OddAttention(), (torch.randn(2, 3, 8),))
