@@ -569,7 +569,7 @@ def find_units(
             both are looked for and at least one group must be found.
 
     Returns:
-        The groups in graph order, each a :class:`UnitGroup`.
+        The groups, each a :class:`UnitGroup`, in the order of their first projection among the model's modules.
 
     Raises:
         UnitError: the model cannot be traced, an attention's heads cannot be followed to its projections, a
@@ -609,7 +609,8 @@ def find_units(
             if key in owner and owner[key] != group.module + group.kind:
                 raise UnitError(f"{piece.module}.{piece.name} belongs to two unit groups; it cannot be pruned as one")
             owner[key] = group.module + group.kind
-    unique = list(dict.fromkeys(groups))
+    position = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    unique = sorted(dict.fromkeys(groups), key=lambda g: min(position[s.module] for s in g.produce))
     for kind in kinds if required else ():
         if not any(group.kind == kind for group in unique):
             raise UnitError(f"found no {kind} in {type(model).__name__}: no projection feeds {_WHAT[kind]}")
