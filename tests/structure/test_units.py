@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_transformers import BUILDERS, outputs
+from tiny_transformers import BUILDERS, outputs, transformers
 from torch import nn
 
 from lightprune import prune
@@ -189,3 +189,23 @@ class _OddAttention(nn.Module):
 def test_attention_that_cannot_be_followed_is_refused_by_name() -> None:
     with pytest.raises(UnitError, match=r"cannot follow the attention query of the forward of _OddAttention"):
         find_units(_OddAttention(), (torch.randn(2, 3, 8),))
+
+
+def test_multi_query_attention_is_one_unit_of_all_query_heads() -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=24,
+    )
+    model = transformers.LlamaModel(config).eval()
+    heads = find_units(model, (), {"input_ids": torch.zeros(1, 5, dtype=torch.long)}, kinds=["heads"])
+    assert [(g.count, g.heads_per_unit, g.head_dim) for g in heads] == [(1, 4, 8)]
+    assert {(s.module.rsplit(".", 1)[-1], s.per_unit) for s in heads[0].slices} == {
+        ("q_proj", 32),
+        ("k_proj", 8),
+        ("v_proj", 8),
+        ("o_proj", 32),
+    }

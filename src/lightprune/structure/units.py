@@ -424,7 +424,8 @@ def _sources(graph: _Graph, node: Any, head_dim: int) -> set[_Source] | None:
         shape, first = _shape(current), current.args[0] if current.args else None
         if split is None and name in _RESHAPES | {"unflatten"}:
             in_shape = _shape(first)
-            if shape and in_shape and shape[-1] == head_dim and in_shape[-1] != head_dim:
+            one_head = shape and in_shape and len(shape) == len(in_shape) + 1 and shape[-2] == 1
+            if shape and in_shape and shape[-1] == head_dim and (in_shape[-1] != head_dim or one_head):
                 if in_shape[-1] % head_dim:
                     return False
                 return visit(first, offset, in_shape[-1], select)
@@ -472,7 +473,10 @@ def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Project
             if user.op != "call_function" or name not in _PASS_THROUGH:
                 return None
             in_shape, shape = _shape(node), _shape(user)
-            if name in _RESHAPES and in_shape and shape and shape[-1] == heads * head_dim != in_shape[-1]:
+            merging = bool(in_shape and shape and shape[-1] == heads * head_dim) and (
+                heads * head_dim != in_shape[-1] or (heads == 1 and len(in_shape) > len(shape))
+            )
+            if name in _RESHAPES and merging:
                 if tuple(in_shape[-2:]) != (heads, head_dim):
                     return None
                 merged = True

@@ -1,0 +1,125 @@
+"""remove_units: same class, outputs equal to the masked model's, exact parameter savings, generate, save and load."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_transformers import BUILDERS, outputs
+from torch import nn
+
+from lightprune.export import CompactError, load_compact, remove_units
+from lightprune.structure import find_units, prune_units
+
+pytestmark = pytest.mark.usefixtures("one_thread_for_module")
+
+# what can be removed per model: T5's heads share a position bias, MultiheadAttention derives head size from width
+REMOVABLE = {
+    "bert": ("neurons", "heads"),
+    "gpt2": ("neurons", "heads"),
+    "llama": ("neurons", "heads"),
+    "t5": ("neurons",),
+    "encoder_layer": ("neurons",),
+}
+
+
+def _entries_per_unit(model: nn.Module, group) -> int:
+    """Parameter entries one unit holds, from the parameters' shapes."""
+    total = 0
+    for piece in group.slices:
+        shape = getattr(model.get_submodule(piece.module), piece.name).shape
+        total += piece.per_unit * (torch.Size(shape).numel() // shape[piece.dim])
+    return total
+
+
+def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.shape == y.shape
+        assert float((x - y).abs().max()) <= 1e-5 * max(float(x.abs().max()), 1e-30)
+
+
+@pytest.mark.parametrize("name", sorted(REMOVABLE))
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_compact_equals_masked_and_shrinks_by_the_pruned_units(name: str, scope: str) -> None:
+    model, example, other = BUILDERS[name]()
+    groups = [g for g in find_units(model, (), example) if g.kind in REMOVABLE[name]]
+    sizes = [_entries_per_unit(model, g) for g in groups]
+    keeps = prune_units(model, groups, 0.5 if scope == "layerwise" else 0.4, scope=scope)
+    small = remove_units(model, (), example, groups=groups)
+    assert type(small) is type(model)
+    _assert_close(outputs(model, example), outputs(small, example))
+    _assert_close(outputs(model, other), outputs(small, other))
+    removed = sum(int((~keep).sum()) * size for keep, size in zip(keeps, sizes, strict=True))
+    dense = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("_orig")) + sum(
+        p.numel() for n, p in model.named_parameters() if n.endswith("_orig")
+    )
+    assert sum(p.numel() for p in small.parameters()) == dense - removed
+    assert removed > 0
+
+
+def test_the_input_model_is_unchanged_and_units_are_found_again_on_the_copy() -> None:
+    model, example, _ = BUILDERS["llama"]()
+    prune_units(model, find_units(model, (), example), 0.5)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    small = remove_units(model, (), example)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert [g.count for g in find_units(small, (), example)] == [2, 20, 2, 20]
+    attn = small.model.layers[0].self_attn
+    assert (attn.q_proj.out_features, attn.k_proj.out_features, attn.o_proj.in_features) == (16, 8, 16)
+    assert small.config.num_attention_heads == 4 and small.config.num_key_value_heads == 2
+    assert small.config.intermediate_size == 20
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_is_unchanged(name: str) -> None:
+    model, example, _ = BUILDERS[name]()
+    prune_units(model, find_units(model, (), example), 0.5)
+    small = remove_units(model, (), example)
+    prompt = example["input_ids"][:1, :4]
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(prompt, **settings), small.generate(prompt, **settings))
+
+
+def test_layerwise_llama_round_trips_through_from_pretrained(tmp_path) -> None:
+    model, example, other = BUILDERS["llama"]()
+    prune_units(model, find_units(model, (), example), 0.5)
+    small = remove_units(model, (), example)
+    assert not hasattr(small.config, "lightprune_kept_units")
+    small.save_pretrained(tmp_path)
+    loaded = type(small).from_pretrained(tmp_path).eval()
+    _assert_close(outputs(small, other), outputs(loaded, other))
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2"])
+def test_per_layer_counts_load_with_load_compact(tmp_path, name: str) -> None:
+    model, example, other = BUILDERS[name]()
+    prune_units(model, find_units(model, (), example), 0.4, scope="global")
+    small = remove_units(model, (), example)
+    counts = [g.count for g in find_units(small, (), example)]
+    assert small.config.lightprune_kept_units == counts
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path).eval()
+    assert [p.shape for p in loaded.parameters()] == [p.shape for p in small.parameters()]
+    for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_heads_that_cannot_shrink_are_refused_by_name() -> None:
+    layer, example, _ = BUILDERS["encoder_layer"]()
+    prune_units(layer, find_units(layer, (), example, kinds=["heads"]), 1)
+    with pytest.raises(CompactError, match=r"cannot remove heads of 'self_attn': 'self_attn' \(MultiheadAttention\)"):
+        remove_units(layer, (), example)
+    t5, example, _ = BUILDERS["t5"]()
+    prune_units(t5, find_units(t5, (), example, kinds=["heads"]), 1)
+    with pytest.raises(CompactError, match=r"cannot remove heads of 'encoder.block.0.layer.0.SelfAttention'.*bias"):
+        remove_units(t5, (), example)
+
+
+def test_nothing_pruned_gives_an_equal_copy() -> None:
+    model, example, _ = BUILDERS["bert"]()
+    small = remove_units(model, (), example)
+    assert [p.shape for p in small.parameters()] == [p.shape for p in model.parameters()]
+    assert not hasattr(small.config, "lightprune_kept_units")
+    assert small is not model and copy.deepcopy(small) is not None
