@@ -221,7 +221,7 @@ def remove_units(
         >>> small.transformer.h[0].mlp.c_fc.nf, small.transformer.h[0].attn.split_size
         (32, 16)
         >>> small.config.n_head, small.config.lightprune_kept_units  # GPT-2 derives head_dim from n_head
-        (4, [2, 2, 32, 32])
+        (4, [2, 32, 2, 32])
     """
     args, kwargs = _inputs(model, example_inputs, example_kwargs)
     groups = list(groups) if groups is not None else find_units(model, args, kwargs)
