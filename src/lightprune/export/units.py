@@ -86,7 +86,8 @@ def _shrink(model: nn.Module, groups: Sequence[UnitGroup], removed: Sequence[Ten
         _check_removable(model, group)
         for piece in group.slices:
             size = getattr(model.get_submodule(piece.module), piece.name).shape[piece.dim]
-            line = kept.setdefault((piece.module, piece.name), {}).setdefault(piece.dim, torch.ones(size, dtype=bool))
+            lines = kept.setdefault((piece.module, piece.name), {})
+            line = lines.setdefault(piece.dim, torch.ones(int(size), dtype=torch.bool))
             start = piece.offset
             line[start : start + group.count * piece.per_unit] &= ~gone.repeat_interleave(piece.per_unit)
     for (module_name, name), lines in kept.items():
@@ -285,7 +286,7 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     _shrink(model, groups, removed)
     from safetensors.torch import load_file
 
-    state = {}
+    state: dict[str, Tensor] = {}
     for file in sorted(os.listdir(path)):
         if file.endswith(".safetensors"):
             state |= load_file(os.path.join(path, file))

@@ -77,8 +77,8 @@ def unit_scores(
             raise ValueError(f"the importance callable gave {scores.numel()} scores for {group.count} units")
         return scores
     if importance == "magnitude":
-        total = sum(_per_unit(_weight(model, p), p, group.count).double().square().sum(1) for p in group.slices)
-        return total.sqrt()
+        squares = [_per_unit(_weight(model, p), p, group.count).double().square().sum(1) for p in group.slices]
+        return torch.stack(squares).sum(0).sqrt().cpu()
     if importance == "activation":
         if moments is None:
             raise ValueError('importance="activation" needs the moments of the calibration inputs (collect_moments)')
