@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_transformers import BUILDERS, outputs
+from tiny_transformers import BUILDERS, outputs, transformers
 from torch import nn
 
 from lightprune.export import CompactError, load_compact, remove_units
@@ -123,3 +123,25 @@ def test_nothing_pruned_gives_an_equal_copy() -> None:
     assert [p.shape for p in small.parameters()] == [p.shape for p in model.parameters()]
     assert not hasattr(small.config, "lightprune_kept_units")
     assert small is not model and copy.deepcopy(small) is not None
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Roberta"])
+def test_other_families_compact_exactly(family: str) -> None:
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        intermediate_size=40,
+        **({} if family == "Roberta" else {"num_key_value_heads": 2}),
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}Model")(config).eval()
+    example, other = {"input_ids": torch.randint(3, 64, (2, 7))}, {"input_ids": torch.randint(3, 64, (3, 10))}
+    groups = find_units(model, (), example)
+    assert sorted((g.kind, g.count, g.heads_per_unit) for g in groups) == sorted(
+        [("neurons", 40, 1), ("heads", 8, 1) if family == "Roberta" else ("heads", 2, 4)]
+    )
+    prune_units(model, groups, 0.5)
+    small = remove_units(model, (), example)
+    _assert_close(outputs(model, other), outputs(small, other))
