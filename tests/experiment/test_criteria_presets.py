@@ -114,4 +114,18 @@ def test_criterion_presets_end_to_end(tmp_path: Path, preset: str) -> None:
 
 
 def test_a_ramp_starting_at_level_0_needs_no_statistics_at_its_start() -> None:
-    validate_config(make_config("pruning=movement", "pruning.start=0.0"))  # its first event prunes nothing
+    """Movement from step 0 passes validation because its first event, at step 0, prunes nothing: the callback it
+    builds has its first event at 0 with target 0, and prunes only later, after steps were scored."""
+    cfg = make_config("pruning=movement", "pruning.start=0.0")
+    validate_config(cfg)
+    schedule = app.build_callback(cfg).schedule.resolve(100)
+    assert schedule.first_event == 0 and schedule.target(0) == 0.0
+    assert schedule.events()[1] > 0 and schedule.target(schedule.events()[1]) > 0.0
+    started = make_config("pruning=movement", "pruning.start=0.0", "pruning.initial_sparsity=0.1")
+    assert app.build_callback(started).schedule.resolve(100).target(0) == 0.1  # what validation refuses
+
+
+@pytest.mark.slow
+def test_movement_from_step_0_runs_end_to_end(tmp_path: Path) -> None:
+    summary = run_experiment(make_config(*TINY, "pruning=movement", "pruning.start=0.0"), tmp_path)
+    assert summary.total_sparsity == pytest.approx(0.9, abs=0.01)
