@@ -1,5 +1,6 @@
 """Tests for lightprune.experiment.report: summaries, text table, plots and the multirun report."""
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -10,6 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
+from lightprune.experiment import plots
 from lightprune.experiment.models import LeNet300100
 from lightprune.experiment.report import (
     RunSummary,
@@ -182,11 +184,45 @@ def test_read_metrics_csv_logging_jitter_is_not_a_restart(tmp_path):
     assert series["train/loss"] == [(9.0, 1.0), (18.0, 0.95), (19.0, 0.9)]
 
 
-def test_plot_training_curves_writes_png(tmp_path):
-    out = plot_training_curves(write_metrics_csv(tmp_path / "metrics.csv"), tmp_path / "plots" / "curves.png")
-    assert out == tmp_path / "plots" / "curves.png"
-    content = out.read_bytes()
-    assert content.startswith(PNG_MAGIC) and len(content) > 5000
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plot functions save, by file name, so that tests check what was drawn (the artists)."""
+    figures = {}
+    save = plots._save
+
+    def recording(fig, out_png):
+        figures[Path(out_png).name] = fig
+        return save(fig, out_png)
+
+    monkeypatch.setattr(plots, "_save", recording)
+    return figures
+
+
+def curves(ax):
+    """Label -> (x, y) of every labelled line of ``ax``."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+
+
+def test_plot_training_curves_draws_the_csv(tmp_path, drawn):
+    csv_path = write_metrics_csv(tmp_path / "metrics.csv")
+    out = plot_training_curves(csv_path, tmp_path / "plots" / "curves.png")
+    assert out == tmp_path / "plots" / "curves.png" and out.read_bytes().startswith(PNG_MAGIC)
+    rows = list(csv.DictReader(csv_path.open()))
+    steps = [float(row["step"]) for row in rows if row["train/acc"]]
+    column = {key: [float(row[key]) for row in rows if row[key]] for key in rows[0] if key not in ("epoch", "step")}
+    top, bottom = drawn["curves.png"].axes
+    lines = curves(top)
+    for label, key in [("fc1.weight", "fc1.weight"), ("fc2.weight", "fc2.weight"), ("total", "total")]:
+        assert lines[label] == (steps, column[f"pruning/sparsity/{key}"]), label
+    assert lines["target"] == (steps, column["pruning/target"])
+    target = column["pruning/target"]
+    changes = [step for step, a, b in zip(steps[1:], target, target[1:], strict=False) if a != b]
+    assert lines[f"pruning events ({len(changes) + 1})"][0] == [steps[0], *changes]  # each change of the target
+    lines = curves(bottom)
+    assert lines["train/acc"] == (steps, column["train/acc"])
+    assert lines["val/acc"][1] == column["val/acc"]
+    assert lines["test/acc"] == ([15.0], column["test/acc"])
+    assert [text.get_text() for text in bottom.texts] == [f"{100 * column['test/acc'][0]:.1f}%"]
 
 
 @pytest.mark.parametrize(
@@ -194,10 +230,13 @@ def test_plot_training_curves_writes_png(tmp_path):
     ["epoch,step,train/loss\n0,1,0.5\n", "step,val/acc\n", "epoch,step,val_acc\n0,3,0.5\n"],
     ids=["no-pruning-columns", "header-only", "unknown-columns"],
 )
-def test_plot_training_curves_tolerates_missing_columns(tmp_path, content):
+def test_plot_training_curves_tolerates_missing_columns(tmp_path, content, drawn):
     csv_path = tmp_path / "metrics.csv"
     csv_path.write_text(content)
     assert plot_training_curves(csv_path, tmp_path / "out.png").read_bytes().startswith(PNG_MAGIC)
+    (ax,) = drawn["out.png"].axes  # no pruning column: the accuracy panel alone
+    assert list(ax.lines) == [] and [text.get_text() for text in ax.texts] == ["no accuracy columns in metrics.csv"]
+    assert drawn["out.png"]._suptitle.get_text() == "Accuracy over training (no pruning)"
 
 
 def test_plot_training_curves_missing_file(tmp_path):
@@ -205,13 +244,27 @@ def test_plot_training_curves_missing_file(tmp_path):
         plot_training_curves(tmp_path / "absent.csv", tmp_path / "out.png")
 
 
-def test_plot_layer_sparsity(tmp_path):
-    summary = summarize(LeNet300100(), input_shape=(784,))
+def bars(ax):
+    """Label -> width of every bar of a horizontal bar chart."""
+    names = [label.get_text() for label in ax.get_yticklabels()]
+    return dict(zip(names, [bar.get_width() for bar in ax.patches], strict=True))
+
+
+def test_plot_layer_sparsity(tmp_path, drawn):
+    model = known_zeros_model()
+    summary = summarize(model, input_shape=(4,))
     out = plot_layer_sparsity(summary, tmp_path / "layers.png")
     assert out.read_bytes().startswith(PNG_MAGIC)
+    ax = drawn["layers.png"].axes[0]
+    zeros = {f"{index}.weight": float((model[index].weight == 0).float().mean()) for index in (0, 2)}
+    assert bars(ax) == zeros  # counted here, independently of summarize
+    assert [text.get_text() for text in ax.texts] == [f"{100 * value:.1f}%" for value in zeros.values()]
+    assert ax.get_title() == f"Per-layer sparsity (total {100 * summary.total_sparsity:.1f}%)"
     from_dict = plot_layer_sparsity({"layer_sparsity": {"a": 0.2}}, tmp_path / "dict.png")
-    assert from_dict.read_bytes().startswith(PNG_MAGIC)
+    assert from_dict.read_bytes().startswith(PNG_MAGIC) and bars(drawn["dict.png"].axes[0]) == {"a": 0.2}
     assert plot_layer_sparsity(RunSummary(), tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
+    empty = drawn["empty.png"].axes[0]
+    assert list(empty.patches) == [] and [t.get_text() for t in empty.texts] == ["no per-layer sparsity in the summary"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -256,11 +309,18 @@ def test_collect_runs(tmp_path):
         collect_runs(tmp_path / "nope")
 
 
-def test_write_report(tmp_path):
+def test_write_report(tmp_path, drawn):
     sweep = make_multirun(tmp_path)
     markdown = write_report(sweep)
     assert (sweep / "report.md").read_text() == markdown
     assert (sweep / "accuracy_vs_sparsity.png").read_bytes().startswith(PNG_MAGIC)
+    ax = drawn["accuracy_vs_sparsity.png"].axes[0]
+    points = sorted((float(line.get_xdata()[0]), float(line.get_ydata()[0])) for line in ax.lines if not line.get_gid())
+    runs = collect_runs(sweep)  # one arm per run here: each differs in a setting other than sparsity and seed
+    expected = sorted((1 - run.total_sparsity, 100 * run.final_test_acc) for run in runs)
+    assert [x for pair in points for x in pair] == pytest.approx([x for pair in expected for x in pair])
+    (dense,) = [line for line in ax.lines if line.get_gid() == "dense-reference"]
+    assert list(dense.get_ydata()) == pytest.approx([100 * runs[0].dense_test_acc] * 2)
     lines = markdown.splitlines()
     header = next(line for line in lines if line.startswith("| run"))
     assert header == "| run | prune.amount | model | seed | sparsity | dense acc | final acc | compression | speed-up |"
