@@ -160,7 +160,8 @@ def test_builtin_callback_beside_pruning(tmp_path: Path, case: str, pruning_firs
             assert not bool(state[name][~mask].any()), (path.name, name)
         if saved and saved[0]["masks"]:
             step = checkpoint["global_step"]
-            assert zeros_of(state) >= round(SCHEDULE.target(step) * N) - 0, (path.name, step)
+            pruned = sum(int((~mask).sum()) for mask in saved[0]["masks"].values())
+            assert pruned == zeros_of(state) == round(SCHEDULE.target(step) * N), (path.name, step, pruned)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
