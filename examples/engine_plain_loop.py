@@ -16,6 +16,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from sklearn.datasets import load_digits
@@ -62,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny run (a few seconds), for tests")
     parser.add_argument("--target", type=float, default=0.9, help="final sparsity of the Linear weights")
+    parser.add_argument("--save", type=Path, help="write the pruned model's state_dict (plain tensors) to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny model: one thread is fastest
@@ -92,6 +94,8 @@ def main() -> None:
         print(f"{names[module]}.{name}: sparsity {sparsity([(module, name)]):.4f}")
     print(f"final sparsity: {sparsity(parameters):.4f} (target {args.target:.4f})")
     print(f"final test accuracy: {accuracy(model, x_test, y_test):.4f}")
+    if args.save is not None:
+        torch.save(model.state_dict(), args.save)  # loads into a fresh, unpruned model of the same class
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 epoch (a few seconds), for tests")
     parser.add_argument("--rounds", type=int, default=5, help="pruning rounds")
     parser.add_argument("--rate", type=float, default=0.2, help="fraction of the remaining weights pruned per round")
+    parser.add_argument("--save", type=Path, help="write the pruned model's state_dict (plain tensors) to this file")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     torch.set_num_threads(1)  # tiny model: one thread is fastest
@@ -114,6 +116,8 @@ def main() -> None:
         total = sum(w.numel() for w in weights)
         print(f"round {round_index}: sparsity {zeros / total:.4f} (target {target:.4f}), val accuracy {accuracy:.4f}")
     print(f"final sparsity: {zeros / total:.4f}")
+    if args.save is not None:
+        torch.save(model.state_dict(), args.save)  # the last round made the pruning permanent: plain tensors
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny run (a few seconds), for tests")
     parser.add_argument("--target", type=float, default=0.8, help="final total sparsity of the Linear weights")
     parser.add_argument("--out", type=Path, default=Path("lightning_callback_logs"), help="directory of the logs")
+    parser.add_argument("--save", type=Path, help="write the pruned model's state_dict (plain tensors) to this file")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     torch.set_num_threads(1)  # tiny model: one thread is fastest
@@ -107,6 +108,8 @@ def main() -> None:
         zeros += int((weight == 0).sum())
     print(f"final sparsity: {zeros / total:.4f} (target {args.target:.4f}: {zeros} of {total} weights are zero)")
     print(f"final validation accuracy: {float(trainer.callback_metrics['val/acc']):.4f}")
+    if args.save is not None:
+        torch.save(model.state_dict(), args.save)  # loads into a fresh DigitsMLP
 
     with Path(logger.log_dir, "metrics.csv").open(newline="") as handle:
         logged = [row for row in csv.DictReader(handle) if row.get("pruning/sparsity/total")]

@@ -1,7 +1,9 @@
 """Run every script of ``examples/`` at tiny size (``--quick``) in a fresh process, as a user would.
 
-Each example prints the final sparsity it reached; the tests check the exit code and that number against the
-target the script prunes to. They start Python, torch (and Lightning) afresh, so each takes several seconds.
+Each example prints the final sparsity it reached and saves the pruned model (``--save``); the tests check the exit
+code, count the zeros of the saved weights themselves (exactly the target's count: the library promises exact
+counts), and check the printed numbers against that count. They start Python, torch (and Lightning) afresh, so each
+takes several seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
@@ -39,6 +42,24 @@ def final_sparsity(stdout: str) -> float:
     return float(match.group(1))
 
 
+def zeros_of_saved(path: Path) -> dict[str, tuple[int, int]]:
+    """Zeros and entries of every Linear weight (2-d ``*.weight``) of a saved state_dict, counted here."""
+    state_dict = torch.load(path, weights_only=True)
+    assert not any(key.endswith(("_orig", "_mask")) for key in state_dict)  # plain tensors
+    return {
+        key: (int((value == 0).sum()), value.numel())
+        for key, value in state_dict.items()
+        if key.endswith(".weight") and value.dim() == 2
+    }
+
+
+def assert_exact(counts: dict[str, tuple[int, int]], target: float, stdout: str) -> None:
+    """The saved weights hold exactly ``round(target * total)`` zeros, and the script printed that sparsity."""
+    zeros, total = sum(z for z, _ in counts.values()), sum(n for _, n in counts.values())
+    assert zeros == round(target * total), (zeros, total, target)
+    assert final_sparsity(stdout) == round(zeros / total, 4)
+
+
 def test_every_example_has_a_docstring_and_a_quick_flag() -> None:
     scripts = sorted(path.name for path in EXAMPLES.glob("*.py"))
     assert scripts == ["engine_plain_loop.py", "iterative_rounds.py", "lightning_callback.py"]
@@ -50,8 +71,10 @@ def test_every_example_has_a_docstring_and_a_quick_flag() -> None:
 
 @pytest.mark.slow
 def test_engine_plain_loop(tmp_path: Path) -> None:
-    stdout = run_example("engine_plain_loop.py", "--target", "0.75", cwd=tmp_path)
-    assert final_sparsity(stdout) == 0.75
+    stdout = run_example("engine_plain_loop.py", "--target", "0.75", "--save", "model.pt", cwd=tmp_path)
+    counts = zeros_of_saved(tmp_path / "model.pt")
+    assert len(counts) == 3
+    assert_exact(counts, 0.75, stdout)
     assert re.search(r"^dense: test accuracy 0\.\d+", stdout, re.MULTILINE)
     assert len(re.findall(r"^step \d: sparsity", stdout, re.MULTILINE)) == 2
     assert re.search(r"^final test accuracy: 0\.\d+", stdout, re.MULTILINE)
@@ -59,21 +82,24 @@ def test_engine_plain_loop(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_lightning_callback(tmp_path: Path) -> None:
-    stdout = run_example("lightning_callback.py", "--out", str(tmp_path), cwd=tmp_path)
-    assert final_sparsity(stdout) == 0.8
-    layers = re.findall(r"^net\.\d\.weight: sparsity ([0-9.]+)", stdout, re.MULTILINE)
-    assert len(layers) == 3
+    stdout = run_example("lightning_callback.py", "--out", str(tmp_path), "--save", "model.pt", cwd=tmp_path)
+    counts = zeros_of_saved(tmp_path / "model.pt")
+    assert_exact(counts, 0.8, stdout)
+    layers = dict(re.findall(r"^(net\.\d\.weight): sparsity ([0-9.]+)", stdout, re.MULTILINE))
+    assert {key: float(value) for key, value in layers.items()} == {
+        key: round(zeros / total, 4) for key, (zeros, total) in counts.items()
+    }
     metrics = tmp_path / "example" / "version_0" / "metrics.csv"
     assert "pruning/sparsity/total" in metrics.read_text().splitlines()[0]
 
 
 @pytest.mark.slow
 def test_iterative_rounds(tmp_path: Path) -> None:
-    stdout = run_example("iterative_rounds.py", cwd=tmp_path)
+    stdout = run_example("iterative_rounds.py", "--save", "model.pt", cwd=tmp_path)
     rounds = re.findall(r"^round (\d): sparsity ([0-9.]+)", stdout, re.MULTILINE)
     assert [(int(r), float(s)) for r, s in rounds] == [(0, 0.0), (1, 0.2), (2, 0.36)]
-    assert final_sparsity(stdout) == 0.36
-    assert not list(tmp_path.iterdir())  # nothing written
+    assert_exact(zeros_of_saved(tmp_path / "model.pt"), 1 - 0.8**2, stdout)  # two rounds of 20% of what remains
+    assert [path.name for path in tmp_path.iterdir()] == ["model.pt"]  # nothing else written
 
 
 # --------------------------------------------------------------------------------------------------------------------
