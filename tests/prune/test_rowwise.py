@@ -6,13 +6,17 @@ first ``round(amount * remaining)`` (or ``amount``) of them.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.nn.utils import prune as torch_prune
 
 from lightprune import prune
+from lightprune.prune.rowwise import RowwiseToSparsity
 from lightprune.prune.signed import SignedRowwise
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -144,3 +148,36 @@ def test_refusals_name_the_bad_value() -> None:
     assert not prune.is_pruned(layer)  # left as it was
     with pytest.raises(ValueError, match="importance_scores must have the shape"):
         prune.rowwise_l1_unstructured(layer, "weight", amount=1, importance_scores=torch.ones(3, 2))
+
+
+def torch_count(amount: float, length: int) -> int:
+    """How many of ``length`` entries torch.nn.utils.prune's L1Unstructured prunes for a float ``amount``."""
+    return int(
+        (torch_prune.L1Unstructured(amount).compute_mask(torch.arange(1.0, length + 1), torch.ones(length)) == 0).sum()
+    )
+
+
+HALVES = [(amount, length) for amount in (0.5, 0.25, 0.125, 0.375) for length in range(1, 17)]
+"""Row lengths where ``amount * length`` is often exactly ``k + 0.5``: round half to even and half up disagree."""
+
+
+@pytest.mark.parametrize("amount", sorted({amount for amount, _ in HALVES}))
+def test_a_row_count_at_a_half_rounds_to_even_as_torch_does(amount: float) -> None:
+    lengths = [length for a, length in HALVES if a == amount]
+    mask = torch.zeros(len(lengths), max(lengths))
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1  # row i has `length` unpruned entries
+    scores = torch.arange(1.0, mask.numel() + 1).reshape(mask.shape)
+    got = prune.RowwiseL1Unstructured(amount).compute_mask(scores, mask)
+    pruned = (mask - got).sum(dim=1).to(torch.int64).tolist()
+    assert pruned == [torch_count(amount, length) for length in lengths]
+    halves = [length for length in lengths if amount * length % 1 == 0.5]
+    assert any(torch_count(amount, n) != math.floor(amount * n + 0.5) for n in halves)  # the case pins the rule
+
+
+@pytest.mark.parametrize("length", [2, 6, 10, 14, 3, 5, 7])
+def test_a_row_sparsity_target_at_a_half_rounds_to_even_as_torch_does(length: int) -> None:
+    for sparsity in (0.5, 0.25):
+        scores = torch.arange(1.0, 2 * length + 1).reshape(2, length)
+        got = RowwiseToSparsity(sparsity).compute_mask(scores, torch.ones(2, length))
+        assert (got == 0).sum(dim=1).tolist() == [torch_count(sparsity, length)] * 2, sparsity
