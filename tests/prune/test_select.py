@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lightprune.prune.select import Cut, apply_cut, count_eligible, find_cut, select_smallest
@@ -197,6 +197,54 @@ def test_matches_sorting_oracle(problem, tune):
     with tuning(**tune):
         assert_same(select_smallest(scores, k, eligible=eligible, magnitude=magnitude, largest=largest), want)
         assert_same(masks_sync_free(scores, k, eligible=eligible, magnitude=magnitude, largest=largest), want)
+
+
+@st.composite
+def tie_splits(draw):
+    """Problems whose k-th entry lies strictly inside a run of equal keys (the cut selects some of them and not
+    others: the tie count decides), with many entries so that the sampled window, not a whole sort, finds it."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    dtype = draw(st.sampled_from(FLOATS))
+    # three magnitudes, close in bit pattern (a window around zero and 2.0 would be too wide for the key dtype)
+    pool = torch.tensor([-2.0, -1.5, -1.0, 1.0, 1.5, 2.0], dtype=dtype)
+    shapes = [(draw(st.integers(20, 60)), 37) for _ in range(draw(st.integers(1, 3)))]
+    scores = [pool[torch.randint(0, 6, shape, generator=gen)] for shape in shapes]
+    eligible = [draw(st.sampled_from([None, torch.rand(s.shape, generator=gen) < 0.8])) for s in scores]
+    largest = draw(st.booleans())
+    ranked = sorted(
+        (abs(v) * (-1 if largest else 1), i, j)
+        for i, (sc, el) in enumerate(zip(scores, eligible, strict=True))
+        for j, (v, ok) in enumerate(
+            zip(sc.reshape(-1).tolist(), _elig_list(el) if el is not None else [True] * sc.numel(), strict=True)
+        )
+        if ok
+    )
+    n = len(ranked)  # the middle 80%: the window around the sampled rank lies between the smallest and largest keys
+    inside = [k for k in range(n // 10, 9 * n // 10) if ranked[k - 1][0] == ranked[k][0]]  # k-1 selected, k not
+    assume(inside)
+    return scores, eligible, draw(st.sampled_from(inside)), largest
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(problem=tie_splits(), chunk=st.sampled_from([3, 7, 64]))
+def test_ties_split_inside_the_window_match_the_oracle(problem, chunk):
+    """The window pass counts how many equal keys to select; the property above rarely reaches it with a split
+    tie, since its inputs are small enough to sort whole. Here the window must find every cut (no histograms)."""
+    scores, eligible, k, largest = problem
+    want = oracle(scores, k, eligible, magnitude=True, largest=largest)
+
+    def no_histograms(*args, **kwargs):
+        raise AssertionError("the window pass should have found the cut")
+
+    saved = select.histogram
+    select.histogram = no_histograms
+    try:
+        with tuning(chunk=chunk, limit=0):
+            cut = find_cut(scores, k, eligible=eligible, magnitude=True, largest=largest)
+            assert cut.ties > 0  # a split tie
+            assert_same(select_smallest(scores, k, eligible=eligible, magnitude=True, largest=largest), want)
+    finally:
+        select.histogram = saved
 
 
 @settings(max_examples=40, deadline=None)
