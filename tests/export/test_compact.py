@@ -356,18 +356,32 @@ def test_compact_model_is_independent_and_deep_copies():
     copy.deepcopy(small)
 
 
+@pytest.mark.parametrize("seed", [11, 12, 13])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_other_dtypes(dtype):
-    torch.manual_seed(11)
+def test_other_dtypes(dtype, seed):
+    """float64: the same function to 1e-12. bfloat16 (8 significant bits) cannot match bit for bit: the compacted
+    model sums fewer terms, so it rounds differently. The exact reference is the masked model's own bfloat16 weights
+    evaluated in float64. Both bfloat16 models stay within 2**-7 of its scale (over 40 seeds: at most 0.0050), and the
+    compacted one is off by at most one bfloat16 rounding (2**-8) more than the masked one."""
+    torch.manual_seed(seed)
     model = _randomize(ConvBN()).to(dtype)
     prune.ln_structured(model.conv1, "weight", amount=0.5, n=2, dim=0)
     prune.ln_structured(model.conv2, "weight", amount=0.5, n=2, dim=0)
     small = compact(model, torch.randn(2, 3, 8, 8, dtype=dtype))
     assert weights(small)["conv2.weight"] == (6, 8, 3, 3)
     assert small.get_submodule("conv2").weight.dtype == dtype
-    assert_same_function(
-        small, model, (torch.randn(4, 3, 8, 8, dtype=dtype),), rtol=1e-12 if dtype == torch.float64 else 0.05
-    )
+    x = torch.randn(4, 3, 8, 8, dtype=dtype)
+    if dtype == torch.float64:
+        assert_same_function(small, model, (x,), rtol=1e-12)
+        return
+    model.eval()
+    with torch.no_grad():
+        exact = copy.deepcopy(model).to(torch.float64)(x.to(torch.float64))
+        scale = float(exact.abs().max())
+        masked_error = float((model(x).to(torch.float64) - exact).abs().max()) / scale
+        compact_error = float((small.eval()(x).to(torch.float64) - exact).abs().max()) / scale
+    assert masked_error <= 2**-7 and compact_error <= 2**-7, (masked_error, compact_error)
+    assert compact_error <= masked_error + 2**-8, (masked_error, compact_error)
 
 
 # ------------------------------------------------------------------------------------------------------------------
