@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from torchmetrics.utilities.data import dim_zero_sum
 import lightprune.metrics as metrics_module
 from lightprune.metrics import Sparsity, SparsityCollection, count_zeros, sparsity
 from lightprune.selection import select_parameters
+from ranks import run_ranks
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Functionals
@@ -197,11 +200,44 @@ def test_sparsity_metric_compute_before_update_is_nan() -> None:
     assert math.isnan(value.item())
 
 
-def test_sparsity_metric_states_are_summed_across_processes() -> None:
+SYNC_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from lightprune.metrics import Sparsity, SparsityCollection
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+zeros, total = [(1, 4), (6, 6)][rank]  # rank 0: 1 of 4 entries zero; rank 1: 6 of 6
+tensor = torch.cat([torch.zeros(zeros), torch.ones(total - zeros)])
+metric = Sparsity()
+metric.update(tensor)
+collection = SparsityCollection(["a"])
+collection.update({"a": tensor})
+result = {
+    "synced": metric.compute().item(),
+    "local": (metric.zeros.item(), metric.total.item()),  # compute() restores the local states afterwards
+    "collection": {key: value.item() for key, value in collection.compute().items()},
+}
+with open(f"{sys.argv[1]}.{rank}", "w") as handle:
+    json.dump(result, handle)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_sparsity_metric_states_are_summed_across_processes(tmp_path: Path) -> None:
+    """Two gloo processes: each counts its own tensor, ``compute`` sums the counts of both (7 zeros of 10)."""
     metric = Sparsity()
     assert metric._reductions == {"zeros": dim_zero_sum, "total": dim_zero_sum}
-    # What a distributed sync does: gather the states of every process and reduce them.
-    assert metric._reductions["zeros"](torch.tensor([3, 4])).item() == 7
+    script = tmp_path / "sync.py"
+    script.write_text(SYNC_SCRIPT)
+    run_ranks(script, 2, [str(tmp_path / "result")], timeout=120)
+    results = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in range(2)]
+    for rank, result in enumerate(results):
+        assert result["synced"] == pytest.approx((1 + 6) / (4 + 6), rel=1e-6), rank  # float32; alone: 0.25, 1.0
+        assert result["collection"] == pytest.approx({"a": 0.7, "total": 0.7}, rel=1e-6), rank
+    assert [tuple(result["local"]) for result in results] == [(1, 4), (6, 6)]
 
 
 def test_sparsity_metric_merge_state() -> None:
