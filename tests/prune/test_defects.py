@@ -8,7 +8,9 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import prune as tp
+from torch.torch_version import TorchVersion
 
 from lightprune import prune as lp
 from lightprune.prune import _reparam, base
@@ -23,6 +26,23 @@ from lightprune.prune import select as select_module
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 MASK_MODES = [None, torch.bool]
+
+REPRODUCED_UP_TO = "2.14.1"
+"""The newest torch on which each defect asserted in a :func:`torch_defect` block was reproduced (CI runs the
+engine's tests on torch 2.13.0 and 2.14.1)."""
+
+
+@contextmanager
+def torch_defect(what: str) -> Iterator[None]:
+    """A block asserting one of torch's own defects. Up to :data:`REPRODUCED_UP_TO` it must hold, so a change of
+    torch's behaviour under our feet fails the test; on a newer torch a fix is welcome: a failing block then warns,
+    naming the defect, and the rest of the test (lightprune's side) still runs and must pass."""
+    try:
+        yield
+    except (AssertionError, pytest.fail.Exception) as error:
+        if TorchVersion(torch.__version__) <= REPRODUCED_UP_TO:
+            raise
+        warnings.warn(f"torch {torch.__version__} no longer shows {what}: {error}", stacklevel=3)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -201,11 +221,12 @@ def test_failing_call_leaves_module_exactly_as_before(case: str, before: int, mo
 
 def test_torch_does_not_roll_back_a_failing_second_call() -> None:
     # the defect itself, on torch: after the failing call the hook is gone and is_pruned() is False
-    layer = nn.Linear(6, 5)
-    tp.l1_unstructured(layer, "weight", amount=4)
-    with pytest.raises(ValueError):
-        tp.l1_unstructured(layer, "weight", amount=100)
-    assert not tp.is_pruned(layer)
+    with torch_defect("a failing second call that leaves the module unpruned"):
+        layer = nn.Linear(6, 5)
+        tp.l1_unstructured(layer, "weight", amount=4)
+        with pytest.raises(ValueError):
+            tp.l1_unstructured(layer, "weight", amount=100)
+        assert not tp.is_pruned(layer)
     ours = nn.Linear(6, 5)
     lp.l1_unstructured(ours, "weight", amount=4)
     with pytest.raises(ValueError):
@@ -271,11 +292,12 @@ def train_step(model: nn.Module) -> None:
 
 
 def test_torch_deepcopy_of_a_pruned_module_fails_after_a_forward() -> None:
-    layer = nn.Linear(3, 3)
-    tp.l1_unstructured(layer, "weight", amount=2)
-    layer(torch.randn(1, 3))
-    with pytest.raises(RuntimeError, match="Only Tensors created explicitly by the user"):
-        copy.deepcopy(layer)
+    with torch_defect("#37322, deepcopy of a pruned module raising"):
+        layer = nn.Linear(3, 3)
+        tp.l1_unstructured(layer, "weight", amount=2)
+        layer(torch.randn(1, 3))
+        with pytest.raises(RuntimeError, match="Only Tensors created explicitly by the user"):
+            copy.deepcopy(layer)
 
 
 def roundtrip_pickle(model: nn.Module) -> nn.Module:
@@ -369,12 +391,13 @@ def test_repruning_keeps_forward_pre_hook_order(second: str) -> None:
     layer(torch.randn(1, 4))
     assert order == ["before", "after"]
     # torch moves the pruning hook to the end
-    theirs = nn.Linear(4, 4)
-    theirs.register_forward_pre_hook(lambda m, i: None)
-    tp.l1_unstructured(theirs, "weight", amount=2)
-    theirs.register_forward_pre_hook(lambda m, i: None)
-    tp.l1_unstructured(theirs, "weight", amount=2)
-    assert isinstance(list(theirs._forward_pre_hooks.values())[-1], tp.PruningContainer)
+    with torch_defect("#37138, re-pruning moving the hook to the end"):
+        theirs = nn.Linear(4, 4)
+        theirs.register_forward_pre_hook(lambda m, i: None)
+        tp.l1_unstructured(theirs, "weight", amount=2)
+        theirs.register_forward_pre_hook(lambda m, i: None)
+        tp.l1_unstructured(theirs, "weight", amount=2)
+        assert isinstance(list(theirs._forward_pre_hooks.values())[-1], tp.PruningContainer)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -409,10 +432,11 @@ def test_conversions_refresh_the_pruned_tensor(conversion: str, mode: torch.dtyp
         assert torch.equal(value, expected)  # right after the conversion, before any forward
         assert value.requires_grad
     if dtype != torch.float32:  # torch leaves it stale
-        theirs = nn.Linear(3, 3)
-        tp.l1_unstructured(theirs, "weight", amount=2)
-        convert(theirs)
-        assert theirs.weight.dtype == torch.float32
+        with torch_defect("a stale pruned tensor after a dtype conversion"):
+            theirs = nn.Linear(3, 3)
+            tp.l1_unstructured(theirs, "weight", amount=2)
+            convert(theirs)
+            assert theirs.weight.dtype == torch.float32
 
 
 def test_conversion_of_the_pruned_module_itself() -> None:
@@ -478,10 +502,11 @@ def test_global_masks_own_their_memory() -> None:
         assert isinstance(hook, lp.CustomFromMask) and hook.mask is None
     assert len(set(storages)) == len(layers)
     # torch's hooks share one flat mask
-    theirs = [nn.Linear(8, 8), nn.Linear(8, 4)]
-    tp.global_unstructured([(m, "weight") for m in theirs], tp.L1Unstructured, amount=0.5)
-    hooks = [next(iter(m._forward_pre_hooks.values())) for m in theirs]
-    assert hooks[0].mask.untyped_storage().data_ptr() == hooks[1].mask.untyped_storage().data_ptr()
+    with torch_defect("#34257, global pruning's hooks sharing one flat mask"):
+        theirs = [nn.Linear(8, 8), nn.Linear(8, 4)]
+        tp.global_unstructured([(m, "weight") for m in theirs], tp.L1Unstructured, amount=0.5)
+        hooks = [next(iter(m._forward_pre_hooks.values())) for m in theirs]
+        assert hooks[0].mask.untyped_storage().data_ptr() == hooks[1].mask.untyped_storage().data_ptr()
 
 
 def test_repeated_global_pruning_keeps_one_mask_per_tensor() -> None:
@@ -504,7 +529,7 @@ def test_repeated_global_pruning_keeps_one_mask_per_tensor() -> None:
 
 
 def test_container_of_two_methods() -> None:
-    with pytest.raises(AttributeError):
+    with torch_defect("PruningContainer(m1, m2) raising AttributeError"), pytest.raises(AttributeError):
         tp.PruningContainer(tp.L1Unstructured(amount=1), tp.L1Unstructured(amount=1))
     container = lp.PruningContainer(lp.L1Unstructured(amount=1), lp.L1Unstructured(amount=2))
     assert len(container) == 2
@@ -519,12 +544,13 @@ def test_container_of_two_methods() -> None:
 def test_container_compute_mask_does_not_write_into_default_mask() -> None:
     # torch's _combine_masks aliases default_mask when its dtype is t's, and writes the new mask into it
     default = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    theirs = tp.PruningContainer()
-    method = tp.L1Unstructured(amount=1)
-    method._tensor_name = theirs._tensor_name = None
-    theirs.add_pruning_method(method)
-    theirs.compute_mask(torch.tensor([4.0, 1.0, 3.0, 2.0]), default)
-    assert default.tolist() == [1, 0, 1, 0]
+    with torch_defect("PruningContainer.compute_mask writing into default_mask"):
+        theirs = tp.PruningContainer()
+        method = tp.L1Unstructured(amount=1)
+        method._tensor_name = theirs._tensor_name = None
+        theirs.add_pruning_method(method)
+        theirs.compute_mask(torch.tensor([4.0, 1.0, 3.0, 2.0]), default)
+        assert default.tolist() == [1, 0, 1, 0]
     default = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
     t = torch.tensor([[4.0], [1.0], [3.0], [2.0]])
     methods = [lp.L1Unstructured(amount=1), lp.LnStructured(amount=1, n=1, dim=0), lp.CustomFromMask(default)]
@@ -613,7 +639,7 @@ def test_channels_last_and_non_contiguous_tensors() -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
     assert not conv.weight.is_contiguous()
-    with pytest.raises(RuntimeError, match="view size is not compatible"):
+    with torch_defect("topk(t.view(-1)) raising on channels_last"), pytest.raises(RuntimeError, match="view size"):
         tp.l1_unstructured(copy.deepcopy(conv), "weight", amount=0.3)
     reference = nn.Conv2d(3, 8, 3)
     reference.load_state_dict(conv.state_dict())
@@ -637,9 +663,10 @@ def test_channels_last_and_non_contiguous_tensors() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_random_unstructured_is_uniform_on_16_bit_tensors(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    theirs = nn.Linear(1000, 1000).to(torch.bfloat16)
-    tp.random_unstructured(theirs, "weight", amount=0.001)
-    assert int((theirs.weight_mask.flatten() == 0).nonzero().max()) < 300_000  # torch: only the first ~quarter
+    with torch_defect("random_unstructured pruning only the first entries of a bfloat16 tensor"):
+        theirs = nn.Linear(1000, 1000).to(torch.bfloat16)
+        tp.random_unstructured(theirs, "weight", amount=0.001)
+        assert int((theirs.weight_mask.flatten() == 0).nonzero().max()) < 300_000  # torch: only the first ~quarter
 
     def pruned_positions(module: nn.Module) -> Tensor:
         return (module.weight_mask.flatten() == 0).nonzero().flatten().double() / module.weight_mask.numel()
@@ -661,7 +688,7 @@ def test_random_unstructured_is_uniform_on_16_bit_tensors(dtype: torch.dtype) ->
 def test_random_unstructured_on_an_integer_parameter() -> None:
     layer = nn.Linear(3, 4)
     layer.weight = nn.Parameter(torch.arange(12).view(4, 3), requires_grad=False)
-    with pytest.raises(RuntimeError):
+    with torch_defect("random_unstructured raising on an integer tensor"), pytest.raises(RuntimeError):
         tp.random_unstructured(copy.deepcopy(layer), "weight", amount=5)  # rand_like of an int64 tensor
     lp.random_unstructured(layer, "weight", amount=5)
     assert layer.weight_mask.dtype == torch.int64 and int((layer.weight_mask == 0).sum()) == 5
