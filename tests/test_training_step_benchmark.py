@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "training_step.py"
 
 
+@pytest.mark.slow  # a fresh process training four arms: tens of seconds on 2 cores
 def test_quick_training_step_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "training_step.json"
     done = subprocess.run(
