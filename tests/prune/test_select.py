@@ -207,7 +207,7 @@ def tie_splits(draw):
     dtype = draw(st.sampled_from(FLOATS))
     # three magnitudes, close in bit pattern (a window around zero and 2.0 would be too wide for the key dtype)
     pool = torch.tensor([-2.0, -1.5, -1.0, 1.0, 1.5, 2.0], dtype=dtype)
-    shapes = [(draw(st.integers(20, 60)), 37) for _ in range(draw(st.integers(1, 3)))]
+    shapes = [(draw(st.integers(20, 40)), 37) for _ in range(draw(st.integers(1, 3)))]
     scores = [pool[torch.randint(0, 6, shape, generator=gen)] for shape in shapes]
     eligible = [draw(st.sampled_from([None, torch.rand(s.shape, generator=gen) < 0.8])) for s in scores]
     largest = draw(st.booleans())
@@ -225,7 +225,7 @@ def tie_splits(draw):
     return scores, eligible, draw(st.sampled_from(inside)), largest
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(problem=tie_splits(), chunk=st.sampled_from([3, 7, 64]))
 def test_ties_split_inside_the_window_match_the_oracle(problem, chunk):
     """The window pass counts how many equal keys to select; the property above rarely reaches it with a split
