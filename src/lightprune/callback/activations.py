@@ -29,6 +29,8 @@ class ActivationStats:
     Args:
         selection: ``(qualified name, module, name)`` of the selected weights; each must have input features (see
             :func:`~lightprune.layouts.feature_layout`), else a ``ValueError`` names it.
+        weight: ``(qualified, module, name) -> the weight scored``, detached (default: the Parameter; the callback
+            gives the effective ``W + update`` of a weight under a LoRA adapter).
 
     Example:
         >>> layer = nn.Linear(3, 2)
@@ -40,7 +42,11 @@ class ActivationStats:
         tensor([2., 4., 0.])
     """
 
-    def __init__(self, selection: list[tuple[str, nn.Module, str]]) -> None:
+    def __init__(
+        self,
+        selection: list[tuple[str, nn.Module, str]],
+        weight: Callable[[str, nn.Module, str], Tensor] | None = None,
+    ) -> None:
         for qualified, module, name in selection:
             if feature_layout(module, name) is None:
                 raise ValueError(
@@ -49,6 +55,7 @@ class ActivationStats:
                     "exclude it or use another importance"
                 )
         self.selection = selection
+        self._weight = weight or (lambda qualified, module, name: prune.original(module, name).detach())
         self.totals: dict[str, Tensor] = {}
         self.calls: dict[str, int] = {}
         self._pending: dict[str, Tensor] = {}
@@ -127,7 +134,7 @@ class ActivationStats:
             )
         found = {}
         for qualified, module, name in self.selection:
-            weight = prune.original(module, name).detach()
+            weight = self._weight(qualified, module, name)
             norms = self.totals[qualified].to(weight.device).sqrt()
             shape = [1] * weight.dim()
             shape[input_dim(module)] = norms.numel()

@@ -30,6 +30,12 @@ IMPORTANCES = choices.IMPORTANCES
 
 ScoreFunction = Callable[[str, nn.Module, str, Tensor], Tensor]
 Reduce = Callable[[Tensor], Tensor]
+WeightOf = Callable[[str, nn.Module, str], Tensor]
+"""``(qualified name, module, parameter name) -> the weight to rank``, detached."""
+
+
+def _parameter(qualified: str, module: nn.Module, name: str) -> Tensor:
+    return prune.original(module, name).detach()
 
 
 def check_importance(
@@ -82,6 +88,7 @@ class Importance:
         self.activations: ActivationStats | None = None
         self.movement: MovementScores | None = None
         self._selection: list[tuple[str, nn.Module, str]] = []
+        self._weight: WeightOf = _parameter
         self._restored: Mapping[str, Any] | None = None
 
     @property
@@ -94,10 +101,15 @@ class Importance:
         """Whether the scores rank by value (movement) instead of by magnitude."""
         return self.kind == "movement"
 
-    def bind(self, selection: list[tuple[str, nn.Module, str]]) -> None:
-        """Attach to the tensors a fit selected (checks activation's layers); restores a checkpoint's statistics."""
+    def bind(self, selection: list[tuple[str, nn.Module, str]], weight: WeightOf | None = None) -> None:
+        """Attach to the tensors a fit selected (checks activation's layers); restores a checkpoint's statistics.
+
+        ``weight(qualified, module, name)`` gives the weight to rank (the effective ``W + update`` of a weight under
+        a LoRA adapter); by default the Parameter.
+        """
         self._selection = list(selection)
-        self.activations = ActivationStats(self._selection) if self.kind == "activation" else None
+        self._weight = weight or _parameter
+        self.activations = ActivationStats(self._selection, self._weight) if self.kind == "activation" else None
         self.movement = MovementScores(self._selection) if self.kind == "movement" else None
         self._apply_restored()
 
@@ -149,7 +161,7 @@ class Importance:
             return self.movement.scores(reduce_mean)
         found = {}
         for qualified, module, name in self._selection:
-            weight = prune.original(module, name).detach()
+            weight = self._weight(qualified, module, name)
             with torch.no_grad():
                 score = self.importance(qualified, module, name, weight)  # type: ignore[operator]
             if not isinstance(score, Tensor) or score.shape != weight.shape:

@@ -57,8 +57,7 @@ class InPlaceMasks:
             remove_masked(module, name)  # orig * mask in place: no new weight-sized tensor
             self._entries[(id(module), name)] = (module, name, mask)
             self._by_parameter[id(parameter)] = (parameter, mask)
-            if id(parameter) not in self._handles:
-                self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
+            self._watch_grad(parameter)
 
     def put(self, module: nn.Module, name: str, mask: Tensor) -> None:
         """Keep ``mask`` for the plain (or DTensor) Parameter ``module.<name>`` and zero it where pruned now.
@@ -69,10 +68,15 @@ class InPlaceMasks:
         parameter = prune.original(module, name)
         self._entries[(id(module), name)] = (module, name, mask)
         self._by_parameter[id(parameter)] = (parameter, mask)
-        if id(parameter) not in self._handles:
-            self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
+        self._watch_grad(parameter)
         with torch.no_grad():
             masked_(local_of(parameter), mask)
+
+    def _watch_grad(self, parameter: Tensor) -> None:
+        """Mask the gradient of ``parameter`` as soon as it is accumulated (a frozen Parameter, such as the base
+        weight under a LoRA adapter, has none to mask)."""
+        if parameter.requires_grad and id(parameter) not in self._handles:
+            self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
 
     def forget(self) -> None:
         """Drop every mask kept here (the hooks stay)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightprune import prune
+from lightprune import adapters, prune
 from lightprune.callback import sharded
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
@@ -49,6 +49,9 @@ class MaskedSelection:
             tensors plain Parameters, zeroed in place; events put the reparametrization back for their duration.
         max_layer_sparsity: no tensor is pruned beyond this share of its units; a global event still prunes its
             exact count (from the tensors under the cap), a layerwise one stops each tensor at the cap.
+        adapted: the adapted layers (LoRA, see :mod:`lightprune.adapters`) by the qualified name of their selected
+            base weight: once that weight has a mask, the layer's forward masks its update with it, and events rank
+            the effective weight ``W + update``.
 
     Sharded tensors (DTensors: FSDP2, ``ModelParallelStrategy``) are always masked in place, each rank keeping the
     mask of its local shard only (``torch.bool`` unless ``mask_dtype`` says otherwise); events select with
@@ -75,8 +78,10 @@ class MaskedSelection:
         seed: int,
         inplace: bool = False,
         max_layer_sparsity: float = 1.0,
+        adapted: Mapping[str, nn.Module] | None = None,
     ) -> None:
         self.selection, self.ties, self.biases = selection, ties, biases
+        self.adapted = dict(adapted or {})
         self.method, self.method_kwargs, self.scope = method, dict(method_kwargs), scope
         self.structured = getattr(method, "PRUNING_TYPE", None) == "structured"
         self.mask_dtype, self.seed = mask_dtype, seed
@@ -96,6 +101,11 @@ class MaskedSelection:
             if kept is not None:
                 return kept
         return mask_of(module, name)
+
+    def weight(self, qualified: str, module: nn.Module, name: str) -> Tensor:
+        """The weight events rank (detached): ``W + update`` for an adapted base weight, else the Parameter."""
+        layer = self.adapted.get(qualified)
+        return prune.original(module, name).detach() if layer is None else adapters.effective_weight(layer)
 
     # ------------------------------------------------------------------------------------------------------------
     # What is masked
@@ -222,6 +232,8 @@ class MaskedSelection:
         # new masks get self.mask_dtype through the calls' mask_dtype= (the user's prune.mask_dtype setting is theirs)
         with self.reparametrized(), self._seeded(event), self.all_or_nothing():
             method = signed_variant(self.method) if signed else self.method
+            if scores is None and self.adapted:  # rank the effective weights W + update
+                scores = {q: self.weight(q, m, n) for q, m, n in self.selection}
             if issubclass(self.method, prune.SemiStructured):
                 for qualified, module, name in self.selection:
                     pattern = method(**{**self.method_kwargs, "dim": input_dim(module)})
@@ -326,13 +338,17 @@ class MaskedSelection:
         module computes with the masked values during training. The averaged copies of weight-averaging callbacks
         (found by qualified name) are masked the same way: EMA and SWA average the parameters position by position
         and copy the average back over the model, so their copies must compute with, save and hand back the masked
-        average.
+        average. An adapted layer (LoRA) masks its update with its base weight's mask from its first mask on.
         """
         for module, name, others in self.ties:
             mask = mask_of(module, name)
             if mask is not None:
                 for _, other, other_name in others:
                     share_mask(other, other_name, mask)
+        for layer in self.adapted.values():
+            mask = self.mask(adapters.base_of(layer), "weight")
+            if mask is not None:
+                adapters.mask_delta(layer, mask)
         named = self.named_pairs()
         self.plain_state_dict.pairs = [(module, name) for _, module, name in named]
         if self.inplace is not None:

@@ -320,7 +320,7 @@ class PruningCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after configure_model (layers built there are selected) and after the strategy wrapped the model
         self._masked = self._select(trainer, pl_module)
-        self._importance.bind(self._masked.selection)
+        self._importance.bind(self._masked.selection, self._masked.weight if self._masked.adapted else None)
         self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(self._masked.plain_state_dict)
         self._masked.share_with_averages(neighbours.averaged_models(trainer))
         if self.adopt_zeros:
@@ -525,6 +525,7 @@ class PruningCallback(Callback):
         if self.prune_channel_bias:
             biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
         ties = selecting.find_ties(selection, owners)
+        adapted = selecting.check_adapters(selection, pl_module, self._importance.kind)
         return MaskedSelection(
             selection,
             ties,
@@ -536,6 +537,7 @@ class PruningCallback(Callback):
             self.seed,
             inplace=self.masking == "inplace",
             max_layer_sparsity=self.max_layer_sparsity,
+            adapted=adapted,
         )
 
     @property

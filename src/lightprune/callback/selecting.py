@@ -15,6 +15,7 @@ from lightprune.prune.collapse import cap_units
 
 __all__ = [
     "SMALL_SHARE",
+    "check_adapters",
     "check_cap",
     "check_dims",
     "check_n_m_layout",
@@ -188,6 +189,40 @@ def refuse_sharded_criteria(selection: Selection, importance: str, scope: str, a
             f"PruningCallback does not support {', '.join(refused)} for parameters sharded as DTensor ({sharded[:3]}"
             f"{' ...' if len(sharded) > 3 else ''}): prune them by magnitude, or exclude them"
         )
+
+
+def check_adapters(selection: Selection, model: nn.Module, importance: str) -> dict[str, nn.Module]:
+    """The adapted layers (LoRA) by the qualified name of their selected base weight; refuse, naming them, what the
+    callback cannot prune with the update masked (see :func:`lightprune.adapters.adapter_problems`), movement
+    importance of a frozen base weight, and sharded base weights.
+
+    Example:
+        >>> from lightprune.adapters import AdaptedWeight
+        >>> net = nn.Sequential(AdaptedWeight(nn.Linear(4, 3), rank=2))
+        >>> list(check_adapters([("0.base_layer.weight", net[0].base_layer, "weight")], net, "magnitude"))
+        ['0.base_layer.weight']
+    """
+    from lightprune import adapters
+    from lightprune.prune.distributed import is_sharded
+
+    problems = adapters.adapter_problems(selection, model)
+    if problems:
+        raise ValueError("PruningCallback cannot mask these adapters' updates:\n  " + "\n  ".join(problems))
+    layers = {id(adapters.base_of(layer)): layer for _, layer in adapters.adapted_layers(model)}
+    adapted = {q: layers[id(m)] for q, m, n in selection if n == "weight" and id(m) in layers}
+    if not adapted:
+        return adapted
+    if importance == "movement":
+        raise ValueError(
+            f"importance='movement' ranks by the weights' gradients, which the frozen base weights under adapters "
+            f"{sorted(adapted)[:3]} do not have: use 'magnitude' or 'activation', or exclude them"
+        )
+    sharded = [q for q, layer in adapted.items() if is_sharded(prune.original(adapters.base_of(layer), "weight"))]
+    if sharded:
+        raise ValueError(
+            f"PruningCallback does not mask the adapters' updates of sharded (DTensor) weights {sharded[:3]}"
+        )
+    return adapted
 
 
 def check_rows(selection: Selection) -> None:

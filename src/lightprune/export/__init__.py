@@ -8,6 +8,7 @@
   torch models (same class, no ``torch.fx``), and the compact model loaded back from ``save_pretrained``.
 * :func:`to_sparse_linear` - unstructured-sparse ``nn.Linear`` layers on torch's CSR kernel, where measured faster.
 * :func:`measure_latency` / :func:`compare_latency` - inference latency, models interleaved.
+* :func:`merge_lora` - LoRA adapters folded into pruned weights, as sparse as the masks say.
 
 Example:
     >>> import torch
@@ -21,6 +22,7 @@ Example:
 
 from lightprune.export.compact import CompactError, compact
 from lightprune.export.latency import Latency, compare_latency, measure_latency
+from lightprune.export.lora import merge_lora
 from lightprune.export.sparse_file import SparseFileError, load_sparse, save_sparse, stored_layouts
 from lightprune.export.sparse_linear import LayerDecision, SparseLinear, to_sparse_linear
 from lightprune.export.units import load_compact, remove_units
@@ -36,6 +38,7 @@ __all__ = [
     "load_compact",
     "load_sparse",
     "measure_latency",
+    "merge_lora",
     "remove_units",
     "save_sparse",
     "stored_layouts",
