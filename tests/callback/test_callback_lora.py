@@ -1,0 +1,379 @@
+"""``PruningCallback`` on models fine-tuned with LoRA (PEFT, built from configs: BERT, GPT-2's ``Conv1D``, Llama).
+
+The effective weight a LoRA layer computes with is read from its forward (the layer applied to the identity matrix),
+independently of lightprune's code; the masks from the callback's checkpoint state. At every step the effective
+weight must be an exact zero wherever the base weight is pruned, while the adapter's unmasked update is not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightprune import prune
+from lightprune.adapters import AdaptedWeight
+from lightprune.callback import PruningCallback
+from lightprune.export import merge_lora
+from lightprune.schedules import Constant, Linear
+from tiny_lightning import folded, quiet_trainer
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread_for_module"),
+    pytest.mark.filterwarnings("ignore:.*must be `None` or an integer within the vocabulary.*"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:PruningCallback. the default selection.*:UserWarning"),
+]
+
+VOCAB, SEQ = 64, 8
+
+
+def tokens(samples: int = 32, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(torch.randint(0, VOCAB, (samples, SEQ), generator=generator)), batch_size=8)
+
+
+def build(kind: str, **lora: Any) -> nn.Module:
+    """A tiny transformers model of ``kind`` wrapped by PEFT's LoRA (r=4) on its attention projections."""
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=SEQ, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        model = transformers.BertForSequenceClassification(config)
+        options = {"target_modules": ["query", "value"], "task_type": "SEQ_CLS"}
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        options = {"target_modules": ["c_attn"], "fan_in_fan_out": True, "task_type": "CAUSAL_LM"}
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        options = {"target_modules": ["q_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM"}
+    return peft.get_peft_model(model, peft.LoraConfig(**{"r": 4, "lora_alpha": 8, **options, **lora}))
+
+
+INCLUDE = {
+    "bert": r".*(query|value)\.base_layer\.weight",
+    "gpt2": r".*c_attn\.base_layer\.weight",
+    "llama": r".*(q_proj|v_proj|o_proj)\.base_layer\.weight",
+}
+CONV1D = "transformers.pytorch_utils.Conv1D"
+
+
+class Lora(L.LightningModule):
+    """A PEFT model trained on random tokens: sequence classification (BERT) or causal LM; AdamW on the adapters."""
+
+    def __init__(self, kind: str, lr: float = 2e-2, **lora: Any) -> None:
+        super().__init__()
+        self.kind = kind
+        self.model = build(kind, **lora)
+        self.lr = lr
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (ids,) = batch
+        labels = ids[:, 0] % 2 if self.kind == "bert" else ids
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return tokens()
+
+
+def callback_for(kind: str, schedule: Any = None, **options: Any) -> PruningCallback:
+    types = {"module_types": [nn.Linear, CONV1D]} if kind == "gpt2" else {}
+    schedule = Linear(final=0.6, start=0, end=4, frequency=2) if schedule is None else schedule
+    return PruningCallback(schedule, **{"include": INCLUDE[kind], "summary": False, **types, **options})
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """PEFT's LoRA layers by the qualified name of their base weight (as the callback names it)."""
+    return {
+        f"{name}.base_layer.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, peft.tuners.lora.layer.Linear)
+    }
+
+
+@torch.no_grad()
+def effective_from_forward(layer: nn.Module) -> Tensor:
+    """The weight the layer's forward computes with, in its base weight's layout: the layer applied to the identity
+    minus its bias (exact for an entry whose products are all zero)."""
+    base = layer.get_base_layer()
+    fan_in_fan_out = getattr(layer, "fan_in_fan_out", False)
+    weight = prune.original(base, "weight")
+    inputs = weight.shape[0] if fan_in_fan_out else weight.shape[1]
+    out = layer(torch.eye(inputs))
+    if base.bias is not None:
+        out = out - base.bias
+    return out if fan_in_fan_out else out.T
+
+
+class Spy(Callback):
+    """After every optimizer step (after the pruning callback): the masks, the effective weights read from the
+    forward, and the unmasked updates ``s·B·A`` of every LoRA layer."""
+
+    def __init__(self, pruning: PruningCallback) -> None:
+        self.pruning = pruning
+        self.steps: list[dict[str, tuple[Tensor, Tensor, Tensor]]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        masks = self.pruning.state_dict()["masks"]
+        found = {}
+        for qualified, layer in lora_layers(pl_module).items():
+            mask = masks.get("model." + qualified if not qualified.startswith("model.") else qualified)
+            if mask is None:
+                continue
+            update = sum(layer.get_delta_weight(name) for name in layer.active_adapters).detach()
+            found[qualified] = (mask.clone(), effective_from_forward(layer), update)
+        self.steps.append(found)
+
+
+def lora_keys(masks: dict[str, Tensor], model: nn.Module) -> list[str]:
+    return [key for key in masks if key.removeprefix("model.") in lora_layers(model)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "masking", "accumulate"),
+    [("bert", "reparametrize", 1), ("gpt2", "inplace", 2), ("llama", "reparametrize", 2), ("llama", "inplace", 1)],
+)
+def test_effective_weight_is_zero_where_pruned_at_every_step_and_the_merge_is_exact(
+    kind: str, masking: str, accumulate: int
+) -> None:
+    module = Lora(kind)
+    pruning = callback_for(kind, masking=masking)
+    spy = Spy(pruning)
+    quiet_trainer([pruning, spy], max_steps=6, accumulate_grad_batches=accumulate).fit(module)
+    assert len(spy.steps) == 6 * accumulate
+    assert sum(1 for step in spy.steps if step) >= 4 * accumulate  # pruned from step 2 on (step 0's level is 0)
+    events_seen = set()
+    for step in spy.steps:
+        for qualified, (mask, effective, update) in step.items():
+            pruned = ~mask.bool()
+            events_seen.add(int(pruned.sum()))
+            assert bool((effective[pruned] == 0).all()), qualified
+            assert bool(effective[~pruned].ne(0).all()), qualified
+    assert len(events_seen) >= 2  # the masks grew during the run
+    last = spy.steps[-1]
+    assert any(float(update[~mask.bool()].abs().max()) > 1e-4 for mask, _, update in last.values())  # masked, not 0
+
+    ids = next(iter(tokens(8, seed=5)))[0]
+    module.eval()
+    with torch.no_grad():
+        unmerged = module(ids)
+    merged = merge_lora(module.model)
+    assert not any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in merged.modules())
+    with torch.no_grad():
+        out = merged(input_ids=ids).logits
+    assert float((out - unmerged).norm() / unmerged.norm()) <= 1e-5
+    for qualified, (mask, effective, _) in last.items():
+        weight = merged.get_parameter(qualified.removeprefix("model.").replace("base_model.model.", "", 1).replace(
+            ".base_layer", ""))  # fmt: skip
+        assert torch.equal(weight == 0, ~mask.bool()), qualified  # exactly as sparse as the mask says
+        torch.testing.assert_close(weight, effective, rtol=1e-5, atol=1e-6)
+
+
+def test_peft_merge_and_unload_stays_sparse_too_after_the_fit() -> None:
+    module = Lora("bert")
+    pruning = callback_for("bert", schedule=Constant(0.5, at=0))
+    quiet_trainer([pruning], max_steps=8).fit(module)
+    pruned = {_merged_name(q): layer.get_base_layer().weight == 0 for q, layer in lora_layers(module).items()}
+    assert sum(int(zeros.sum()) for zeros in pruned.values()) == sum(zeros.numel() for zeros in pruned.values()) // 2
+    merged = module.model.merge_and_unload()
+    for name, zeros in pruned.items():
+        assert torch.equal(merged.get_parameter(name) == 0, zeros), name
+
+
+def test_merge_during_training_leaves_the_training_model_alone() -> None:
+    class MergeAt(Callback):
+        def __init__(self) -> None:
+            self.difference: float | None = None
+            self.zeros: tuple[int, int] | None = None
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step != 3:
+                return
+            ids = next(iter(tokens(8, seed=7)))[0]
+            with torch.no_grad():
+                before = pl_module(ids)
+                merged = merge_lora(pl_module.model)
+                self.difference = float((merged(input_ids=ids).logits - before).norm() / before.norm())
+            masks = pruning.state_dict()["masks"]
+            self.zeros = (
+                sum(int((~mask.bool()).sum()) for mask in masks.values()),
+                sum(int((merged.get_parameter(_merged_name(k)) == 0).sum()) for k in masks),
+            )
+
+    module = Lora("llama")
+    pruning = callback_for("llama", make_permanent=False)
+    merge = MergeAt()
+    quiet_trainer([pruning, merge], max_steps=5).fit(module)
+    assert merge.difference is not None and merge.difference <= 1e-5
+    assert merge.zeros is not None and merge.zeros[0] == merge.zeros[1] > 0
+    # training went on with the model as it was: still adapted, still reparametrized
+    assert lora_layers(module) and prune.is_pruned(next(iter(lora_layers(module).values())).get_base_layer())
+
+
+def _merged_name(qualified: str) -> str:
+    return qualified.removeprefix("model.base_model.model.").replace(".base_layer", "")
+
+
+def test_effective_weights_rank_at_events() -> None:
+    """One-shot magnitude and activation importance rank ``W + s·B·A``, as an independent top-k of it says."""
+    for importance in ("magnitude", "activation"):
+        module = Lora("bert", lr=0.0)
+        torch.manual_seed(1)
+        layers = lora_layers(module)
+        with torch.no_grad():
+            for layer in layers.values():
+                layer.lora_B["default"].weight.normal_(std=1.0)  # an update as large as the weights
+        expected = {}
+        for qualified, layer in layers.items():
+            effective = prune.original(layer.get_base_layer(), "weight") + layer.get_delta_weight("default")
+            expected[qualified] = effective.detach().abs()
+        norms: dict[str, Tensor] = {}
+        if importance == "activation":
+            hooks = [
+                layer.get_base_layer().register_forward_pre_hook(
+                    lambda m, args, q=q: norms.__setitem__(q, norms.get(q, 0) + args[0].pow(2).sum((0, 1)))
+                )
+                for q, layer in layers.items()
+            ]
+            module.eval()
+            with torch.no_grad():
+                for (ids,) in list(tokens())[:2]:
+                    module(ids)
+            module.train()
+            for hook in hooks:
+                hook.remove()
+            expected = {q: e * norms[q].sqrt() for q, e in expected.items()}
+        extra = {"calibration_batches": 2, "importance": "activation"} if importance == "activation" else {}
+        pruning = callback_for("bert", schedule=Constant(0.5, at=0), scope="layerwise", make_permanent=False, **extra)
+        quiet_trainer([pruning], max_steps=1).fit(module)
+        masks = pruning.state_dict()["masks"]
+        for qualified, scores in expected.items():
+            keep = torch.zeros(scores.numel(), dtype=torch.bool)
+            keep[scores.flatten().argsort(descending=True)[: scores.numel() // 2]] = True
+            assert torch.equal(masks[qualified], keep.view_as(scores)), (importance, qualified)
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    def run(root: Path, ckpt_path: Path | None = None) -> Lora:
+        module = Lora("gpt2")
+        pruning = callback_for("gpt2", schedule=Linear(final=0.6, start=0, end=6, frequency=2), make_permanent=False)
+        checkpoints = ModelCheckpoint(root, every_n_epochs=1, save_top_k=-1)  # 4 steps an epoch
+        quiet_trainer(
+            [pruning, checkpoints], max_epochs=2, enable_checkpointing=True, default_root_dir=root
+        ).fit(module, ckpt_path=ckpt_path)  # fmt: skip
+        return module
+
+    whole = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", ckpt_path=tmp_path / "a" / "epoch=0-step=4.ckpt")
+    for key, value in folded(whole.state_dict()).items():  # the checkpoint holds the masked weights, not orig
+        assert torch.equal(folded(resumed.state_dict())[key], value), key
+    for qualified, layer in lora_layers(whole).items():
+        assert torch.equal(effective_from_forward(layer), effective_from_forward(lora_layers(resumed)[qualified]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What the callback refuses at setup, by name
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lora", "options", "message"),
+    [
+        ({}, {"include": r".*query\.lora_A\.default\.weight"}, r"lora_A\.default\.weight is a tensor of the adapted"),
+        (
+            {"use_dora": True},
+            {},
+            r"attention\.self\.query' uses the LoRA variant\(s\) \{'default': 'DoraLinearVariant'",
+        ),
+        ({"lora_bias": True}, {}, r"attention\.self\.query' has lora_bias=True"),
+        ({}, {"importance": "movement", "schedule": Constant(0.5, at=2)}, "importance='movement' ranks by the"),
+        (
+            {"target_modules": ["query", "value", "word_embeddings"]},
+            {"include": r".*(query\.base_layer|word_embeddings\.base_layer)\.weight", "module_types": None},
+            r"word_embeddings' is a peft\.tuners\.lora\.layer\.Embedding",
+        ),
+    ],
+)
+def test_unsupported_adapters_are_refused_at_setup_by_name(lora: dict, options: dict, message: str) -> None:
+    module = Lora("bert", **lora)
+    pruning = callback_for("bert", **{"schedule": Constant(0.5, at=0), **options})
+    trainer = quiet_trainer([pruning], max_steps=2)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module)
+    assert trainer.global_step == 0
+
+
+def test_merged_adapters_are_refused_at_setup() -> None:
+    module = Lora("bert")
+    next(iter(lora_layers(module).values())).merge()
+    with pytest.raises(ValueError, match=r"query' has merged adapters \(\['default'\]\): unmerge them first"):
+        quiet_trainer([callback_for("bert")], max_steps=2).fit(module)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A plain module marked as adapted
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Marked(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(AdaptedWeight(nn.Linear(8, 16), rank=2), nn.ReLU(), nn.Linear(16, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=5e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(1)
+        x, y = torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_a_marked_plain_module_keeps_its_sparsity_through_training_and_merge(masking: str) -> None:
+    module = Marked()
+    pruning = PruningCallback(
+        Linear(final=0.5, start=0, end=4, frequency=2), include=r"net\.0\.base_layer\.weight", masking=masking,
+        summary=False,
+    )  # fmt: skip
+    quiet_trainer([pruning], max_steps=8).fit(module)
+    layer = module.net[0]
+    mask = layer.base_layer.weight != 0  # the fit made the mask permanent: zeros
+    assert int((~mask).sum()) == 64
+    assert float(layer.delta_weight()[~mask].abs().max()) > 1e-4  # trained, and masked
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = module.net(x)
+    merged = merge_lora(module.net)
+    assert isinstance(merged[0], nn.Linear) and torch.equal(merged[0].weight == 0, ~mask)
+    torch.testing.assert_close(merged(x), expected, rtol=1e-5, atol=1e-6)
