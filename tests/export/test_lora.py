@@ -1,0 +1,137 @@
+"""``merge_lora``: adapters folded into pruned weights, exactly as sparse as the masks; refusals by name.
+
+The callback's side (masking the update during training) is tested in tests/callback/test_callback_lora.py; here
+the models are pruned with the engine and their adapters set by hand, as another training loop would leave them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightprune import prune
+from lightprune.adapters import AdaptedWeight, mask_delta
+from lightprune.export import merge_lora
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*must be `None` or an integer within the vocabulary.*"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+]
+
+
+def gpt2_with_lora() -> nn.Module:
+    """A tiny GPT-2 (``Conv1D``) with LoRA on ``c_attn`` and ``c_fc`` (``fan_in_fan_out``), updates made nonzero."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = peft.get_peft_model(
+        transformers.GPT2LMHeadModel(config),
+        peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True),
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    return model
+
+
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear)]
+
+
+IDS = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(3))
+
+
+def logits(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+@pytest.mark.parametrize("permanent", [False, True])
+def test_masked_updates_merge_exactly_and_stay_sparse(permanent: bool) -> None:
+    model = gpt2_with_lora().eval()
+    masks = {}
+    for layer in lora_layers(model):
+        base = layer.get_base_layer()
+        prune.l1_unstructured(base, "weight", amount=0.6)
+        masks[id(layer)] = base.weight_mask.clone()
+        mask_delta(layer, base.weight_mask)
+        if permanent:  # as after the callback's fit end: plain zeros, the update still masked
+            prune.remove(base, "weight")
+    expected = logits(model)
+    merged = merge_lora(model)
+    assert type(merged).__name__ == "GPT2LMHeadModel" and not lora_layers(merged)
+    assert float((logits(merged) - expected).norm() / expected.norm()) <= 1e-5
+    for layer in lora_layers(model):  # the input model is untouched (a copy was merged)
+        name = next(n for n, m in model.base_model.model.named_modules() if m is layer)
+        weight = merged.get_parameter(name + ".weight")
+        assert torch.equal(weight == 0, masks[id(layer)] == 0)
+        assert not prune.is_pruned(merged.get_submodule(name))
+
+
+def test_unmasked_updates_on_pruned_weights_are_refused_unless_remasked() -> None:
+    model = gpt2_with_lora().eval()
+    for layer in lora_layers(model):
+        prune.l1_unstructured(layer.get_base_layer(), "weight", amount=0.5)  # pruned, but the update never masked
+    with pytest.raises(
+        ValueError, match=r"'base_model\.model\.transformer\.h\.0\.attn\.c_attn': the update is nonzero"
+    ):
+        merge_lora(model)
+
+    dense_update = logits(model)
+    with pytest.warns(UserWarning, match=r"relative change.*transformer\.h\.0\.attn\.c_attn 0\.\d+.*output on "):
+        merged = merge_lora(model, remask=True, example_inputs={"input_ids": IDS})
+    # the merge is the remasked model: W ⊙ M + update ⊙ M, computed independently
+    for layer in lora_layers(model):
+        base = layer.get_base_layer()
+        keep = base.weight_mask.bool()
+        name = next(n for n, m in model.base_model.model.named_modules() if m is layer)
+        expected = torch.where(keep, base.weight + layer.get_delta_weight("default"), 0.0).detach()
+        torch.testing.assert_close(merged.get_parameter(name + ".weight"), expected)
+    assert not torch.allclose(logits(merged), dense_update, atol=1e-4)  # the output did change, and it was said
+
+
+def test_peft_layers_that_cannot_be_merged_are_named() -> None:
+    model = gpt2_with_lora()
+    lora_layers(model)[0].merge()
+    with pytest.raises(ValueError, match=r"h\.0\.attn\.c_attn': its adapters \['default'\] are merged already"):
+        merge_lora(model)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    dora = peft.get_peft_model(
+        transformers.BertModel(config), peft.LoraConfig(r=2, target_modules=["query"], use_dora=True)
+    )
+    with pytest.raises(ValueError, match=r"query': it uses the LoRA variant\(s\) \{'default': 'DoraLinearVariant'\}"):
+        merge_lora(dora)
+
+
+def test_unpruned_adapters_merge_like_peft() -> None:
+    model = gpt2_with_lora().eval()
+    reference = gpt2_with_lora().eval().merge_and_unload()  # the same model, merged by PEFT
+    merged = merge_lora(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+def test_marked_module_inside_a_plain_model_is_replaced_by_its_base_layer() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(AdaptedWeight(nn.Linear(6, 4), rank=2), nn.Tanh(), AdaptedWeight(nn.Linear(4, 2), rank=2))
+    with torch.no_grad():
+        net[0].B.normal_()
+        net[2].B.normal_()
+    prune.l1_unstructured(net[0].base_layer, "weight", amount=12)
+    mask_delta(net[0], net[0].base_layer.weight_mask)  # net[2] is not pruned: a plain merge
+    x = torch.randn(5, 6)
+    expected = net(x)
+    merged = merge_lora(net, inplace=True)
+    assert merged is net and [type(m).__name__ for m in merged] == ["Linear", "Tanh", "Linear"]
+    assert int((merged[0].weight == 0).sum()) == 12 and int((merged[2].weight == 0).sum()) == 0
+    torch.testing.assert_close(merged(x), expected, rtol=1e-5, atol=1e-6)
