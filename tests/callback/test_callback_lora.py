@@ -7,6 +7,7 @@ weight must be an exact zero wherever the base weight is pruned, while the adapt
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -374,3 +375,113 @@ def test_a_marked_plain_module_keeps_its_sparsity_through_training_and_merge(mas
     merged = merge_lora(module.net)
     assert isinstance(merged[0], nn.Linear) and torch.equal(merged[0].weight == 0, ~mask)
     torch.testing.assert_close(merged(x), expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DDP: two gloo processes, each on its own shard of the data
+# ----------------------------------------------------------------------------------------------------------------------
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import atexit
+    import sys
+    from pathlib import Path
+
+    import lightning as L
+    import peft
+    import torch
+    import transformers
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightprune.callback import PruningCallback
+    from lightprune.schedules import Linear
+
+    out = Path(sys.argv[1])
+    masking = sys.argv[2]
+    torch.set_num_threads(1)
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
+
+
+    class Lora(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.LlamaConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            )
+            lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+            self.model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=2e-2)
+
+        def train_dataloader(self):
+            ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(1))
+            return DataLoader(TensorDataset(ids), batch_size=8)
+
+
+    class Dump(Callback):
+        def __init__(self, pruning):
+            self.pruning, self.steps, self.inputs = pruning, {}, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.inputs.append(batch[0][0].clone())
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            layers = {n: m for n, m in pl_module.named_modules() if isinstance(m, peft.tuners.lora.layer.Linear)}
+            found = {}
+            with torch.no_grad():
+                for name, layer in layers.items():
+                    base = layer.get_base_layer()
+                    effective = layer(torch.eye(base.in_features)).T  # no bias in Llama's projections
+                    found[name] = (effective, layer.lora_B["default"].weight.detach().clone())
+            masks = {k: v.clone() for k, v in self.pruning.state_dict()["masks"].items()}
+            self.steps[trainer.global_step] = (masks, found)
+
+        def on_train_end(self, trainer, pl_module):
+            torch.save({"steps": self.steps, "inputs": self.inputs}, out / f"rank{trainer.global_rank}.pt")
+
+
+    pruning = PruningCallback(
+        Linear(final=0.6, start=0, end=4, frequency=2), include=r".*(q_proj|v_proj)\\.base_layer\\.weight",
+        masking=masking, summary=False,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[pruning, Dump(pruning)], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(Lora())
+    """
+)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_hold_identical_masks_and_adapters_and_the_effective_weight_stays_sparse(tmp_path: Path) -> None:
+    """One parametrization only (two interpreters importing transformers and PEFT cost ~30 s); in-place masking is
+    the same masked update, tested on one process above."""
+    from processes import run_script
+
+    script = tmp_path / "ddp_lora.py"
+    script.write_text(DDP_SCRIPT)
+    run_script(script, str(tmp_path), "reparametrize", timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))  # different shards
+    assert sorted(ranks[0]["steps"]) == sorted(ranks[1]["steps"]) == list(range(1, 7))
+    for step, (masks, layers) in ranks[0]["steps"].items():
+        other_masks, other_layers = ranks[1]["steps"][step]
+        assert masks.keys() == other_masks.keys() and all(torch.equal(masks[k], other_masks[k]) for k in masks)
+        for name, (effective, b) in layers.items():
+            assert torch.equal(effective, other_layers[name][0]) and torch.equal(b, other_layers[name][1])
+            mask = masks.get(name + ".base_layer.weight")
+            if mask is not None:
+                assert bool((effective[~mask.bool()] == 0).all()), (step, name)
+    final_masks, _ = ranks[0]["steps"][6]
+    assert sum(int((~m.bool()).sum()) for m in final_masks.values()) == round(
+        0.6 * sum(m.numel() for m in final_masks.values())
+    )
