@@ -62,7 +62,7 @@ def assert_exact(counts: dict[str, tuple[int, int]], target: float, stdout: str)
 
 def test_every_example_has_a_docstring_and_a_quick_flag() -> None:
     scripts = sorted(path.name for path in EXAMPLES.glob("*.py"))
-    assert scripts == ["engine_plain_loop.py", "iterative_rounds.py", "lightning_callback.py"]
+    assert scripts == ["engine_plain_loop.py", "iterative_rounds.py", "lightning_callback.py", "lora_recovery.py"]
     for name in scripts:
         text = (EXAMPLES / name).read_text()
         assert text.startswith('"""'), name
@@ -100,6 +100,17 @@ def test_iterative_rounds(tmp_path: Path) -> None:
     assert [(int(r), float(s)) for r, s in rounds] == [(0, 0.0), (1, 0.2), (2, 0.36)]
     assert_exact(zeros_of_saved(tmp_path / "model.pt"), 1 - 0.8**2, stdout)  # two rounds of 20% of what remains
     assert [path.name for path in tmp_path.iterdir()] == ["model.pt"]  # nothing else written
+
+
+@pytest.mark.slow
+def test_lora_recovery(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    stdout = run_example("lora_recovery.py", "--out", str(tmp_path / "merged"), cwd=tmp_path)
+    assert final_sparsity(stdout) == 0.5
+    difference = re.search(r"^merged vs unmerged embeddings: max abs difference ([0-9.e+-]+)", stdout, re.MULTILINE)
+    assert difference and float(difference.group(1)) < 1e-5, stdout
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert saved["model_type"] == "bert"  # the merged model is a plain transformers BertModel
 
 
 # --------------------------------------------------------------------------------------------------------------------
