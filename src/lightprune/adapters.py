@@ -279,6 +279,9 @@ def _masked_delta_class() -> type:
             return orig_weight - masked_update(module, active_adapter, self.mask).detach().to(orig_weight.dtype)
 
         def forward(self, module: nn.Module, active_adapter: str, x: Tensor, result: Tensor, **kwargs: Any) -> Tensor:
+            device = module.lora_A[active_adapter].weight.device
+            if self.mask is not None and self.mask.device != device:  # the model moved after the mask was set
+                self.mask = self.mask.to(device)
             update = masked_update(module, active_adapter, self.mask)
             if module.fan_in_fan_out:  # the mask and the update in Conv1D's (in, out) layout
                 update = update.T
