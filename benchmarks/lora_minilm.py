@@ -18,8 +18,9 @@ batches and metrics):
 
 ``--cost`` measures what masking the update costs per step, side by side in one process: one forward and backward
 of a batch (32 lines) through the pruned model trained fully, with plain LoRA (update not masked: the sparsity is
-lost at merge) and with masked LoRA, interleaved, repeated; and the bytes of the tensors autograd saves for the
-backward (activation memory) in each.
+lost at merge) and with masked LoRA (one product with ``W + M ⊙ s·B·A``, the default without dropout; and two
+products, base and masked update, as with dropout), interleaved, repeated; and the bytes of the tensors autograd saves
+for the backward (activation memory) in each.
 
 Usage:
     python benchmarks/lora_minilm.py                      # the four fits, 1 torch thread (about 20 min of CPU each)
@@ -193,14 +194,15 @@ def measure_cost(dense_model: nn.Module, batch: tuple[Tensor, Tensor, Tensor], s
         prune.rowwise_l1_unstructured(layer, "weight", amount=0.5)
         prune.remove(layer, "weight")
     models["full"] = full
-    for arm in ("lora_plain", "lora_masked"):
+    for arm in ("lora_plain", "lora_masked", "lora_masked_two"):
         model = with_lora(copy.deepcopy(full), settings).train()
         for layer in model.modules():
             if type(layer).__name__ == "Linear" and hasattr(layer, "lora_A"):
                 with torch.no_grad():
                     layer.lora_B["default"].weight.normal_(std=1e-3)
-                if arm == "lora_masked":
+                if arm != "lora_plain":
                     mask_delta(layer, layer.base_layer.weight != 0)
+                    layer.lora_variant["default"].fold = arm == "lora_masked"  # two products: as LoRA does
         models[arm] = model
 
     def step(model: nn.Module) -> None:
@@ -224,7 +226,7 @@ def measure_cost(dense_model: nn.Module, batch: tuple[Tensor, Tensor, Tensor], s
             "saved_bytes": forward_saved,
             "trainable_parameters": trainable(model),
         }
-    for arm in ("lora_plain", "lora_masked"):
+    for arm in ("lora_plain", "lora_masked", "lora_masked_two"):
         result[arm]["time_vs_full"] = result[arm]["step_wall_median"] / result["full"]["step_wall_median"]
     result["masked_vs_plain_time"] = (
         result["lora_masked"]["step_wall_median"] / result["lora_plain"]["step_wall_median"]
@@ -271,8 +273,13 @@ def markdown(payload: dict[str, Any]) -> str:
             "| training | trainable parameters | step (ms) | vs full | saved for the backward (MB) |",
             "|---|---:|---:|---:|---:|",
         ]
-        for arm, label in (("full", "full fine-tuning"), ("lora_plain", "LoRA, update not masked"),
-                           ("lora_masked", "LoRA, update masked")):  # fmt: skip
+        labels = {
+            "full": "full fine-tuning",
+            "lora_plain": "LoRA, update not masked",
+            "lora_masked": "LoRA, update masked (one product, the default)",
+            "lora_masked_two": "LoRA, update masked, two products (`fold=False`; with dropout)",
+        }
+        for arm, label in labels.items():
             row = cost[arm]
             ratio = "1" if arm == "full" else f"{row['time_vs_full']:.2f}"
             lines.append(

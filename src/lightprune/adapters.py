@@ -18,11 +18,12 @@ Two kinds of adapted layer are understood (this module imports torch alone; PEFT
   masked by ``delta_mask`` when that is set. See :class:`AdaptedWeight` for an example.
 
 Cost of the masked update, per adapted layer and step: the update ``s·B·A`` is formed as a dense weight-sized
-tensor (``out·in·r`` multiply-adds), masked, and multiplied with the input (``tokens·out·in`` instead of LoRA's
-``tokens·r·(out+in)``); its backward needs the dense gradient of the update (another ``tokens·out·in``) and two thin
-products for ``A`` and ``B``. So a step costs about as much compute as full fine-tuning of the same weights, plus two
-weight-sized tensors per adapted layer kept for the backward; the optimizer state is LoRA's (``2·r·(out+in)`` per
-layer instead of ``2·out·in``).
+tensor (``out·in·r`` multiply-adds) and masked. Without dropout and with one adapter, the forward multiplies the
+input with ``W + M ⊙ s·B·A`` once (PEFT has already run the base layer's product, which is then left unused), and the
+backward runs two weight-sized products (the input's gradient and the update's, from which ``A`` and ``B`` get theirs
+by thin products): about full fine-tuning's compute plus one forward product. With dropout the update's product is a
+second one, as in LoRA, and the backward needs three. Memory: a weight-sized tensor per adapted layer is kept for the
+backward; the optimizer state is LoRA's (``2·r·(out+in)`` per layer instead of ``2·out·in``).
 """
 
 from __future__ import annotations
@@ -250,6 +251,16 @@ def masked_update(layer: nn.Module, adapter: str, mask: Tensor | None) -> Tensor
     return masked(update, _keep(mask).to(update.device))
 
 
+def _single_adapter(layer: nn.Module) -> bool:
+    return len(_active_adapters(layer)) == 1
+
+
+def _linear_like(module: nn.Module) -> bool:
+    from lightprune.layouts import is_transformers_conv1d
+
+    return type(module) is nn.Linear or is_transformers_conv1d(module)
+
+
 @functools.cache
 def _masked_delta_class() -> type:
     """:class:`MaskedDelta`, built on PEFT's ``LoraVariant`` on first use (PEFT is imported only then)."""
@@ -260,6 +271,7 @@ def _masked_delta_class() -> type:
 
         def __init__(self) -> None:
             self.mask: Tensor | None = None
+            self.fold = True  # without dropout, one product with W + M ⊙ s·B·A (False: two, as LoRA computes)
 
         def supports_lora_conversion(self) -> bool:
             return False
@@ -283,9 +295,16 @@ def _masked_delta_class() -> type:
             if self.mask is not None and self.mask.device != device:  # the model moved after the mask was set
                 self.mask = self.mask.to(device)
             update = masked_update(module, active_adapter, self.mask)
+            dropout = module.lora_dropout[active_adapter]
+            base = module.get_base_layer()
+            if self.fold and isinstance(dropout, nn.Identity) and _single_adapter(module) and _linear_like(base):
+                # one product with the effective weight: ``result`` (the base layer's output) is left unused, so
+                # the backward runs one weight-sized product for the input and one for the update, as full
+                # fine-tuning of the weight does (two separate products would cost one more each way)
+                weight = base.weight + update.to(base.weight.dtype)
+                return F.linear(x, weight.T if module.fan_in_fan_out else weight, base.bias).to(result.dtype)
             if module.fan_in_fan_out:  # the mask and the update in Conv1D's (in, out) layout
                 update = update.T
-            dropout = module.lora_dropout[active_adapter]
             return result + F.linear(dropout(x), update.to(x.dtype))
 
     _MaskedDelta.__name__ = _MaskedDelta.__qualname__ = "MaskedDelta"
@@ -295,7 +314,8 @@ def _masked_delta_class() -> type:
 _MASKED_DELTA_DOC = """The LoRA variant that masks an adapter's update with the base weight's mask: ``M ⊙ s·B·A``.
 
     Installed by :func:`mask_delta` on PEFT LoRA ``Linear`` layers whose base weight is pruned; ``mask`` (in the
-    base weight's layout) is set by lightprune at every pruning event. Its forward adds
+    base weight's layout) is set by lightprune at every pruning event. Its forward returns
+    ``F.linear(x, W + M ⊙ s·B·A, bias)`` for a single adapter without dropout (``fold``, the default), else adds
     ``F.linear(dropout(x), M ⊙ s·B·A)`` to the base layer's result; PEFT's ``merge``, ``unmerge`` and
     ``merge_and_unload`` add or subtract the masked update.
     """

@@ -125,7 +125,9 @@ def effective_from_forward(layer: nn.Module) -> Tensor:
     fan_in_fan_out = getattr(layer, "fan_in_fan_out", False)
     weight = prune.original(base, "weight")
     inputs = weight.shape[0] if fan_in_fan_out else weight.shape[1]
-    out = layer(torch.eye(inputs))
+    training = layer.training
+    out = layer.eval()(torch.eye(inputs))  # dropout off: its forward is then the update's own product
+    layer.train(training)
     if base.bias is not None:
         out = out - base.bias
     return out if fan_in_fan_out else out.T
@@ -156,13 +158,18 @@ def lora_keys(masks: dict[str, Tensor], model: nn.Module) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "masking", "accumulate"),
-    [("bert", "reparametrize", 1), ("gpt2", "inplace", 2), ("llama", "reparametrize", 2), ("llama", "inplace", 1)],
+    ("kind", "masking", "accumulate", "dropout"),
+    [
+        ("bert", "reparametrize", 1, 0.0),
+        ("gpt2", "inplace", 2, 0.0),
+        ("llama", "reparametrize", 2, 0.1),  # dropout: the base's product and the masked update's, added
+        ("llama", "inplace", 1, 0.0),
+    ],
 )
 def test_effective_weight_is_zero_where_pruned_at_every_step_and_the_merge_is_exact(
-    kind: str, masking: str, accumulate: int
+    kind: str, masking: str, accumulate: int, dropout: float
 ) -> None:
-    module = Lora(kind)
+    module = Lora(kind, lora_dropout=dropout)
     pruning = callback_for(kind, masking=masking)
     spy = Spy(pruning)
     quiet_trainer([pruning, spy], max_steps=6, accumulate_grad_batches=accumulate).fit(module)

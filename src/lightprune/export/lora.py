@@ -89,6 +89,7 @@ def merge_lora(
         )
     before = _output(target, example_inputs) if unmasked and example_inputs is not None else None
     for _, layer, merged, _, _ in plans:
+        assert merged is not None  # refused above
         _write_weight(adapters.base_of(layer), merged)
     for module in target.modules():
         for tensor_name in prune.pruned_names(module):
@@ -97,7 +98,7 @@ def merge_lora(
     if unmasked:
         listed = ", ".join(f"{name} {change:.3g}" for name, _, change in unmasked)
         said = "; pass example_inputs to measure the change of the output"
-        if before is not None:
+        if before is not None and example_inputs is not None:
             after = _output(result, example_inputs)
             said = f"; the output on example_inputs changed by {float((after - before).norm() / before.norm()):.3g}"
         warnings.warn(
