@@ -900,7 +900,7 @@ def _explicit_bias(model: Net) -> dict[str, Any]:
         (
             lambda model: {"schedule": Linear(final=0.5, end=0.5)},
             {"max_epochs": -1, "max_steps": -1},
-            r"gives times as fractions of the run, but the run length in steps is unknown \(inf\)",
+            r"gives times as fractions of the run, but the run length in optimizer steps is unknown \(inf\)",
         ),
         (
             lambda model: {"schedule": Linear(final=0.5, start=2, end=8), "rewind": 5},

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
+from lightprune.callback import clock
 from lightprune.schedules import Constant, FromCallable, Schedule
 
 __all__ = [
@@ -212,12 +213,18 @@ def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: in
     Raises when the run's length is unknown for fractional times or the rewind point comes after the first event;
     warns when the last event comes after the end of training.
     """
+    total = clock.run_length(trainer, unit)
     if not schedule.is_resolved:
-        total = trainer.estimated_stepping_batches if unit == "step" else trainer.max_epochs
         if total is None or total < 1 or total == float("inf"):
+            hint = "set max_steps/max_epochs or give integer times"
+            if clock.counts_batches(trainer, unit):
+                hint = (
+                    "under manual optimization the step clock counts training batches and max_steps counts "
+                    "optimizer.step() calls: set max_epochs (and limit_train_batches) instead, or give integer times"
+                )
             raise ValueError(
                 f"the schedule {schedule!r} gives times as fractions of the run, but the run length in "
-                f"{unit}s is unknown ({total!r}): set max_steps/max_epochs or give integer times"
+                f"{clock.clock_name(trainer, unit)} is unknown ({total!r}): {hint}"
             )
         schedule = schedule.resolve(int(total))
     validate = getattr(schedule, "validate", None)
@@ -228,12 +235,13 @@ def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: in
             f"rewind={rewind} is after the first pruning event at {unit} {schedule.first_event}: the weights to "
             "rewind to would not exist yet"
         )
-    # the run's last time: steps as Lightning counts them (max_steps, max_epochs and accumulation), or epochs
-    end = trainer.estimated_stepping_batches if unit == "step" else trainer.max_epochs
+    # the run's last time in the clock's unit (see lightprune.callback.clock)
+    end = total
     if end is not None and 0 <= end < float("inf") and schedule.last_event > end:
         warnings.warn(
             f"the schedule's last event is at {unit} {schedule.last_event}, after the end of training at {unit} "
-            f"{int(end)}: the final sparsity {schedule.final_sparsity} will not be reached",
+            f"{int(end)} (counting {clock.clock_name(trainer, unit)}): the final sparsity {schedule.final_sparsity} "
+            "will not be reached",
             stacklevel=3,
         )
     return schedule

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightprune import prune, rules
 from lightprune._checks import is_int
-from lightprune.callback import neighbours, reporting, rewinding, selecting, sharded
+from lightprune.callback import clock, neighbours, reporting, rewinding, selecting, sharded
 from lightprune.callback.calibration import calibrate
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked import MaskedSelection
@@ -69,6 +69,10 @@ class PruningCallback(Callback):
     Time is counted in optimizer steps (``trainer.global_step``, so gradient accumulation is handled) or in completed
     epochs. An event at step ``t`` runs right after the ``t``-th optimizer step (``t = 0``: when training starts);
     an event at epoch ``e`` runs when epoch ``e`` starts, after ``e`` epochs (and at the end of fit for the last one).
+    Under manual optimization (``automatic_optimization = False``) the step clock counts *training batches* instead
+    (an event at ``t`` runs at the end of the ``t``-th batch), because Lightning's ``global_step`` counts every
+    ``optimizer.step()`` call there: a fraction of the run stays a fraction of the run whatever number of optimizers a
+    batch steps, and also when some batches step none (see :mod:`lightprune.callback.clock`).
     Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``. Every fit
     starts the schedule afresh, also with a callback reused from an earlier fit; a fit resumed from a checkpoint
     (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included, and ends with
@@ -98,7 +102,8 @@ class PruningCallback(Callback):
         scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"`` or
             ``"row"`` (every output row, dim 0, of every tensor pruned to the target: Wanda's per-output ranking;
             ``l1_unstructured`` only). Default: global for unstructured methods, layerwise for the others.
-        unit: ``"step"`` (optimizer steps) or ``"epoch"``; the schedule's times are in this unit.
+        unit: ``"step"`` (optimizer steps; training batches under manual optimization) or ``"epoch"``; the
+            schedule's times, ``rewind`` and ``activation_window`` are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
         include: regular expressions; a parameter's qualified name must fully match one (``None``: all).
         exclude: regular expressions; parameters whose qualified name fully matches one are skipped.
@@ -124,7 +129,8 @@ class PruningCallback(Callback):
         mask_dtype: dtype of new masks; ``torch.bool`` (1 byte per entry) by default, ``None`` for the parameter's.
         log_per_parameter: log ``pruning/sparsity/<qualified name>`` for every pruned tensor (turn off for very
             large selections); the total ``pruning/sparsity/total`` and ``pruning/target`` are always logged.
-        log_every_n_steps: also log the sparsities every this many optimizer steps, between events.
+        log_every_n_steps: also log the sparsities every this many optimizer steps (training batches under manual
+            optimization), between events.
         seed: seed of the random methods' draws; every event draws from ``seed`` and the event's time, so DDP ranks
             and resumed runs draw identical masks.
         name: names this callback's checkpoint state (its ``state_key``) and its logged keys
@@ -338,7 +344,7 @@ class PruningCallback(Callback):
             counts = self._masked.counts() if self.scope == "global" else None
             selecting.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
         self._events = self._resolved.events() if self._importance.kind == "activation" else []  # for its window
-        fresh = trainer.global_step == 0 and self._last_event < 0
+        fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
         self._check_first_event(fresh)
         if fresh and self.calibration_batches:
             calibrate(
@@ -378,8 +384,8 @@ class PruningCallback(Callback):
         if self._masked is not None and self._masked.averages:
             self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
         if self.unit == "step":
-            self._step(trainer, pl_module, trainer.global_step)
-        step = trainer.global_step
+            self._step(trainer, pl_module, self._now(trainer))
+        step = clock.now(trainer, "step")
         if self.log_every_n_steps and step % self.log_every_n_steps == 0 and step != self._last_logged:
             self._log(trainer, pl_module, 0.0 if self._resolved is None else self._resolved.target(self._now(trainer)))
 
@@ -581,7 +587,8 @@ class PruningCallback(Callback):
     # ------------------------------------------------------------------------------------------------------------
 
     def _now(self, trainer: Trainer) -> int:
-        return trainer.global_step if self.unit == "step" else trainer.current_epoch
+        """The time on the clock of :mod:`lightprune.callback.clock` (steps, batches under manual optimization)."""
+        return clock.now(trainer, self.unit)
 
     def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
         """Take the rewind snapshot when its time comes, then prune if an event is due."""
@@ -691,7 +698,7 @@ class PruningCallback(Callback):
         if not self.log_per_parameter:
             values = {total_key: values[total_key]}
         values[self._log_prefix + "target"] = float(target)
-        self._last_logged = trainer.global_step
+        self._last_logged = clock.now(trainer, "step")
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)

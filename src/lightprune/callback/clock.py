@@ -1,0 +1,78 @@
+"""The callback's clock: which count of the run a schedule's times are read against, and how long the run is.
+
+* ``unit="epoch"``: completed epochs (``trainer.current_epoch``); the run lasts ``max_epochs``.
+* ``unit="step"`` under automatic optimization: optimizer steps (``trainer.global_step``, so gradient accumulation is
+  handled); the run lasts ``trainer.estimated_stepping_batches``.
+* ``unit="step"`` under manual optimization (``automatic_optimization = False``): *training batches*. There Lightning's
+  ``global_step`` counts every ``optimizer.step()`` call, so a GAN stepping two optimizers a batch would run its
+  schedule twice as fast, and a loop that steps every other batch (gradient accumulation by hand) half as fast, as
+  one that steps once. Counting batches makes a fraction of the run a fraction of the run whatever the loop does with
+  its optimizers; with one ``optimizer.step()`` a batch both counts agree. The run lasts ``max_epochs`` times the
+  batches of an epoch (``max_steps`` counts ``optimizer.step()`` calls, so it cannot say how many batches run).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import Trainer
+
+__all__ = ["clock_name", "counts_batches", "now", "run_length"]
+
+
+def counts_batches(trainer: Trainer, unit: str) -> bool:
+    """Whether the ``"step"`` clock counts training batches: ``unit="step"`` under manual optimization.
+
+    Example:
+        >>> counts_batches(Trainer(logger=False, enable_progress_bar=False), "epoch")
+        False
+    """
+    module = trainer.lightning_module
+    return unit == "step" and module is not None and not module.automatic_optimization
+
+
+def clock_name(trainer: Trainer, unit: str) -> str:
+    """What the clock counts, in words, for messages.
+
+    Example:
+        >>> clock_name(Trainer(logger=False, enable_progress_bar=False), "step")
+        'optimizer steps'
+    """
+    if unit == "epoch":
+        return "epochs"
+    return "training batches" if counts_batches(trainer, unit) else "optimizer steps"
+
+
+def now(trainer: Trainer, unit: str) -> int:
+    """The clock's time: epochs completed, optimizer steps taken, or (manual optimization) batches trained on.
+
+    In ``on_train_batch_end`` the batch that just ran is counted; in ``on_train_batch_start`` it is not yet.
+
+    Example:
+        >>> now(Trainer(logger=False, enable_progress_bar=False), "step")
+        0
+    """
+    if unit == "epoch":
+        return trainer.current_epoch
+    if counts_batches(trainer, unit):
+        return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+    return trainer.global_step
+
+
+def run_length(trainer: Trainer, unit: str) -> int | float | None:
+    """How many units of the clock the run lasts; ``None`` or ``inf`` when that is unknown.
+
+    Under manual optimization the length is unknown when ``max_steps`` (a count of ``optimizer.step()`` calls) may
+    end the run before ``max_epochs`` does.
+
+    Example:
+        >>> run_length(Trainer(max_epochs=3, logger=False, enable_progress_bar=False), "epoch")
+        3
+    """
+    if unit == "epoch":
+        return trainer.max_epochs
+    if not counts_batches(trainer, unit):
+        return trainer.estimated_stepping_batches
+    epochs, batches = trainer.max_epochs, trainer.num_training_batches
+    if epochs is None or epochs < 0 or batches == float("inf"):
+        return None
+    total = int(batches) * max(epochs, 1)
+    return None if trainer.max_steps != -1 and trainer.max_steps < total else total

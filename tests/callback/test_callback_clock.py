@@ -1,0 +1,125 @@
+"""The run clock under manual optimization: a fraction of the run is a fraction of the batches trained on.
+
+Lightning's ``global_step`` counts every ``optimizer.step()`` call under manual optimization, so a loop stepping two
+optimizers a batch (a GAN) or one that steps every other batch (gradient accumulation by hand) would otherwise run a
+fractional schedule twice as fast or half as fast. Each loop here trains 5 epochs of 8 batches (40 batches) with
+``Cubic(final=0.8, start=0, end=0.5)``; the pruned count after every batch must be the one a plain automatic loop
+with one step a batch reaches, and 80% must be the target from batch 20 on (70% at batch 10).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightprune.callback import PruningCallback
+from lightprune.schedules import Cubic
+from tiny_lightning import N, TinyNet, quiet_trainer
+
+pytestmark = [pytest.mark.usefixtures("one_thread_for_module")]
+
+BATCHES = 40  # 5 epochs of tiny_lightning.loader's 8 batches
+SCHEDULE = Cubic(final=0.8, start=0, end=0.5)
+
+
+class TwoOptimizers(TinyNet):
+    """GAN-style manual optimization: two optimizers (first layer / the rest), both stepped every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, rest = self.optimizers()
+        x, y = batch
+        for optimizer in (first, rest):
+            optimizer.zero_grad()
+            self.manual_backward(nn.functional.cross_entropy(self(x), y))
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        rest = [p for name, p in self.named_parameters() if not name.startswith("net.0.")]
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(rest, lr=0.1)]
+
+
+class EveryOtherBatch(TinyNet):
+    """Gradient accumulation by hand: gradients of two batches, one ``optimizer.step()`` on every odd batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self(x), y) / 2)
+        if batch_idx % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+class Counts(L.Callback):
+    """After every batch (placed after the PruningCallback): how many weights the masks prune, and global_step."""
+
+    def __init__(self) -> None:
+        self.pruned: list[int] = []
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        masks = [m for name, m in pl_module.named_buffers() if name.endswith("weight_mask")]
+        self.pruned.append(sum(int((~mask.bool()).sum()) for mask in masks))
+        self.steps.append(trainer.global_step)
+
+
+def _fit(model: L.LightningModule, **trainer_options: Any) -> Counts:
+    counts = Counts()
+    callback = PruningCallback(SCHEDULE, make_permanent=False, summary=False)
+    quiet_trainer([callback, counts], max_epochs=5, **trainer_options).fit(model)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def plain() -> Counts:
+    """The reference: automatic optimization, one optimizer step a batch (the step clock counts batches there)."""
+    return _fit(TinyNet())
+
+
+def test_the_reference_reaches_the_final_target_halfway(plain: Counts) -> None:
+    resolved = SCHEDULE.resolve(BATCHES)
+    assert plain.steps == list(range(1, BATCHES + 1))
+    assert plain.pruned == [round(resolved.target(batch) * N) for batch in range(1, BATCHES + 1)]
+    assert resolved.last_event == 20  # the final 80% is the target from batch 20 on...
+    assert plain.pruned[9] == round(0.8 * (1 - (1 - 10 / 20) ** 3) * N)  # ...and at batch 10 it is Cubic's 70%
+
+
+@pytest.mark.parametrize("module", [TwoOptimizers, EveryOtherBatch], ids=["two optimizers", "every other batch"])
+def test_manual_optimization_follows_the_batches(module: type[L.LightningModule], plain: Counts) -> None:
+    counts = _fit(module())
+    steps_per_batch = 2 if module is TwoOptimizers else 0.5
+    assert counts.steps[-1] == BATCHES * steps_per_batch  # global_step is not the batch count here...
+    assert counts.pruned == plain.pruned  # ...but the schedule runs on the batches all the same
+
+
+def test_integer_times_count_batches_under_manual_optimization() -> None:
+    counts = Counts()
+    callback = PruningCallback(Cubic(final=0.5, start=4, end=12, frequency=4), make_permanent=False, summary=False)
+    quiet_trainer([callback, counts], max_epochs=2).fit(TwoOptimizers())
+    changes = [batch + 1 for batch in range(1, 16) if counts.pruned[batch] != counts.pruned[batch - 1]]
+    assert changes == [8, 12]  # events at batches 4 (level 0), 8 and 12; global_step was 8, 16 and 24 there
+    assert counts.pruned[-1] == round(0.5 * N)
+
+
+def test_fractions_under_manual_optimization_refuse_max_steps() -> None:
+    callback = PruningCallback(SCHEDULE, summary=False)
+    trainer = quiet_trainer([callback], max_epochs=5, max_steps=30)
+    with pytest.raises(ValueError, match=r"run length in training batches is unknown .*max_steps counts optimizer"):
+        trainer.fit(TwoOptimizers())
+
+
+def test_max_steps_beyond_the_batches_keeps_the_batch_count(plain: Counts) -> None:
+    counts = _fit(EveryOtherBatch(), max_steps=1000)  # never reached: 20 optimizer steps in 40 batches
+    assert counts.pruned == plain.pruned
