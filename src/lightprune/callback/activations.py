@@ -1,7 +1,8 @@
 """Input statistics of the selected layers for activation importance (Wanda): ``sum over samples of x_j**2``.
 
 While collecting, a forward pre-hook on every selected layer adds the squares of its input, summed over every sample
-and token (or spatial position), into a float32 vector with one entry per input feature. Hooks exist only while a
+and token (or spatial position), into a float32 vector with one entry per input feature; given the batch's token mask,
+padded positions are left out (the rule of :mod:`lightprune.callback.tokens`). Hooks exist only while a
 batch is collected (attached when it starts, removed when it ends), so outside the window they cost nothing. After
 each collected batch the batch's sums are all-reduced (summed) across processes in one call and added to the
 totals, so every rank holds the same totals at every moment: the masks agree, and a checkpoint holds the totals.
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.callback.tokens import real_positions
 from lightprune.layouts import feature_layout, input_dim
 
 __all__ = ["ActivationStats"]
@@ -61,12 +63,19 @@ class ActivationStats:
         self._pending: dict[str, Tensor] = {}
         self._pending_calls: dict[str, int] = {}
         self._handles: list[Any] = []
+        self._mask: Tensor | None = None
 
     def _features(self, module: nn.Module, name: str) -> int:
         return prune.original(module, name).shape[input_dim(module)]
 
-    def start(self) -> None:
-        """Collect the inputs of the selected layers from now on (until :meth:`finish_batch`)."""
+    def start(self, mask: Tensor | None = None) -> None:
+        """Collect the inputs of the selected layers from now on (until :meth:`finish_batch`).
+
+        Args:
+            mask: the batch's ``(B, T)`` boolean mask of real tokens (:func:`~lightprune.callback.tokens.
+                find_token_mask`): inputs ``(B, T, ..., d)`` count only where it is true.
+        """
+        self._mask = mask
         if self._handles:
             return
         for qualified, module, name in self.selection:
@@ -85,6 +94,8 @@ class ActivationStats:
             if not isinstance(x, Tensor):
                 return
             with torch.no_grad():
+                if not channels:
+                    x = real_positions(x.detach(), self._mask)
                 x = x.detach().to(torch.float32)
                 feature = x.dim() - weight_dims + 1 if channels else x.dim() - 1
                 dims = [d for d in range(x.dim()) if d != feature]
@@ -100,7 +111,7 @@ class ActivationStats:
         to the totals. Every process must call it at the same batches."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._mask = [], None
         if not self._pending:
             return
         names = [qualified for qualified, _, _ in self.selection]
@@ -145,7 +156,7 @@ class ActivationStats:
         """Remove the hooks and drop the batch in progress (an exception, the end of fit); the totals stay."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._mask = [], None
         self._pending, self._pending_calls = {}, {}
 
     def reset(self) -> None:

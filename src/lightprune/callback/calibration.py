@@ -38,10 +38,10 @@ def calibrate(
     trainer: Trainer,
     pl_module: LightningModule,
     batches: int,
-    start_batch: Callable[[], None],
+    start_batch: Callable[[Any], None],
     finish_batch: Callable[[], None],
 ) -> int:
-    """Run ``batches`` training batches forward (no gradients), between ``start_batch()`` and ``finish_batch()``.
+    """Run ``batches`` training batches forward (no gradients), between ``start_batch(batch)`` and ``finish_batch()``.
 
     Every process must call it (``finish_batch`` all-reduces); each forwards its own shard of the data. Returns the
     number of batches run (fewer when the dataloader is shorter).
@@ -58,7 +58,7 @@ def calibrate(
         >>> strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
         >>> trainer = SimpleNamespace(train_dataloader=[torch.ones(1, 2)] * 5, strategy=strategy)
         >>> module = Tiny()
-        >>> calibrate(trainer, module, 2, lambda: None, lambda: None), module.seen, module.training
+        >>> calibrate(trainer, module, 2, lambda batch: None, lambda: None), module.seen, module.training
         (2, [(0, False, False), (1, False, False)], True)
     """
     loader: Any = trainer.train_dataloader
@@ -71,7 +71,7 @@ def calibrate(
             if index >= batches:
                 break
             batch = trainer.strategy.batch_to_device(batch)
-            start_batch()
+            start_batch(batch)
             try:
                 pl_module.training_step(batch, index)
             finally:

@@ -131,10 +131,10 @@ class Importance:
         """Whether the batch starting at time ``now`` lies in the window before ``next_event``."""
         return self.activations is not None and next_event is not None and now >= next_event - self.window
 
-    def start_batch(self) -> None:
-        """Collect the inputs of the coming forward passes."""
+    def start_batch(self, mask: Tensor | None = None) -> None:
+        """Collect the inputs of the coming forward passes; only the real tokens of ``mask`` (``(B, T)``) if given."""
         if self.activations is not None:
-            self.activations.start()
+            self.activations.start(mask)
 
     def finish_batch(self, reduce_sum: Reduce) -> None:
         """Stop collecting and add the batch's statistics, summed across processes by ``reduce_sum``."""

@@ -41,6 +41,7 @@ from lightprune.callback.options import (
     resolve_schedule,
     schedule_for_run,
 )
+from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
 from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
 from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
@@ -164,6 +165,12 @@ class PruningCallback(Callback):
             give from the tensors under their caps. In ``"layerwise"`` and ``"row"`` scope every tensor is pruned
             to the target, so a cap below the schedule's final sparsity is refused. A cap the selection cannot meet
             (the capped tensors hold fewer units than the final target) is refused before the first step.
+        token_mask: with ``importance="activation"``, which positions of a batch count in the input statistics
+            (padding does not): ``"attention_mask"`` (the default) takes ``batch["attention_mask"]`` of shape
+            ``(B, T)`` when the batch is a mapping holding one, another string another key, a callable
+            ``batch -> (B, T) mask`` finds it in any batch, ``None`` counts every position. A layer whose input
+            starts with the mask's ``(B, T)`` (``(B, T, d)`` in a transformer) counts only the positions where the
+            mask is nonzero; other inputs count whole (see :mod:`lightprune.callback.tokens`).
 
     Layer collapse is said whatever the cap: when an event leaves a selected tensor with no unpruned weight (no
     channel, for structured methods), a :class:`~lightprune.prune.LayerCollapseWarning` names every such tensor
@@ -171,7 +178,7 @@ class PruningCallback(Callback):
 
     The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
     is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
-    class runs past 350 lines because its constructor checks its twenty-four arguments eagerly, as Lightning's
+    class runs past 350 lines because its constructor checks its twenty-five arguments eagerly, as Lightning's
     callbacks do, and this docstring documents them.)
 
     Raises:
@@ -213,6 +220,7 @@ class PruningCallback(Callback):
         calibration_batches: int = 0,
         adopt_zeros: bool = False,
         max_layer_sparsity: float = 1.0,
+        token_mask: TokenMask = "attention_mask",
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
@@ -220,6 +228,7 @@ class PruningCallback(Callback):
         check_importance(importance, self.method, activation_window, calibration_batches)
         if issubclass(self.method, prune.SemiStructured):
             check_semi_structured_schedule(self.schedule, self.method_kwargs["n"], self.method_kwargs["m"])
+        check_token_mask(token_mask)
         if not isinstance(adopt_zeros, bool):
             raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
         self.max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
@@ -273,6 +282,7 @@ class PruningCallback(Callback):
         self.activation_window = activation_window
         self.calibration_batches = calibration_batches
         self.adopt_zeros = adopt_zeros
+        self.token_mask = token_mask
         self._importance = Importance(importance, activation_window)
         self._events: list[int] = []  # the resolved schedule's events, to find the next one
         self._collecting = False  # this training batch's inputs feed the activation statistics
@@ -351,7 +361,7 @@ class PruningCallback(Callback):
                 trainer,
                 pl_module,
                 self.calibration_batches,
-                self._importance.start_batch,
+                lambda batch: self._importance.start_batch(find_token_mask(batch, self.token_mask)),
                 lambda: self._importance.finish_batch(self._reducer(trainer, "sum")),
             )
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
@@ -371,7 +381,7 @@ class PruningCallback(Callback):
             self._stale.watch(self._masked.pairs())
         self._collecting = self._importance.collects(self._now(trainer), self._next_event())
         if self._collecting:
-            self._importance.start_batch()
+            self._importance.start_batch(find_token_mask(batch, self.token_mask))
 
     @override
     def on_train_batch_end(
