@@ -307,15 +307,22 @@ def weight_sparsity(model: nn.Module) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def input_norms(model: nn.Module, tokenizer: Any, lines: Sequence[str], settings: Settings) -> dict[str, Tensor]:
     """``||X_j||_2`` of every pruned layer's input feature ``j`` over the real (non-padding) tokens of ``lines``."""
+    chunks = [tokenize(tokenizer, lines[start : start + 64], settings.max_tokens) for start in range(0, len(lines), 64)]
+    return batch_norms(model, chunks, skip_padding=True)
+
+
+@torch.no_grad()
+def batch_norms(model: nn.Module, batches: Sequence[Sequence[Tensor]], skip_padding: bool) -> dict[str, Tensor]:
+    """``||X_j||_2`` of every pruned layer's input feature ``j`` over ``(ids, mask, ...)`` batches: over their real
+    tokens, or (``skip_padding=False``) over every position, padding included."""
     squares: dict[str, Tensor] = {}
     token_mask: list[Tensor] = []
 
     def hook(name: str) -> Any:
         def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
-            x = args[0][token_mask[0]]  # (real tokens, in_features)
+            x = args[0][token_mask[0]]  # (counted tokens, in_features)
             squares[name] = squares.get(name, 0) + x.double().pow(2).sum(0)
 
         return record
@@ -323,9 +330,8 @@ def input_norms(model: nn.Module, tokenizer: Any, lines: Sequence[str], settings
     handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in pruned_linears(model)]
     try:
         model.eval()
-        for start in range(0, len(lines), 64):
-            ids, mask = tokenize(tokenizer, lines[start : start + 64], settings.max_tokens)
-            token_mask[:] = [mask.bool()]
+        for ids, mask, *_ in batches:
+            token_mask[:] = [mask.bool() if skip_padding else torch.ones_like(mask, dtype=torch.bool)]
             model(input_ids=ids, attention_mask=mask)
     finally:
         for handle in handles:
@@ -498,8 +504,13 @@ def pruning_callback(kind: str, importance: str, module: Distillation, settings:
         extra = {"calibration_batches": settings.calibration_batches} if importance == "activation" else {}
     return PruningCallback(
         schedule, parameters=parameters, scope="row", importance=importance, unit="step", summary=False,
-        log_per_parameter=False, **extra,
+        log_per_parameter=False, token_mask=mask_of_batch, **extra,
     )  # fmt: skip
+
+
+def mask_of_batch(batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """The attention mask of a ``(ids, mask, target)`` training batch: activation statistics skip the padding."""
+    return batch[1]
 
 
 def event_steps(settings: Settings, kind: str) -> list[int]:
@@ -553,6 +564,57 @@ def run_fit(
         "events": event_steps(settings, kind),
     }
     return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Arm 3: padding in activation statistics, the callback against the engine on the same lines
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def run_padding(
+    dense_model: nn.Module,
+    tokenizer: Any,
+    parts: dict[str, list[str]],
+    dense: Tensor,
+    batches: list[tuple[Tensor, Tensor, Tensor]],
+    settings: Settings,
+) -> dict[str, Any]:
+    """One Wanda event to ``sparsity`` per row from the first ``calibration_batches`` training batches, with the
+    padding skipped and with it counted: lightprune's engine on norms computed here, and the PruningCallback's
+    calibration in a Lightning fit, evaluated right after its step-0 event (before any optimizer step)."""
+    calibration = batches[: settings.calibration_batches]
+
+    def evaluate(student: nn.Module) -> dict[str, Any]:
+        return {**compare(embed(student, tokenizer, parts["evaluation"], settings), dense), **weight_sparsity(student)}
+
+    results: dict[str, Any] = {}
+    for skip in (True, False):
+        label = "unpadded" if skip else "padded"
+        model = copy.deepcopy(dense_model)
+        norms = batch_norms(dense_model, calibration, skip_padding=skip)
+        for name, layer in pruned_linears(model):
+            scores = layer.weight.detach().abs() * norms[name]
+            prune.rowwise_l1_unstructured(layer, "weight", amount=settings.sparsity, importance_scores=scores)
+            prune.remove(layer, "weight")
+        results[f"engine/{label}"] = evaluate(model)
+
+        module = Distillation(copy.deepcopy(dense_model), settings.lr)
+        selected = [(layer, "weight") for _, layer in pruned_linears(module.student)]
+        pruning = PruningCallback(
+            Constant(settings.sparsity, at=0), parameters=selected,
+            scope="row", importance="activation", calibration_batches=len(calibration),
+            token_mask=mask_of_batch if skip else None, summary=False, log_per_parameter=False,
+        )  # fmt: skip
+        after = EvaluateAfterStart(evaluate)
+        trainer = pl.Trainer(
+            max_steps=1, max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[pruning, after],
+        )  # fmt: skip
+        trainer.fit(module, train_dataloaders=Batches(calibration))
+        results[f"callback/{label}"] = after.result
+        for where in ("engine", "callback"):
+            print(f"padding {where}/{label}: {results[f'{where}/{label}']}", flush=True)
+    return results
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -650,6 +712,26 @@ def markdown(payload: dict[str, Any]) -> str:
                 f"| {name} | {fit['cosine']:.3f} | {fit['agreement']:.3f} | {before_text} | {fit['sparsity']:.4f} "
                 f"| {fit['fit_cpu_seconds']:.0f} | {fit['fit_wall_seconds']:.0f} | {_ref(('fit', name), protocol)} |"
             )
+    padding = payload.get("padding")
+    if padding:
+        settings = payload["settings"]
+        calibration = settings["calibration_batches"]
+        lines += [
+            "",
+            f"Padding in the activation statistics: one event to {settings['sparsity']:.0%} per row from the first "
+            f"{calibration} training batches ({calibration * settings['batch_size']} "
+            "lines, padded to the longest line of each batch), no training: the engine on norms computed by the "
+            "benchmark, and the PruningCallback's calibration (`token_mask` the batch's attention mask, or `None`):",
+            "",
+            "| statistics | engine cosine / agreement | callback cosine / agreement | sparsity |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, text in (("unpadded", "real tokens only"), ("padded", "padding counted")):
+            engine, callback = padding[f"engine/{label}"], padding[f"callback/{label}"]
+            lines.append(
+                f"| {text} | {engine['cosine']:.3f} / {engine['agreement']:.3f} | {callback['cosine']:.3f} / "
+                f"{callback['agreement']:.3f} | {callback['sparsity']:.4f} |"
+            )
     table = payload.get("overhead")
     if table and any(name in table for name in FIT_RUNS):
         counts = table["classes"]
@@ -703,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "criteria_minilm")
     parser.add_argument("--runs", nargs="*", default=list(FIT_RUNS), choices=list(FIT_RUNS), help="fits to run")
     parser.add_argument("--skip-one-shot", action="store_true", help="skip arm 1 (reuse its cached JSON if any)")
+    parser.add_argument("--skip-padding", action="store_true", help="skip arm 3 (reuse its cached JSON if any)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every fit (default 300)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--quick", action="store_true", help="few lines, few steps: a smoke run")
@@ -746,8 +829,17 @@ def main(argv: list[str] | None = None) -> int:
         payload["one_shot"] = run_one_shot(dense_model, tokenizer, parts, dense, settings)
         one_shot_path.write_text(json.dumps(payload["one_shot"], indent=1))
 
-    fits: dict[str, Any] = {}
     batches: list[tuple[Tensor, Tensor, Tensor]] | None = None
+    padding_path = out / "runs" / "padding.json"
+    if args.skip_padding and padding_path.exists():
+        payload["padding"] = json.loads(padding_path.read_text())
+    elif not args.skip_padding:
+        cached = args.cache / f"train_batches_{tag}.pt"
+        batches = training_batches(dense_model, tokenizer, parts["train"], settings, cached)
+        payload["padding"] = run_padding(dense_model, tokenizer, parts, dense, batches, settings)
+        padding_path.write_text(json.dumps(payload["padding"], indent=1))
+
+    fits: dict[str, Any] = {}
     for name in FIT_RUNS:
         path = out / "runs" / f"{name}.json"
         if path.exists() and not args.fresh:
