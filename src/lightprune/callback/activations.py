@@ -143,12 +143,22 @@ class ActivationStats:
                 "the window before this event (set calibration_batches for an event when training starts, or "
                 "exclude layers that do not run)"
             )
+        from lightprune.prune.distributed import is_sharded, local_of, local_piece
+
         found = {}
         for qualified, module, name in self.selection:
             weight = self._weight(qualified, module, name)
-            norms = self.totals[qualified].to(weight.device).sqrt()
+            norms = self.totals[qualified].sqrt()
+            dim = input_dim(module)
+            if is_sharded(weight):  # this rank's shard: its rows, and its features when they run along dim 0
+                piece = local_piece(weight)
+                weight = local_of(weight)
+                if dim == 0 and not piece.replicated:
+                    first = piece.offset // max(1, weight[0].numel()) if weight.shape[0] else 0
+                    norms = norms[first : first + weight.shape[0]]
+            norms = norms.to(weight.device)
             shape = [1] * weight.dim()
-            shape[input_dim(module)] = norms.numel()
+            shape[dim] = norms.numel()
             found[qualified] = weight.abs().to(torch.float32) * norms.view(shape)
         return found
 

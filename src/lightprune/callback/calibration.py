@@ -77,4 +77,17 @@ def calibrate(
             finally:
                 finish_batch()
             done += 1
+    _reshard(pl_module)
     return done
+
+
+def _reshard(pl_module: LightningModule) -> None:
+    """Put FSDP2 modules back in their sharded state: a root ``fully_shard`` module stays unsharded after a forward
+    without backward (it expects the backward to come), which would leave full tensors where the shards belong."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return
+    for module in pl_module.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -226,7 +226,7 @@ class MaskedSelection:
         """
         if self.sharded:
             with self._seeded(event):
-                self._prune_sharded(target)
+                self._prune_sharded(target, scores, signed)
             return
         cap = self.max_layer_sparsity
         # new masks get self.mask_dtype through the calls' mask_dtype= (the user's prune.mask_dtype setting is theirs)
@@ -293,7 +293,10 @@ class MaskedSelection:
 
     def adopt_zeros(self) -> None:
         """Mask every entry of the selected tensors that is exactly zero now (weights pruned by another tool), on top
-        of any mask already there, as one change: all of it or nothing."""
+        of any mask already there, as one change: all of it or nothing. Sharded tensors: each rank its own shard."""
+        if self.sharded:
+            self._adopt_zeros_sharded()
+            return
         with self.reparametrized(), self.all_or_nothing():
             for _, module, name in self.selection:
                 with torch.no_grad():
@@ -302,19 +305,37 @@ class MaskedSelection:
                     prune.custom_from_mask(module, name, mask=keep, mask_dtype=self.mask_dtype)
             self._share_everywhere()
 
-    def _prune_sharded(self, target: float) -> None:
+    def _adopt_zeros_sharded(self) -> None:
+        """:meth:`adopt_zeros` on local shards: a zero is a zero wherever it lies, so no traffic. Every tensor gets a
+        mask on every rank (all ones where a shard holds no zero), so the ranks' masks stay alike."""
+        assert self.inplace is not None
+        new = {}
+        for _, module, name in self.selection:
+            local = distributed.local_of(prune.original(module, name)).detach()
+            current = self.mask(module, name)
+            keep = local != 0
+            if current is not None:
+                keep &= distributed.local_of(current).bool()
+            new[(module, name)] = keep.to(self._sharded_dtype)
+        for (module, name), keep in new.items():
+            self.inplace.put(module, name, keep)
+
+    def _prune_sharded(self, target: float, scores: Mapping[str, Tensor] | None = None, signed: bool = False) -> None:
         """An event on sharded tensors: new local masks from :mod:`lightprune.prune.distributed`, kept in place.
 
-        The new masks are computed for every tensor first and only then put in place, so a failure leaves the old
-        masks untouched (all or nothing, as on one process).
+        ``scores`` hold each tensor's local scores (the shard's shape). The new masks are computed for every tensor
+        first and only then put in place, so a failure leaves the old masks untouched (all or nothing, as on one
+        process).
         """
         assert self.inplace is not None
         pairs = [(module, name) for _, module, name in self.selection]
         tensors = [prune.original(module, name) for module, name in pairs]
         current = [self.mask(module, name) for module, name in pairs]
+        local_scores = None if scores is None else [scores[q] for q, _, _ in self.selection]
         new = sharded.new_masks(
             tensors, current, self.counts(), target, self.method, self.method_kwargs, self.scope, self._sharded_dtype,
-            self.group, self.max_layer_sparsity,
+            self.group, self.max_layer_sparsity, scores=local_scores, signed=signed,
+            input_dims=[input_dim(module) for module, _ in pairs],
         )  # fmt: skip
         for i, mask in new.items():
             module, name = pairs[i]

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.prune.distributed import is_sharded, local_of
 
 __all__ = ["MovementScores"]
 
@@ -46,22 +47,27 @@ class MovementScores:
                 weight = prune.original(module, name)
                 if id(weight) not in stepped or weight.grad is None:
                     continue
+                local, grad = local_of(weight.detach()), local_of(weight.grad)  # a DTensor's own shard
                 total = self.totals.get(qualified)
                 if total is None:
-                    total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                    total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
                     self.totals[qualified] = total
-                total.addcmul_(weight.detach().to(torch.float32), weight.grad.to(torch.float32), value=-1)
+                total.addcmul_(local.to(torch.float32), grad.to(torch.float32), value=-1)
 
     def scores(self, reduce: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
         """The scores of every selected weight (zeros where no step was taken), averaged across processes by
-        ``reduce`` (a mean all-reduce; DDP's gradients, and so the scores, are the same on every rank already)."""
+        ``reduce`` (a mean all-reduce; DDP's gradients, and so the scores, are the same on every rank already).
+
+        A parameter sharded as DTensor has scores of its local shard's shape, not reduced: FSDP2 reduce-scatters the
+        gradients, so each rank's shard of the sum is already the sum's."""
         found = {}
         for qualified, module, name in self.selection:
             weight = prune.original(module, name)
+            local = local_of(weight)
             total = self.totals.get(qualified)
             if total is None:
-                total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            found[qualified] = reduce(total.clone())
+                total = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+            found[qualified] = total.clone() if is_sharded(weight) else reduce(total.clone())
         return found
 
     def reset(self) -> None:
@@ -76,6 +82,13 @@ class MovementScores:
         """Restore :meth:`state_dict`'s sums, checked against the selection, onto the weights' devices."""
         expected = {q: prune.original(module, name) for q, module, name in self.selection}
         totals = dict(state.get("totals", {}))
+        sharded = [q for q in totals if q in expected and is_sharded(expected[q])]
+        if sharded:
+            raise ValueError(
+                f"the checkpoint holds movement scores of parameters sharded as DTensor ({sharded[:3]}): each rank "
+                "sums the scores of its own shard and a checkpoint keeps rank zero's state only, so resuming them is "
+                "not supported yet; resume from a checkpoint written at an event, or use importance='activation'"
+            )
         for qualified, total in totals.items():
             if qualified not in expected or tuple(total.shape) != tuple(expected[qualified].shape):
                 raise ValueError(f"the checkpoint's movement scores of {qualified!r} do not fit the selection")

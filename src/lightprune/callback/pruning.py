@@ -148,8 +148,9 @@ class PruningCallback(Callback):
             or a callable ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape,
             ranked as ``importance_scores`` (by magnitude for the L1 methods). Statistics are summed across DDP
             ranks (every rank gets the same masks), reset after each event and kept in the checkpoint state (resume
-            is exact). Random methods ignore scores and are refused with any importance but magnitude; parameters
-            sharded as DTensor are refused with any importance but magnitude.
+            is exact). Random methods ignore scores and are refused with any importance but magnitude. Parameters
+            sharded as DTensor (``ModelParallelStrategy``) take magnitude, activation and movement (the activation
+            sums all-reduced, movement summed on each rank's shard); a callable is refused for them.
         activation_window: with ``importance="activation"``, collect the input statistics during this many units of
             time (optimizer steps, or epochs) before each event; outside the window no hook is attached.
         calibration_batches: with ``importance="activation"``, before training starts, run this many batches of the
@@ -527,7 +528,7 @@ class PruningCallback(Callback):
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
         selecting.refuse_overlaps(selection, others, self._log_prefix)
         selecting.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
-        selecting.refuse_sharded_criteria(selection, self._importance.kind, self.scope, self.adopt_zeros)
+        selecting.refuse_sharded_criteria(selection, self._importance.kind, self.method)
         if self.structured:
             selecting.check_dims(selection, self.method_kwargs)
         if self.scope == "row":

@@ -149,7 +149,13 @@ def check_sharded(
             f"{type(strategy).__name__}); sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Shard with "
             "ModelParallelStrategy and fully_shard in configure_model, or exclude them."
         )
-    supported = (prune.L1Unstructured, prune.RandomUnstructured, prune.LnStructured, prune.RandomStructured)
+    supported = (
+        prune.L1Unstructured,
+        prune.RandomUnstructured,
+        prune.LnStructured,
+        prune.RandomStructured,
+        prune.SemiStructured,
+    )
     if method not in supported:
         raise ValueError(
             f"PruningCallback prunes sharded (DTensor) parameters with the built-in methods "
@@ -161,34 +167,43 @@ def check_sharded(
         raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
 
 
-def refuse_sharded_criteria(selection: Selection, importance: str, scope: str, adopt_zeros: bool) -> None:
-    """Parameters sharded as DTensor are pruned by magnitude, globally or layer by layer; refuse the rest, naming it.
+def refuse_sharded_criteria(selection: Selection, importance: str, method: Any) -> None:
+    """What parameters sharded as DTensor cannot be pruned with; refused, naming it and why.
 
-    Activation and movement statistics, per-row ranking and adopting zeros would need their own distributed
-    implementations (the rows and features of a shard are not the tensor's); they are not written yet.
+    Magnitude, activation and movement importance, ``scope="row"`` and ``adopt_zeros`` work on sharded parameters
+    (statistics all-reduced, or local: see :mod:`lightprune.callback.sharded`). Refused: an importance callable (it
+    would be handed a DTensor whose values live on several ranks) and N:M groups along an input dim that is sharded
+    (transformers' ``Conv1D`` stores its weight ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span
+    two ranks).
 
     Example:
-        >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "movement", "row", True)  # not sharded
+        >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "callable", None)  # not sharded
     """
-    from lightprune.prune.distributed import is_sharded
+    from lightprune.layouts import input_dim
+    from lightprune.prune.distributed import is_sharded, local_piece
 
-    sharded = [qualified for qualified, module, name in selection if is_sharded(prune.original(module, name))]
+    sharded = [(q, module, name) for q, module, name in selection if is_sharded(prune.original(module, name))]
     if not sharded:
         return
-    refused = [
-        what
-        for what, bad in (
-            (f"importance={importance!r}", importance != "magnitude"),
-            ("scope='row'", scope == "row"),
-            ("adopt_zeros=True", adopt_zeros),
-        )
-        if bad
-    ]
-    if refused:
+    names = [q for q, _, _ in sharded]
+    if importance == "callable":
+        more = " ..." if len(names) > 3 else ""
         raise ValueError(
-            f"PruningCallback does not support {', '.join(refused)} for parameters sharded as DTensor ({sharded[:3]}"
-            f"{' ...' if len(sharded) > 3 else ''}): prune them by magnitude, or exclude them"
+            f"PruningCallback does not pass parameters sharded as DTensor ({names[:3]}{more})"
+            " to an importance callable (their values live on several ranks): use 'magnitude', 'activation' or "
+            "'movement', or exclude them"
         )
+    if isinstance(method, type) and issubclass(method, prune.SemiStructured):
+        split = [
+            q
+            for q, module, name in sharded
+            if input_dim(module) == 0 and not local_piece(prune.original(module, name)).replicated
+        ]
+        if split:
+            raise ValueError(
+                f"method='semi_structured' groups inputs along dim 0 of {split[:3]}, the dim FSDP2 shards (Shard(0)): "
+                "a group may span two ranks; exclude them or leave those modules unsharded"
+            )
 
 
 def check_adapters(selection: Selection, model: nn.Module, importance: str) -> dict[str, nn.Module]:

@@ -96,19 +96,42 @@ def new_masks(
     dtype: torch.dtype,
     group: Any,
     max_layer_sparsity: float = 1.0,
+    scores: list[Tensor | None] | None = None,
+    signed: bool = False,
+    input_dims: list[int] | None = None,
 ) -> dict[int, Tensor]:
     """This rank's new local masks for an event to ``target`` (by the index of the tensor; tensors that need no
     more pruning are left out), from :mod:`lightprune.prune.distributed`: the masks one process would compute.
 
     ``counts`` holds each tensor's ``(units, pruned units)`` over all ranks; ``method`` is one of the built-in
-    unstructured or structured methods (the callback refuses others at setup). No tensor is pruned beyond
-    ``max_layer_sparsity`` of its units: a global event takes its exact count from the tensors under the cap, a
-    layerwise one stops each tensor at the cap.
+    unstructured or structured methods or ``SemiStructured`` (the callback refuses others at setup). No tensor is
+    pruned beyond ``max_layer_sparsity`` of its units: a global event takes its exact count from the tensors under
+    the cap, a layerwise one stops each tensor at the cap. ``scores`` (local, per tensor) rank instead of the
+    weights, by value when ``signed`` (higher kept). Per-row ranking (``scope="row"``) and N:M groups along the input
+    dim (``input_dims``) need no traffic: under ``Shard(0)`` every row, and every group along dim 1, is local.
     """
     from lightprune.prune import distributed
     from lightprune.prune.collapse import capped_count
 
     new: dict[int, Tensor] = {}
+    local_scores = [
+        distributed.local_of(t) if s is None else s
+        for t, s in zip(tensors, scores or [None] * len(tensors), strict=True)
+    ]
+    if issubclass(method, prune.SemiStructured) or scope == "row":
+        from lightprune.prune.rowwise import rowwise_mask
+        from lightprune.prune.signed import signed_variant
+
+        for i, (score, mask) in enumerate(zip(local_scores, current, strict=True)):
+            base = None if mask is None else distributed.local_of(mask)
+            if scope == "row":
+                new[i] = rowwise_mask(None, score, base, dtype, magnitude=not signed, sparsity=target)
+                continue
+            pattern_class = signed_variant(method) if signed else method
+            pattern = pattern_class(**{**method_kwargs, "dim": (input_dims or [1] * len(tensors))[i]})
+            ones = torch.ones(score.shape, dtype=dtype, device=score.device) if base is None else base.to(dtype)
+            new[i] = pattern.compute_mask(score, ones).to(dtype)
+        return new
     if method.PRUNING_TYPE == "structured":
         n = method_kwargs.get("n")  # None: RandomStructured
         for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
@@ -124,7 +147,7 @@ def new_masks(
         if increment > 0:
             masks = distributed.sharded_unstructured_masks(
                 tensors, increment, method=name, current=current, dtype=dtype, group=group,
-                max_layer_sparsity=max_layer_sparsity,
+                max_layer_sparsity=max_layer_sparsity, importance_scores=scores, signed=signed,
             )  # fmt: skip
             new = dict(enumerate(masks))
         return new
@@ -132,8 +155,9 @@ def new_masks(
         increment = capped_count(target, units, max_layer_sparsity) - pruned
         if increment > 0:
             new[i] = distributed.sharded_unstructured_masks(
-                [tensor], increment, method=name, current=[mask], dtype=dtype, group=group
-            )[0]
+                [tensor], increment, method=name, current=[mask], dtype=dtype, group=group,
+                importance_scores=None if scores is None else [scores[i]], signed=signed,
+            )[0]  # fmt: skip
     return new
 
 

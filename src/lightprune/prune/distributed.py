@@ -423,6 +423,7 @@ def sharded_unstructured_masks(
     dtype: torch.dtype = torch.bool,
     group: Any = None,
     max_layer_sparsity: float = 1.0,
+    signed: bool = False,
 ) -> list[Tensor]:
     """New local masks pruning ``amount`` more entries over all ``tensors`` together (global unstructured pruning).
 
@@ -442,6 +443,8 @@ def sharded_unstructured_masks(
         group: The process group (``None``: the default one).
         max_layer_sparsity: no tensor ends with more than this share of its entries pruned; the total stays
             ``amount`` (:func:`lightprune.prune.collapse.fill_under_caps`, each round's cut found across ranks).
+        signed: with ``method="l1"``, rank the signed values (or scores), the lowest pruned, as
+            :class:`~lightprune.prune.signed.SignedUnstructured` does (movement scores), instead of magnitudes.
 
     Returns:
         Per tensor, the new mask of this rank's part (the local shard's shape; the full shape for a plain tensor).
@@ -480,6 +483,7 @@ def sharded_unstructured_masks(
         k = _compute_nparams_toprune(amount, available)
         _validate_pruning_amount(k, available)
         random = method == "random"
+        by_magnitude = not random and not signed
         masks = [torch.empty(p.local.shape, dtype=dtype, device=p.local.device) for p in pieces]
         capped = max_layer_sparsity < 1
         counts = pruned_units(tensors, current, group=group) if capped else []
@@ -488,11 +492,11 @@ def sharded_unstructured_masks(
             """Select ``n`` over the tensors ``indices`` across ranks; how many each lost, over all ranks."""
             cuts = find_cuts(
                 [pieces[i] for i in indices], n, eligible=[current[i] for i in indices],
-                magnitude=not random, largest=random, group=group,
+                magnitude=by_magnitude, largest=random, group=group,
             )  # fmt: skip
             for i, cut in zip(indices, cuts, strict=True):
                 c = current[i]
-                apply_cut([pieces[i].local], cut, out=[masks[i]], eligible=[c], base=[c], magnitude=not random,
+                apply_cut([pieces[i].local], cut, out=[masks[i]], eligible=[c], base=[c], magnitude=by_magnitude,
                           largest=random)  # fmt: skip
             if not capped:
                 return []
