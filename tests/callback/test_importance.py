@@ -408,3 +408,36 @@ def test_mistakes_found_with_the_model_raise_when_fit_starts(kwargs: dict[str, A
 
 
 # DDP (two processes, different data, identical masks with activation and movement): tests/callback/test_callback_ddp.py
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Grouped and transposed convolutions: each weight scaled by the norm of the input channel it multiplies
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.Conv2d(4, 6, 3, groups=2), nn.Conv1d(6, 3, 2, groups=3), nn.ConvTranspose2d(4, 6, 3, groups=2)],
+    ids=["conv2d groups=2", "conv1d depthwise-like groups=3", "conv-transpose2d groups=2"],
+)
+def test_grouped_and_transposed_convolutions_score_by_their_own_input_channel(layer: nn.Module) -> None:
+    torch.manual_seed(0)
+    spatial = (5, 5) if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)) else (7,)
+    x = torch.randn(3, layer.in_channels, *spatial)
+    stats = ActivationStats([("conv.weight", layer, "weight")])
+    stats.start()
+    layer(x)
+    stats.finish_batch(lambda flat: flat)
+    scores = stats.scores()["conv.weight"]
+    norms = x.double().pow(2).sum(dim=[0, *range(2, x.dim())]).sqrt()  # one per input channel
+    weight = layer.weight.detach()
+    expected = torch.empty_like(weight)
+    transposed = isinstance(layer, nn.ConvTranspose2d)
+    per_group = layer.in_channels // layer.groups
+    for a in range(weight.shape[0]):
+        for b in range(weight.shape[1]):
+            # transposed: weight (in, out / groups, ...), dim 0 is the input channel; else weight
+            # (out, in / groups, ...), row a belongs to group a // (out / groups)
+            channel = a if transposed else (a // (layer.out_channels // layer.groups)) * per_group + b
+            expected[a, b] = weight[a, b].abs() * norms[channel].float()
+    torch.testing.assert_close(scores, expected)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.tokens import real_positions
-from lightprune.layouts import feature_layout, input_dim
+from lightprune.layouts import feature_layout, feature_of_entries, input_dim
 
 __all__ = ["ActivationStats"]
 
@@ -53,7 +53,8 @@ class ActivationStats:
             if feature_layout(module, name) is None:
                 raise ValueError(
                     f"importance='activation' needs input features: {qualified} of {type(module).__name__} has none "
-                    "(supported: the weights of Linear, Conv1d/2d/3d with groups=1 and transformers' Conv1D); "
+                    "(supported: the weights of Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d and transformers' "
+                    "Conv1D); "
                     "exclude it or use another importance"
                 )
         self.selection = selection
@@ -66,6 +67,8 @@ class ActivationStats:
         self._mask: Tensor | None = None
 
     def _features(self, module: nn.Module, name: str) -> int:
+        if isinstance(module, nn.modules.conv._ConvNd):
+            return module.in_channels  # a grouped convolution's weight holds in / groups of them per row
         return prune.original(module, name).shape[input_dim(module)]
 
     def start(self, mask: Tensor | None = None) -> None:
@@ -148,18 +151,14 @@ class ActivationStats:
         found = {}
         for qualified, module, name in self.selection:
             weight = self._weight(qualified, module, name)
-            norms = self.totals[qualified].sqrt()
-            dim = input_dim(module)
-            if is_sharded(weight):  # this rank's shard: its rows, and its features when they run along dim 0
+            norms = feature_of_entries(module, self.totals[qualified].sqrt())
+            if is_sharded(weight):  # this rank's shard: its rows, and their norms when they differ row by row
                 piece = local_piece(weight)
                 weight = local_of(weight)
-                if dim == 0 and not piece.replicated:
+                if norms.shape[0] > 1 and not piece.replicated:
                     first = piece.offset // max(1, weight[0].numel()) if weight.shape[0] else 0
                     norms = norms[first : first + weight.shape[0]]
-            norms = norms.to(weight.device)
-            shape = [1] * weight.dim()
-            shape[dim] = norms.numel()
-            found[qualified] = weight.abs().to(torch.float32) * norms.view(shape)
+            found[qualified] = weight.abs().to(torch.float32) * norms.to(weight.device)
         return found
 
     def stop(self) -> None:

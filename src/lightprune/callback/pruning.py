@@ -142,7 +142,8 @@ class PruningCallback(Callback):
         importance: what ranks the weights at an event (see :mod:`lightprune.callback.importance`):
             ``"magnitude"`` (``|W|``, the default); ``"activation"`` (Wanda: ``|W_ij| * ||X_j||_2``, ``X_j`` the
             layer's input feature ``j`` over the training batches of the ``activation_window`` before each event;
-            Linear, Conv1d/2d/3d with ``groups=1`` (a channel's norm over samples and positions) and transformers'
+            Linear, Conv1d/2d/3d (grouped too: each weight scaled by its own input channel's norm),
+            ConvTranspose1d/2d/3d (a channel's norm over samples and positions) and transformers'
             ``Conv1D`` weights only); ``"movement"`` (``-sum W * dL/dW`` over the optimizer steps since the previous
             event, with the final gradients; signed, higher kept; ``l1_unstructured`` or ``semi_structured`` only);
             or a callable ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape,
