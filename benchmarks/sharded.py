@@ -13,9 +13,11 @@ shards: no rank ever materializes a full tensor in the sharded approach). Per ev
 
 with the wall time, the bytes each rank hands to collectives, and the peak resident memory above the rank's
 resident size before the event (sampled every millisecond, after ``malloc_trim`` returned freed heap pages). Both
-approaches' masks are checked equal. Last, the training-step overhead of in-place masking on the shards: an SGD step
+approaches' masks are checked equal. Then the training-step overhead of in-place masking on the shards: an SGD step
 (momentum) over the local shards with and without zeroing the pruned gradient and weight entries (what the callback
-adds to a step; forward and backward, which it does not touch, are left out).
+adds to a step; forward and backward, which it does not touch, are left out). Last, ``criteria``: one global event
+to 50% ranked by activation (Wanda) scores and one by movement scores, with what their statistics cost (bytes per
+collected batch, bytes per local weight) and the event's time against rank 0 alone on the gathered scores.
 
 Run: ``python benchmarks/sharded.py --out benchmarks/results/sharded_cpu_268M.json`` (defaults: 16 weights of
 4096 x 4096 = 268M, float32, one thread per rank).
@@ -78,17 +80,69 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def _one_process_masks(fulls: list[torch.Tensor], current: list[torch.Tensor | None], amount: float) -> list:
-    """The one-process global L1 selection over full tensors (what ``global_unstructured`` runs), bool masks."""
+def _one_process_masks(
+    fulls: list[torch.Tensor], current: list[torch.Tensor | None], amount: float, magnitude: bool = True
+) -> list:
+    """The one-process global selection over full tensors (what ``global_unstructured`` runs), bool masks: by
+    magnitude (L1), or by signed value (movement scores)."""
     from lightprune.prune.amount import _compute_nparams_toprune
     from lightprune.prune.select import apply_cut, count_eligible, find_cut
 
     available = count_eligible(current, fulls)
     k = _compute_nparams_toprune(amount, available)
-    cut = find_cut(fulls, k, eligible=current, magnitude=True)
+    cut = find_cut(fulls, k, eligible=current, magnitude=magnitude)
     masks = [torch.empty(t.shape, dtype=torch.bool) for t in fulls]
-    apply_cut(fulls, cut, out=masks, eligible=current, base=current, magnitude=True)
+    apply_cut(fulls, cut, out=masks, eligible=current, base=current, magnitude=magnitude)
     return masks
+
+
+def _criteria_events(rank: int, world: int, weights: list, args: argparse.Namespace) -> dict[str, Any]:
+    """One global event to 50% ranked by activation (Wanda) and one by movement scores, as the callback runs them on
+    shards: the statistics' traffic (activation: one all-reduce of every layer's ``cols`` sums per collected batch;
+    movement: none, each rank sums ``-W * grad`` on its own shard), their memory per local weight, and the event's
+    time, bytes and extra peak against rank 0 alone on the gathered tensors (masks checked equal)."""
+    from lightprune.prune import distributed as D
+
+    generator = torch.Generator().manual_seed(7 + rank)
+    local_weights = sum(w.to_local().numel() for w in weights)
+    total = args.tensors * args.rows * args.cols
+    rows: dict[str, Any] = {}
+    for criterion in ("activation", "movement"):
+        row: dict[str, Any] = {}
+        dist.barrier()
+        D.traffic.bytes = D.traffic.calls = 0
+        if criterion == "activation":  # a batch's sums of squares per input feature, summed across ranks
+            sums = torch.rand(args.tensors * args.cols + args.tensors, generator=generator)
+            sums = D._all_reduce(sums, None)
+            row["statistics_bytes_per_batch"] = D.traffic.bytes
+            row["statistics_bytes_per_local_weight"] = (sums.numel() * 4) / local_weights
+            norms = sums[: args.tensors * args.cols].view(args.tensors, args.cols).sqrt()
+            scores = [w.to_local().abs().float() * n[None] for w, n in zip(weights, norms, strict=True)]
+        else:  # the running sum -W * grad of the shard: float32, one per local weight, no traffic
+            scores = [-(w.to_local().float() * torch.randn(w.to_local().shape, generator=generator)) for w in weights]
+            row["statistics_bytes_per_batch"] = 0
+            row["statistics_bytes_per_local_weight"] = 4.0
+        signed = criterion == "movement"
+        dist.barrier()
+        D.traffic.bytes = D.traffic.calls = 0
+        with PeakRSS() as mem:
+            start = time.perf_counter()
+            new = D.sharded_unstructured_masks(weights, round(0.5 * total), importance_scores=scores, signed=signed)
+            row["seconds"] = time.perf_counter() - start
+        row["event_bytes"] = D.traffic.bytes
+        row["extra_peak_bytes_per_local_weight"] = mem.extra / local_weights
+        full_scores = [D.as_dtensor(s, w).full_tensor() for s, w in zip(scores, weights, strict=True)]
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            reference = _one_process_masks(full_scores, [None] * len(weights), round(0.5 * total), not signed)
+            row["single_seconds"] = time.perf_counter() - start
+            pairs = zip(new, reference, weights, strict=True)
+            row["masks_equal"] = all(torch.equal(m, D.local_part(r, w)) for m, r, w in pairs)
+        del full_scores
+        dist.barrier()
+        rows[criterion] = row
+    return rows
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
@@ -196,6 +250,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
         key = "masked" if masked else "plain"
         timings[key] = min(timings.get(key, float("inf")), (time.perf_counter() - start) / args.steps)
     report["step_seconds"] = timings
+    report["criteria"] = _criteria_events(rank, world, weights, args)
     results[rank] = report
     dist.barrier()
     dist.destroy_process_group()
