@@ -132,6 +132,7 @@ SET_BY_THE_APP = {
     "parameter_names": "weights",
     "parameters": "pruning.include / exclude",
     "summary": "printed",
+    "token_mask": "the default: a dict batch's attention_mask (the bundled image data have none)",
 }
 
 
