@@ -47,13 +47,14 @@ Example:
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightprune.layouts import is_transformers_conv1d
-from lightprune.prune._reparam import original, pruned_names
+from lightprune.prune._reparam import FROM_SETTING, original, pruned_names
 from lightprune.prune.amount import validate_amount
 from lightprune.prune.functional import custom_from_mask
 from lightprune.prune.ranks import group_ranks
@@ -62,9 +63,14 @@ from lightprune.prune.semi_structured import check_n_m
 __all__ = [
     "BLOCKSIZE",
     "DAMPENING",
+    "as_matrix",
+    "check_hessian",
     "check_obs_layer",
+    "from_matrix",
     "input_second_moment",
+    "layer_saliency",
     "obs_columns",
+    "obs_layer",
     "obs_saliency",
     "obs_semi_structured",
     "obs_unstructured",
@@ -120,8 +126,13 @@ def obs_columns(module: nn.Module) -> int:
     return int(weight[0].numel())
 
 
-def _as_matrix(module: nn.Module, weight: Tensor) -> Tensor:
-    """``weight`` as ``(out, columns)`` (a copy where the layout needs one)."""
+def as_matrix(module: nn.Module, weight: Tensor) -> Tensor:
+    """``weight`` (or a mask or scores of its shape) as OBS sees it: ``(out, columns)``.
+
+    Example:
+        >>> as_matrix(nn.Conv2d(3, 4, 2), torch.zeros(4, 3, 2, 2)).shape
+        torch.Size([4, 12])
+    """
     if is_transformers_conv1d(module):
         return weight.t()
     if weight.dim() > 2:  # (out, in, *kernel) -> (out, *kernel, in): kernel-position-major columns
@@ -129,8 +140,14 @@ def _as_matrix(module: nn.Module, weight: Tensor) -> Tensor:
     return weight
 
 
-def _from_matrix(module: nn.Module, matrix: Tensor, shape: torch.Size) -> Tensor:
-    """The inverse of :func:`_as_matrix`."""
+def from_matrix(module: nn.Module, matrix: Tensor, shape: torch.Size) -> Tensor:
+    """The inverse of :func:`as_matrix`: a ``(out, columns)`` matrix back in the weight's ``shape``.
+
+    Example:
+        >>> conv, weight = nn.Conv2d(3, 4, 2), torch.randn(4, 3, 2, 2)
+        >>> torch.equal(from_matrix(conv, as_matrix(conv, weight), weight.shape), weight)
+        True
+    """
     if is_transformers_conv1d(module):
         return matrix.t()
     if len(shape) > 2:
@@ -140,7 +157,7 @@ def _from_matrix(module: nn.Module, matrix: Tensor, shape: torch.Size) -> Tensor
 
 
 def _input_rows(module: nn.Module, x: Tensor) -> Tensor:
-    """The inputs ``x`` of ``module`` as rows ``(tokens or positions, columns)`` in :func:`_as_matrix`'s order."""
+    """The inputs ``x`` of ``module`` as rows ``(tokens or positions, columns)`` in :func:`as_matrix`'s order."""
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         spatial = 1 if isinstance(module, nn.Conv1d) else 2
         if x.dim() == spatial + 1:  # unbatched
@@ -223,6 +240,36 @@ def obs_saliency(
     w = weight.detach().to(dtype).clone()
     d = _inverse_factor(hessian.to(w.device, dtype), w, dampening, "a weight").diagonal()
     return w * w / (d * d)
+
+
+def check_hessian(
+    hessian: Tensor, layer: str, *, dampening: float = DAMPENING, dtype: torch.dtype = torch.float32
+) -> None:
+    """Refuse, naming ``layer``, an ``H`` :func:`sparsegpt` could not use (NaN or inf, not positive definite after
+    dampening): a check before an event changes any weight, so the event is applied whole or not at all.
+
+    Example:
+        >>> check_hessian(-torch.eye(2), "enc.q")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: OBS pruning of enc.q: its input second moment H is not positive definite even after dampening ...
+    """
+    _inverse_factor(hessian.to(dtype), torch.zeros(0, hessian.shape[0], dtype=dtype, device=hessian.device), dampening,
+                    layer)  # fmt: skip
+
+
+def layer_saliency(module: nn.Module, name: str, hessian: Tensor, *, dampening: float = DAMPENING) -> Tensor:
+    """:func:`obs_saliency` of ``module.<name>`` (its original values), in the weight's shape, float32: scores to
+    rank by without reconstruction.
+
+    Example:
+        >>> layer = nn.Linear(2, 1)
+        >>> layer_saliency(layer, "weight", torch.eye(2)).shape
+        torch.Size([1, 2])
+    """
+    weight = original(module, name).detach()
+    scores = obs_saliency(as_matrix(module, weight), hessian, dampening=dampening)
+    return from_matrix(module, scores, weight.shape)
 
 
 def sparsegpt(
@@ -393,9 +440,18 @@ def obs_layer(
     dampening: float = DAMPENING,
     dtype: torch.dtype = torch.float32,
     layer: str | None = None,
+    mask_dtype: Any = FROM_SETTING,
 ) -> nn.Module:
     """:func:`sparsegpt` on ``module.<name>`` in its layout: the updated weights are written into the tensor (its
-    ``name_orig`` when pruned) and the new mask composed onto the mask in force (the engine's reparametrization)."""
+    ``name_orig`` when pruned) and the new mask composed onto the mask in force (the engine's reparametrization,
+    new masks in ``mask_dtype``, by default :func:`~lightprune.prune.mask_dtype`'s setting).
+
+    Example:
+        >>> layer = nn.Linear(4, 2)
+        >>> _ = obs_layer(layer, "weight", torch.eye(4), counts=torch.tensor([1, 3]), per_row=True)
+        >>> (layer.weight_mask == 0).sum(dim=1).tolist()
+        [1, 3]
+    """
     label = layer or f"{type(module).__name__}.{name}"
     check_obs_layer(module, name, layer)
     if n is not None and isinstance(module, (nn.Conv1d, nn.Conv2d)) and isinstance(m, int) and module.in_channels % m:
@@ -404,17 +460,17 @@ def obs_layer(
         )
     param = original(module, name)
     mask = module._buffers.get(name + "_mask") if name in pruned_names(module) else None
-    matrix = _as_matrix(module, param.detach())
-    keep = None if mask is None else _as_matrix(module, mask)
+    matrix = as_matrix(module, param.detach())
+    keep = None if mask is None else as_matrix(module, mask)
     new, kept = sparsegpt(
         matrix, hessian, keep=keep, counts=counts, per_row=per_row, n=n, m=m, reconstruct=reconstruct,
         blocksize=blocksize, dampening=dampening, dtype=dtype, layer=label,
     )  # fmt: skip
-    new_weight = _from_matrix(module, new, param.shape)
-    new_keep = _from_matrix(module, kept, param.shape)
+    new_weight = from_matrix(module, new, param.shape)
+    new_keep = from_matrix(module, kept, param.shape)
     with torch.no_grad():
         param.copy_(torch.where(new_keep, new_weight, param))
-    return custom_from_mask(module, name, mask=new_keep)
+    return custom_from_mask(module, name, mask=new_keep, mask_dtype=mask_dtype)
 
 
 def obs_unstructured(
@@ -453,10 +509,10 @@ def obs_unstructured(
     validate_amount(amount)
     check_obs_layer(module, name)
     mask = module._buffers.get(name + "_mask") if name in pruned_names(module) else None
-    matrix = _as_matrix(module, original(module, name))
+    matrix = as_matrix(module, original(module, name))
     remaining = (
         torch.full((matrix.shape[0],), matrix.shape[1], device=matrix.device) if mask is None
-        else (_as_matrix(module, mask) != 0).sum(dim=1)
+        else (as_matrix(module, mask) != 0).sum(dim=1)
     )  # fmt: skip
     if not per_row:
         remaining = remaining.sum().reshape(1)
