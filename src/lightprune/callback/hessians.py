@@ -3,12 +3,12 @@
 Collected as :mod:`.activations` collects its sums: while a batch is collected, a forward pre-hook on every
 selected layer adds ``X^T X`` of its input (:func:`lightprune.prune.input_second_moment`: one row per token, or per
 position of a convolution's unfolded input) into a float32 matrix; hooks exist only while a batch is collected.
-After each collected batch the batch's matrices are all-reduced (summed) across processes in one call and added to
-the totals, so every rank holds the same totals, the masks and reconstructed weights agree, and a checkpoint holds
-the totals (a resume mid-window is exact). Layers that receive the very same input tensor in a forward (the query,
-key and value projections of an attention block: the same tensor object, found the first time the layers run)
-share one matrix: ``H`` costs ``d_in**2`` floats per distinct input, and only between the start of an event's window
-and the event.
+After each collected batch the batch's matrices are all-reduced (summed) across processes, one matrix at a time,
+and added to the totals, so every rank holds the same totals, the masks and reconstructed weights agree, and a
+checkpoint holds the totals (a resume mid-window is exact). Layers that receive the very same input tensor in a
+forward (the query, key and value projections of an attention block: the same tensor object, found the first time
+the layers run) share one matrix: ``H`` costs ``d_in**2`` float32 per distinct input for the totals, and as much
+again for the batch being collected, only between the start of an event's window and the event.
 """
 
 from __future__ import annotations
@@ -113,15 +113,12 @@ class HessianStats:
             return
         first = self._pending[names[0]]
         calls = torch.tensor([float(self._pending_calls[q]) for q in names], dtype=torch.float32, device=first.device)
-        flat = reduce(torch.cat([*(self._pending[q].reshape(-1).to(first.device) for q in names), calls]))
-        start = 0
-        for qualified in names:
-            pending = self._pending[qualified]
-            part = flat[start : start + pending.numel()].view(pending.shape).to(pending.device)
-            start += pending.numel()
+        for qualified in names:  # one matrix at a time: no concatenated copy of every H
+            part = reduce(self._pending.pop(qualified))
             total = self.totals.get(qualified)
-            self.totals[qualified] = part.clone() if total is None else total.add_(part)
-        for qualified, count in zip(names, flat[start:].tolist(), strict=True):
+            self.totals[qualified] = part if total is None else total.add_(part)
+            del part
+        for qualified, count in zip(names, reduce(calls).tolist(), strict=True):
             self.calls[qualified] = self.calls.get(qualified, 0) + int(count)
         self._pending, self._pending_calls = {}, {}
 
