@@ -23,6 +23,7 @@ from tiny_lightning import TinyNet, loader, quiet_trainer
 pytestmark = [
     pytest.mark.usefixtures("one_thread_for_module"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*the default selection.*covers.*"),
 ]
 
 LAYERS = ("net.0", "net.2", "net.4")
@@ -120,15 +121,19 @@ def test_without_reconstruction_the_saliency_ranks_and_weights_stay() -> None:
         assert torch.equal(module.weight, weight * keep), layer
 
 
-def test_gradual_obs_in_the_training_window_with_n_m_and_rows() -> None:
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_gradual_obs_in_the_training_window_with_n_m_and_rows(masking: str) -> None:
     callback = PruningCallback(
-        Linear(final=0.75, start=4, end=12, frequency=4), importance="obs", activation_window=2, scope="row"
-    )
+        Linear(final=0.75, start=4, end=12, frequency=4), importance="obs", activation_window=2, scope="row",
+        masking=masking,
+    )  # fmt: skip
     model = fit(callback, TinyNet(), max_steps=16, max_epochs=2)
     for layer in LAYERS:
         weight = model.get_submodule(layer).weight
         assert (weight == 0).sum(dim=1).tolist() == [round(0.75 * weight.shape[1])] * weight.shape[0]
-    nm = PruningCallback(Constant(0.5, at=2), method="semi_structured", importance="obs", include=r"net\.[24]\.weight")
+    nm = PruningCallback(
+        Constant(0.5, at=2), method="semi_structured", importance="obs", include=r"net\.[24]\.weight", masking=masking
+    )
     model = fit(nm, TinyNet(), max_steps=4)
     for layer in ("net.2", "net.4"):
         weight = model.get_submodule(layer).weight

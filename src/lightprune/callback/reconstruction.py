@@ -98,8 +98,8 @@ def reconstruct(
     counts = obs_counts(triples, masks, target, scope, hessian_of)
     for qualified, module, name in triples:
         count = counts[qualified]
-        if scope != "row" and count == 0:
-            continue
+        if not bool(torch.as_tensor(count).any()):
+            continue  # nothing to prune: the weights stay as training left them
         obs_layer(
             module, name, hessian_of(qualified), counts=count, per_row=scope == "row", layer=qualified,
             mask_dtype=mask_dtype,
