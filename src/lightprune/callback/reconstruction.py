@@ -10,10 +10,10 @@ The counts follow the callback's scopes, as the other criteria's events do, so t
   inputs, so they compare across layers); each layer then chooses which, block by block, as SparseGPT does;
 * N:M (``semi_structured``): every layer gets the pattern.
 
-Every ``H`` is checked (finite, positive definite after dampening) before any weight changes, so a refused layer
-leaves the event undone; the masks roll back with the event's transaction. The optimizer's state (Adam's moments) is
-kept as it is for the updated weights: the update is a small correction of weights training already reached, and
-the pruned entries' gradients are masked from then on.
+Every ``H`` is checked (finite, positive definite after dampening: one more Cholesky factorization per layer) before
+any weight changes, so a refused layer leaves the event undone; the masks roll back with the event's transaction.
+The optimizer's state (Adam's moments) is kept as it is for the updated weights: the update is a small correction of
+weights training already reached, and the pruned entries' gradients are masked from then on.
 """
 
 from __future__ import annotations
