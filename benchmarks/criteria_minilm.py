@@ -120,9 +120,10 @@ REFERENCES = {
     ("fit", "one_shot_magnitude"): (0.808, 0.320),
     ("fit", "one_shot_activation"): (0.848, 0.375),
 }
-"""(cosine, agreement) measured on this protocol by the reference implementation of issue 22, quoted from the issue's
-text (not computed here: the report prints them beside this script's figures and says so). Each is one run, as each
-figure here is; run-to-run variation of the fits (their seeds) is not measured."""
+"""(cosine, agreement) measured on this protocol by the reference implementations quoted in the issues' texts
+(issue 22: magnitude, activation and the fits; issue 27: the obs rows), not computed here: the report prints them
+beside this script's figures and says so. Each is one run, as each figure here is; run-to-run variation of the fits
+(their seeds) is not measured."""
 
 
 @dataclass(frozen=True)
@@ -704,7 +705,7 @@ def markdown(payload: dict[str, Any]) -> str:
             "|W_ij| * ||X_j||_2 computed by this script over the calibration lines' real tokens (padding left out), "
             "given to the engine as importance_scores (not the callback's importance='activation'):",
             "",
-            "| pattern | importance | cosine | agreement | sparsity | issue 22's reference (cosine / agreement) |",
+            "| pattern | importance | cosine | agreement | sparsity | the issue's reference (cosine / agreement) |",
             "|---|---|---:|---:|---:|---:|",
         ]
         for pattern in ONE_SHOT_PATTERNS:
@@ -745,7 +746,7 @@ def markdown(payload: dict[str, Any]) -> str:
             "step-0 pruning, one-shot runs), CPU time of the fit:",
             "",
             "| run | cosine | agreement | after pruning, before fine-tuning | sparsity | fit CPU (s) | fit wall (s) "
-            "| issue 22's reference (cosine / agreement) |",
+            "| the issue's reference (cosine / agreement) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name in FIT_RUNS:
