@@ -91,13 +91,17 @@ LINEAR_SUFFIXES = (
 """The six Linear layers of every encoder layer that are pruned (``output.dense`` is the FFN's second Linear)."""
 
 ONE_SHOT_PATTERNS = ("row50", "row70", "2:4")
-IMPORTANCES = ("magnitude", "activation")
+IMPORTANCES = ("magnitude", "activation", "obs", "obs_row")
+"""One-shot criteria: ``obs`` is SparseGPT's own selection (the pruned entries chosen over each block of 128 columns,
+so rows end uneven), ``obs_row`` the same count in every row of every block; 2:4 has one OBS arm."""
 FIT_RUNS = {
     "gradual_magnitude": ("gradual", "magnitude"),
     "gradual_activation": ("gradual", "activation"),
     "gradual_movement": ("gradual", "movement"),
+    "gradual_obs": ("gradual", "obs"),
     "one_shot_magnitude": ("one_shot", "magnitude"),
     "one_shot_activation": ("one_shot", "activation"),
+    "one_shot_obs": ("one_shot", "obs"),
 }
 """Fit run name -> (schedule kind, importance)."""
 
@@ -106,14 +110,20 @@ REFERENCES = {
     ("one_shot", "row50", "activation"): (0.873, 0.45),
     ("one_shot", "2:4", "magnitude"): (0.658, 0.23),
     ("one_shot", "2:4", "activation"): (0.771, 0.33),
+    ("one_shot", "row70", "magnitude"): (0.503, 0.119),
+    ("one_shot", "row70", "activation"): (0.672, 0.257),
+    ("one_shot", "row50", "obs"): (0.918, 0.533),
+    ("one_shot", "2:4", "obs"): (0.860, 0.403),
+    ("one_shot", "row70", "obs"): (0.763, 0.302),
     ("fit", "gradual_magnitude"): (0.816, 0.335),
     ("fit", "gradual_activation"): (0.849, 0.377),
     ("fit", "one_shot_magnitude"): (0.808, 0.320),
     ("fit", "one_shot_activation"): (0.848, 0.375),
 }
-"""(cosine, agreement) measured on this protocol by the reference implementation of issue 22, quoted from the issue's
-text (not computed here: the report prints them beside this script's figures and says so). Each is one run, as each
-figure here is; run-to-run variation of the fits (their seeds) is not measured."""
+"""(cosine, agreement) measured on this protocol by the reference implementations quoted in the issues' texts
+(issue 22: magnitude, activation and the fits; issue 27: the obs rows), not computed here: the report prints them
+beside this script's figures and says so. Each is one run, as each figure here is; run-to-run variation of the fits
+(their seeds) is not measured."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +349,70 @@ def batch_norms(model: nn.Module, batches: Sequence[Sequence[Tensor]], skip_padd
     return {name: value.sqrt().float() for name, value in squares.items()}
 
 
+@torch.no_grad()
+def input_hessians(
+    model: nn.Module, tokenizer: Any, lines: Sequence[str], settings: Settings, names: set[str]
+) -> dict[str, Tensor]:
+    """``H = X^T X`` (float32) of the named layers' inputs over the real (non-padding) tokens of ``lines``."""
+    found: dict[str, Tensor] = {}
+    token_mask: list[Tensor] = []
+
+    def hook(name: str) -> Any:
+        def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            x = args[0][token_mask[0]]
+            found[name] = found.get(name, 0) + prune.input_second_moment(module, x)
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(n)) for n, layer in pruned_linears(model) if n in names]
+    try:
+        model.eval()
+        for start in range(0, len(lines), 64):
+            ids, mask = tokenize(tokenizer, lines[start : start + 64], settings.max_tokens)
+            token_mask[:] = [mask.bool()]
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def prune_obs(model: nn.Module, pattern: str, per_row: bool, tokenizer: Any, lines: Sequence[str], settings: Settings
+              ) -> dict[str, float]:  # fmt: skip
+    """SparseGPT block by block: each encoder layer's ``H`` taken through the layers already pruned, then its six
+    Linear weights pruned by OBS with the update (blocksize 128, dampening 1% of the mean diagonal, float32).
+
+    Returns the seconds spent collecting ``H`` and pruning, and the largest ``H`` memory held at once (one encoder
+    layer's six matrices; q/k/v read one input and would share one in the callback, here each has its own).
+    """
+    collect = solve = 0.0
+    held = 0
+    layers = pruned_linears(model)
+    for block in range(6):
+        group = [(name, layer) for name, layer in layers if name.startswith(f"encoder.layer.{block}.")]
+        start = time.perf_counter()
+        hessians = input_hessians(model, tokenizer, lines, settings, {name for name, _ in group})
+        collect += time.perf_counter() - start
+        held = max(held, sum(h.numel() * h.element_size() for h in hessians.values()))
+        start = time.perf_counter()
+        for name, layer in group:
+            if pattern == "2:4":
+                prune.obs_semi_structured(layer, "weight", hessians[name], n=2, m=4)
+            else:
+                amount = {"row50": 0.5, "row70": 0.7}[pattern]
+                prune.obs_unstructured(layer, "weight", hessians[name], amount=amount, per_row=per_row)
+            prune.remove(layer, "weight")
+        solve += time.perf_counter() - start
+    return {"collect_seconds": collect, "solve_seconds": solve, "hessian_bytes": held}
+
+
+def max_rss_mib() -> float:
+    """The process's peak resident memory so far (MiB; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def prune_one_shot(model: nn.Module, pattern: str, norms: dict[str, Tensor] | None) -> None:
     """Prune every encoder Linear of ``model`` with the engine: per row to 50% / 70%, or 2:4 along the inputs.
 
@@ -365,14 +439,24 @@ def run_one_shot(
     results: dict[str, Any] = {"calibration_seconds": calibration_seconds}
     for pattern in ONE_SHOT_PATTERNS:
         for importance in IMPORTANCES:
+            if pattern == "2:4" and importance == "obs_row":
+                continue  # an N:M pattern is already the same in every row
             model = copy.deepcopy(dense_model)
+            rss_before = max_rss_mib()
             start = time.perf_counter()
-            prune_one_shot(model, pattern, norms if importance == "activation" else None)
+            obs: dict[str, float] = {}
+            if importance.startswith("obs"):
+                obs = prune_obs(model, pattern, importance == "obs_row", tokenizer, parts["calibration"], settings)
+            else:
+                prune_one_shot(model, pattern, norms if importance == "activation" else None)
             seconds = time.perf_counter() - start
             entry = {
                 **compare(embed(model, tokenizer, parts["evaluation"], settings), dense),
                 **weight_sparsity(model),
                 "prune_seconds": seconds,
+                **obs,
+                "max_rss_mib_before": rss_before,
+                "max_rss_mib_after": max_rss_mib(),
             }
             results[f"{pattern}/{importance}"] = entry
             print(f"one-shot {pattern} {importance}: {entry}", flush=True)
@@ -496,12 +580,15 @@ def gradual_schedule(settings: Settings) -> Cubic:
 def pruning_callback(kind: str, importance: str, module: Distillation, settings: Settings) -> PruningCallback:
     """The fit's PruningCallback: gradual cubic per row, or one-shot at step 0 (per row, then fixed masks)."""
     parameters = [(layer, "weight") for _, layer in pruned_linears(module.student)]
+    statistics = importance in ("activation", "obs")
     if kind == "gradual":
         schedule = gradual_schedule(settings)
-        extra: dict[str, Any] = {"activation_window": settings.window} if importance == "activation" else {}
+        extra: dict[str, Any] = {"activation_window": settings.window} if statistics else {}
     else:
         schedule = Constant(settings.sparsity, at=0)
-        extra = {"calibration_batches": settings.calibration_batches} if importance == "activation" else {}
+        extra = {"calibration_batches": settings.calibration_batches} if statistics else {}
+        if importance == "obs":
+            extra["sequential"] = True  # SparseGPT's one-shot: each layer's H through the layers already pruned
     return PruningCallback(
         schedule, parameters=parameters, scope="row", importance=importance, unit="step", summary=False,
         log_per_parameter=False, token_mask=mask_of_batch, **extra,
@@ -680,15 +767,37 @@ def markdown(payload: dict[str, Any]) -> str:
             "|W_ij| * ||X_j||_2 computed by this script over the calibration lines' real tokens (padding left out), "
             "given to the engine as importance_scores (not the callback's importance='activation'):",
             "",
-            "| pattern | importance | cosine | agreement | sparsity | issue 22's reference (cosine / agreement) |",
+            "| pattern | importance | cosine | agreement | sparsity | the issue's reference (cosine / agreement) |",
             "|---|---|---:|---:|---:|---:|",
         ]
         for pattern in ONE_SHOT_PATTERNS:
             for importance in IMPORTANCES:
-                entry = one_shot[f"{pattern}/{importance}"]
+                entry = one_shot.get(f"{pattern}/{importance}")
+                if entry is None:
+                    continue
                 lines.append(
                     f"| {pattern} | {importance} | {entry['cosine']:.3f} | {entry['agreement']:.3f} | "
                     f"{entry['sparsity']:.4f} | {_ref(('one_shot', pattern, importance), protocol)} |"
+                )
+        timed = [
+            (key, entry) for key, entry in one_shot.items() if isinstance(entry, dict) and "solve_seconds" in entry
+        ]
+        if timed:
+            lines += [
+                "",
+                "OBS one-shot events (SparseGPT block by block over the 6 encoder layers, float32, one torch thread "
+                "on a busy shared machine): seconds collecting H over the calibration lines (6 passes, one per "
+                "layer) and solving (36 weights), the largest H memory held at once (one layer's six matrices), "
+                "and the process's peak resident memory before and after the arm:",
+                "",
+                "| arm | collect H (s) | solve (s) | H held (MiB) | peak RSS before / after (MiB) |",
+                "|---|---:|---:|---:|---:|",
+            ]
+            for key, entry in timed:
+                lines.append(
+                    f"| {key} | {entry['collect_seconds']:.1f} | {entry['solve_seconds']:.1f} | "
+                    f"{entry['hessian_bytes'] / 2**20:.1f} | {entry['max_rss_mib_before']:.0f} / "
+                    f"{entry['max_rss_mib_after']:.0f} |"
                 )
     fits = payload.get("fit", {})
     if fits:
@@ -699,7 +808,7 @@ def markdown(payload: dict[str, Any]) -> str:
             "step-0 pruning, one-shot runs), CPU time of the fit:",
             "",
             "| run | cosine | agreement | after pruning, before fine-tuning | sparsity | fit CPU (s) | fit wall (s) "
-            "| issue 22's reference (cosine / agreement) |",
+            "| the issue's reference (cosine / agreement) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name in FIT_RUNS:

@@ -38,7 +38,9 @@ Arms (``--arms``; see :data:`ARMS`):
 Pruning criteria (issue 22): ``--importance magnitude activation movement`` runs every lightprune arm once per
 criterion, the callback's ``importance=``: ``magnitude`` (|W|, the default), ``activation`` (|W_ij| * ||X_j||_2
 with the layer inputs collected over the callback's window of training steps before each event; Wanda) or
-``movement`` (movement pruning, Sanh et al. 2020: the weights that move towards zero go). A criterion other than
+``movement`` (movement pruning, Sanh et al. 2020: the weights that move towards zero go) or ``obs`` (Optimal Brain
+Surgeon saliency from ``H = X^T X`` of the layer inputs over a window of 8 steps, 1,024 images, before each event,
+with SparseGPT's update of the kept weights). A criterion other than
 magnitude is named in the run's key and in the tables' arm column (``lp_gradual [activation]``).
 
 The gradual schedule's start, end and frequency were chosen before any run, from Zhu & Gupta's recipe (start
@@ -116,7 +118,7 @@ DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in ("lp_one_shot_cosine_ft",
 """The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair and 2:4 are asked for
 by name."""
 
-IMPORTANCES = ("magnitude", "activation", "movement")
+IMPORTANCES = ("magnitude", "activation", "movement", "obs")
 """The criteria of ``--importance`` (PruningCallback's ``importance=``)."""
 
 FIXED_SPARSITY = {"lp_2_4": 0.5}
@@ -359,6 +361,8 @@ def arm_callbacks(
         if not arm.startswith("lp_"):
             raise ValueError(f"arm={arm!r} has no pruning criterion; importance={importance!r} is lightprune's")
         masking_kwargs: dict[str, Any] = {"masking": masking, "importance": importance}
+        if importance == "obs":  # fc1 has 784 inputs: one batch of 128 images would leave H of rank 128
+            masking_kwargs["activation_window"] = 8
     else:
         masking_kwargs = {"masking": masking}
     one_shot_epoch = epochs // 2

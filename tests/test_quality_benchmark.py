@@ -113,6 +113,8 @@ def test_importance_flag_plans_one_run_set_per_criterion_and_reaches_the_callbac
     module = quality.LeNetModule(1e-3)
     (callback,) = quality.arm_callbacks("lp_gradual", 0.9, module, epochs=20, importance="activation")
     assert callback.importance == "activation" and callback.scope == "global"
+    (callback,) = quality.arm_callbacks("lp_gradual", 0.9, module, epochs=20, importance="obs")
+    assert (callback.importance, callback.reconstruct, callback.activation_window) == ("obs", True, 8)
     (callback,) = quality.arm_callbacks("lp_2_4", 0.5, module, epochs=20)
     assert callback.method.__name__ == "SemiStructured" and callback.importance == "magnitude"
     with pytest.raises(ValueError, match="no pruning criterion"):

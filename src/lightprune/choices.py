@@ -20,10 +20,12 @@ __all__ = [
     "METHODS",
     "METHOD_CLASSES",
     "MODELS",
+    "OBS_METHODS",
     "OPTIMIZERS",
     "RANDOM_METHODS",
     "SCOPES",
     "SIGNED_SCORE_METHODS",
+    "STATISTICS_IMPORTANCES",
     "STRUCTURED_METHODS",
     "UNITS",
 ]
@@ -49,8 +51,14 @@ RANDOM_METHODS = ("random_unstructured", "random_structured")
 SIGNED_SCORE_METHODS = ("l1_unstructured", "semi_structured")
 """The methods that can rank signed scores (``importance="movement"``): a norm or a random draw would lose the sign."""
 
-IMPORTANCES = ("magnitude", "activation", "movement")
+IMPORTANCES = ("magnitude", "activation", "movement", "obs")
 """The callback's built-in pruning criteria (a callable returning scores is accepted too)."""
+
+STATISTICS_IMPORTANCES = ("activation", "obs")
+"""The criteria that collect the selected layers' inputs in a window before each event (or calibration batches)."""
+
+OBS_METHODS = ("l1_unstructured", "semi_structured")
+"""The methods whose patterns OBS pruning chooses itself (entries, or N:M groups) while it updates the weights."""
 
 SCOPES = ("global", "layerwise", "row")
 """One ranking across the whole selection, one per tensor, or one per row of every tensor (``l1_unstructured``)."""

@@ -52,7 +52,7 @@ MODELS = choices.MODELS
 OPTIMIZERS = choices.OPTIMIZERS
 PRESETS = (
     "none", "one_shot", "gmp_cubic", "iterative_rounds", "ln_structured", "wanda_gradual", "movement", "nm_2_4",
-    "custom",
+    "sparsegpt_oneshot", "sparsegpt_2_4", "custom",
 )  # fmt: skip
 SCHEDULES = tuple(name for name in SCHEDULE_CLASSES if name != "points")
 """The schedules a config names (``points`` takes a list of times and sparsities, which the config does not have)."""
@@ -222,11 +222,17 @@ class PruningConfig:
         log_per_parameter: log the sparsity of every pruned tensor.
         seed: seed of the random methods.
         importance: what ranks the weights: ``magnitude``, ``activation`` (Wanda: ``|W|`` times the input feature's
-            L2 norm over the batches of ``activation_window`` steps before each event) or ``movement``
-            (``-sum W * dL/dW`` since the previous event; ``l1_unstructured`` or ``semi_structured``).
-        activation_window: steps (or epochs) of input statistics before each event, for ``importance=activation``.
+            L2 norm over the batches of ``activation_window`` steps before each event), ``movement``
+            (``-sum W * dL/dW`` since the previous event; ``l1_unstructured`` or ``semi_structured``) or ``obs``
+            (Optimal Brain Surgeon saliency from ``X^T X`` of the layers' inputs, with SparseGPT's update of the
+            kept weights; ``l1_unstructured`` or ``semi_structured``).
+        activation_window: steps (or epochs) of input statistics before each event, for ``importance=activation``
+            or ``obs``.
         calibration_batches: training batches run forward before fine-tuning starts, so that an event at its start
-            has input statistics (``importance=activation`` only).
+            has input statistics (``importance=activation`` or ``obs``).
+        reconstruct: with ``importance=obs``, update the kept weights at each event (``null``: on for obs).
+        sequential: with ``importance=obs`` and calibration batches, prune the event at the start block by block,
+            each block's statistics taken through the blocks already pruned (SparseGPT's one-shot procedure).
         adopt_zeros: weights already exactly zero when fine-tuning starts stay zero (masked).
         max_layer_sparsity: the largest share of any one layer's weights (channels) that may be pruned, in (0, 1];
             ``1.0``: no cap. A global ranking can otherwise prune a layer away entirely (layer collapse); with a cap
@@ -260,6 +266,8 @@ class PruningConfig:
     importance: str = "magnitude"
     activation_window: int = 1
     calibration_batches: int = 0
+    reconstruct: bool | None = None
+    sequential: bool = False
     adopt_zeros: bool = False
     max_layer_sparsity: float = 1.0
     nm_n: int = 2
@@ -604,6 +612,7 @@ def _schedule_problem(err: ValueError) -> str:
 
 
 RANDOM_METHODS = choices.RANDOM_METHODS
+STATISTICS_IMPORTANCES = choices.STATISTICS_IMPORTANCES
 
 
 def _check_rules(problems: list[str], pruning: Any) -> None:
@@ -621,6 +630,14 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
     )
     found += rules.importance_problems(importance, method, calibration_batches=pruning.calibration_batches)
     found += rules.cap_problems(pruning.max_layer_sparsity, scope=pruning.scope, final_sparsity=pruning.final_sparsity)
+    found += rules.obs_problems(
+        importance,
+        reconstruct=pruning.reconstruct,
+        sequential=pruning.sequential,
+        scope=pruning.scope,
+        calibration_batches=pruning.calibration_batches,
+        max_layer_sparsity=pruning.max_layer_sparsity,
+    )
     if method == "semi_structured":
         _check(problems, pruning.nm_m >= 2, "pruning.nm_m", pruning.nm_m, "a group of >= 2 weights")
         _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")
@@ -646,10 +663,10 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
     )
     _check(
         problems,
-        not (first_at_start and importance == "activation" and pruning.calibration_batches == 0),
+        not (first_at_start and importance in STATISTICS_IMPORTANCES and pruning.calibration_batches == 0),
         "pruning.start",
         pruning.start,
-        "pruning.importance=activation with an event at the start needs pruning.calibration_batches > 0",
+        f"pruning.importance={importance} with an event at the start needs pruning.calibration_batches > 0",
     )
 
 

@@ -19,7 +19,15 @@ from typing import Any, NamedTuple
 
 from lightprune import choices
 
-__all__ = ["Problem", "cap_problems", "importance_problems", "kind_of", "method_problems", "semi_structured_problems"]
+__all__ = [
+    "Problem",
+    "cap_problems",
+    "importance_problems",
+    "kind_of",
+    "method_problems",
+    "obs_problems",
+    "semi_structured_problems",
+]
 
 
 class Problem(NamedTuple):
@@ -105,12 +113,21 @@ def importance_problems(importance: Any, method: str | None, *, calibration_batc
     """
     label = method or "a custom method"
     problems: list[Problem] = []
-    if calibration_batches and importance != "activation":
+    if calibration_batches and importance not in choices.STATISTICS_IMPORTANCES:
         problems.append(
             Problem(
                 "calibration_batches",
                 calibration_batches,
-                f"collects input statistics, which only importance=activation uses (importance={importance})",
+                f"collects input statistics, which only importance=activation or obs uses (importance={importance})",
+            )
+        )
+    if importance == "obs" and method not in choices.OBS_METHODS + choices.RANDOM_METHODS:
+        problems.append(
+            Problem(
+                "importance",
+                importance,
+                f"obs chooses single weights (or N:M groups) while it updates the others, which {label} cannot: use "
+                "method l1_unstructured or semi_structured",
             )
         )
     if importance != "magnitude" and method in choices.RANDOM_METHODS:
@@ -183,3 +200,48 @@ raise the cap
             )
         ]
     return []
+
+
+def obs_problems(
+    importance: Any,
+    *,
+    reconstruct: bool | None,
+    sequential: bool,
+    scope: str,
+    calibration_batches: int,
+    max_layer_sparsity: Any = 1.0,
+) -> list[Problem]:
+    """The rules of OBS's own options: ``reconstruct`` (``None``: the default, on for obs) and ``sequential``
+    calibration belong to ``importance=obs``; sequential calibration prunes layer by layer at the start, from
+    calibration batches, so it needs them and cannot compare saliencies across layers (``scope=global``).
+
+    Example:
+        >>> obs_problems("obs", reconstruct=None, sequential=True, scope="row", calibration_batches=8)
+        []
+        >>> [p.key for p in obs_problems("activation", reconstruct=True, sequential=False, scope="row",
+        ...                              calibration_batches=0)]
+        ['reconstruct']
+    """
+    problems: list[Problem] = []
+    if reconstruct is not None and not isinstance(reconstruct, bool):
+        problems.append(Problem("reconstruct", reconstruct, "must be None (the default: on for obs) or a bool"))
+    elif reconstruct and importance != "obs":
+        problems.append(Problem("reconstruct", reconstruct, f"updates the kept weights by OBS: needs importance=obs, "
+                                f"not {importance}"))  # fmt: skip
+    capped = isinstance(max_layer_sparsity, (int, float)) and max_layer_sparsity < 1
+    if importance == "obs" and reconstruct is not False and scope == "global" and capped:
+        problems.append(Problem("max_layer_sparsity", max_layer_sparsity, "is not applied by OBS reconstruction's "
+                                "global counts yet: use scope=row or layerwise, or reconstruct=False"))  # fmt: skip
+    if not isinstance(sequential, bool):
+        problems.append(Problem("sequential", sequential, "must be a bool"))
+    elif sequential:
+        if importance != "obs" or reconstruct is False:
+            problems.append(Problem("sequential", sequential, "takes each block's statistics through the blocks "
+                                    "already reconstructed: needs importance=obs with reconstruct on"))  # fmt: skip
+        if not calibration_batches:
+            problems.append(Problem("sequential", sequential, "runs the calibration batches once per block: set "
+                                    "calibration_batches > 0"))  # fmt: skip
+        if scope == "global":
+            problems.append(Problem("sequential", sequential, "prunes block by block, so saliencies cannot be "
+                                    "compared across layers: use scope=layerwise or row"))  # fmt: skip
+    return problems

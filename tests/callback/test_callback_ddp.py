@@ -101,6 +101,17 @@ SCRIPT = textwrap.dedent(
                 make_permanent=False, name="movement",
             ),
         ]
+    elif sys.argv[2] == "obs":  # OBS: H summed across the ranks, reconstruction from it; gradual rows and one-shot N:M
+        callbacks = [
+            PruningCallback(
+                Linear(final=0.6, start=2, end=10, frequency=4), importance="obs", activation_window=2,
+                scope="row", include=r"net\\.[02]\\.weight", make_permanent=False, name="obs",
+            ),
+            PruningCallback(
+                0.5, method="semi_structured", importance="obs", calibration_batches=2, include=r"net\\.4\\.weight",
+                make_permanent=False, name="obs_nm",
+            ),
+        ]
     else:  # magnitude (global) and random draws
         callbacks = [
             PruningCallback(
@@ -191,3 +202,14 @@ def test_ddp_ranks_with_different_data_hold_identical_masks_with_activation_and_
     final = ranks[0]["masks"][16]
     assert (~final["net.0.weight_mask"].bool()).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
     assert int((~final["net.4.weight_mask"].bool()).sum()) == round(0.5 * 48)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddp_ranks_with_different_data_hold_identical_masks_and_weights_with_obs(tmp_path: Path) -> None:
+    """Every rank reconstructs from the same summed H: masks and updated weights agree to the bit."""
+    ranks = fit_on_two_ranks(tmp_path, "obs")
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), key
+    final = ranks[0]["masks"][16]
+    assert (~final["net.0.weight_mask"].bool()).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
+    assert ((final["net.4.weight_mask"].bool()).view(4, -1, 4).sum(dim=-1) == 2).all()

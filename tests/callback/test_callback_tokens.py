@@ -1,5 +1,6 @@
-"""Activation statistics skip padding: on a tiny BERT with right-padded batches they equal the statistics over the
-unpadded tokens, computed here by running every sequence alone, cut to its length, through the same model."""
+"""Input statistics skip padding: on a tiny BERT with right-padded batches the activation sums and OBS's ``H = X^T X``
+equal the statistics over the unpadded tokens, computed here by running every sequence alone, cut to its length,
+through the same model."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightprune.callback import PruningCallback
 from lightprune.callback.activations import ActivationStats
+from lightprune.callback.hessians import HessianStats
 from lightprune.schedules import Constant
 from tiny_lightning import quiet_trainer
 
@@ -76,16 +78,17 @@ class PaddedBert(L.LightningModule):
         return DataLoader(batches, batch_size=None)  # the batches as they are
 
 
-def unpadded_sums(model: PaddedBert, batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Sum over the real tokens of ``x_j ** 2`` at every encoder Linear's input: every sequence alone, unpadded."""
+def unpadded_sums(model: PaddedBert, batches: list[dict[str, Tensor]], moments: bool = False) -> dict[str, Tensor]:
+    """Sum over the real tokens of ``x_j ** 2`` (``moments``: of ``x^T x``) at every encoder Linear's input: every
+    sequence alone, unpadded, in float64."""
     sums: dict[str, Tensor] = {}
     handles = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and ".encoder." in name:
 
             def add(layer: nn.Module, args: tuple[Tensor, ...], key: str = f"{name}.weight") -> None:
-                squares = args[0].double().pow(2).sum(dim=(0, 1))
-                sums[key] = sums.get(key, 0) + squares
+                rows = args[0].double().reshape(-1, args[0].shape[-1])
+                sums[key] = sums.get(key, 0) + (rows.t() @ rows if moments else rows.pow(2).sum(dim=0))
 
             handles.append(module.register_forward_pre_hook(add))
     model.eval()
@@ -99,21 +102,27 @@ def unpadded_sums(model: PaddedBert, batches: list[dict[str, Tensor]]) -> dict[s
 
 
 class Totals(Callback):
-    """Placed after the PruningCallback: its activation totals once calibration ran (before any training step)."""
+    """Placed after the PruningCallback: its input statistics once calibration ran (before any training step), by
+    layer (OBS: each layer's ``H``, shared or not)."""
 
     def __init__(self, pruning: PruningCallback) -> None:
         self.pruning = pruning
         self.totals: dict[str, Tensor] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.totals = dict(self.pruning.state_dict()["importance"]["activation"]["totals"])
+        state = self.pruning.state_dict()["importance"]  # copied: the window before the event adds in place
+        if "obs" in state:
+            shares = state["obs"]["shares"]
+            self.totals = {name: state["obs"]["totals"][owner].clone() for name, owner in shares.items()}
+        else:
+            self.totals = {name: total.clone() for name, total in state["activation"]["totals"].items()}
 
 
 def calibrated_totals(**options: Any) -> dict[str, Tensor]:
     as_tuples = options.pop("as_tuples", False)
+    options.setdefault("importance", "activation")
     pruning = PruningCallback(
         Constant(0.5, at=1),
-        importance="activation",
         calibration_batches=CALIBRATION,
         scope="row",
         include=ENCODER,
@@ -128,6 +137,11 @@ def calibrated_totals(**options: Any) -> dict[str, Tensor]:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Tensor]:
     return unpadded_sums(PaddedBert(), padded_batches()[:CALIBRATION])
+
+
+@pytest.fixture(scope="module")
+def reference_moments() -> dict[str, Tensor]:
+    return unpadded_sums(PaddedBert(), padded_batches()[:CALIBRATION], moments=True)
 
 
 def assert_close(got: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
@@ -148,6 +162,41 @@ def test_without_a_mask_padding_counts(reference: dict[str, Tensor]) -> None:
     counted = calibrated_totals(token_mask=None)
     first = "model.bert.encoder.layer.0.attention.self.query.weight"
     assert not torch.allclose(counted[first].double(), reference[first], rtol=1e-3)
+
+
+def test_obs_second_moments_leave_padding_out_by_the_same_rule(reference_moments: dict[str, Tensor]) -> None:
+    assert_close(calibrated_totals(importance="obs"), reference_moments)
+    counted = calibrated_totals(importance="obs", token_mask=None)
+    first = "model.bert.encoder.layer.0.attention.self.query.weight"
+    assert not torch.allclose(counted[first].double(), reference_moments[first], rtol=1e-3)
+
+
+def test_sequential_obs_calibration_passes_each_batch_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sequential=True`` collects block by block: every pass gets its block's layers and its batch's mask."""
+    calls: list[tuple[set[str] | None, Tensor | None]] = []
+    start = HessianStats.start
+
+    def spy(self: HessianStats, only: set[str] | None = None, mask: Tensor | None = None) -> None:
+        calls.append((only, mask))
+        start(self, only, mask)
+
+    monkeypatch.setattr(HessianStats, "start", spy)
+    pruning = PruningCallback(
+        0.5,
+        importance="obs",
+        calibration_batches=CALIBRATION,
+        sequential=True,
+        scope="row",
+        include=ENCODER,
+        summary=False,
+    )
+    quiet_trainer([pruning], max_steps=1).fit(PaddedBert())
+    masks = [batch["attention_mask"].bool() for batch in padded_batches()[:CALIBRATION]]
+    blocks = [call[0] for call in calls[::CALIBRATION]]
+    assert len(calls) == 2 * CALIBRATION and [sorted(b)[0].split(".")[4] for b in blocks] == ["0", "1"]
+    for index, (only, mask) in enumerate(calls):
+        assert only == blocks[index // CALIBRATION] and len(only) == 6
+        assert mask is not None and torch.equal(mask, masks[index % CALIBRATION])
 
 
 def test_a_bad_token_mask_is_refused_at_construction() -> None:

@@ -236,7 +236,7 @@ def test_magnitude_importance_is_todays_behaviour() -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("importance", ["activation", "movement"])
+@pytest.mark.parametrize("importance", ["activation", "movement", "obs"])
 def test_resume_mid_window_is_bit_exact(tmp_path: Path, importance: str) -> None:
     # events 12, 20, 28; window 6: the epoch-end checkpoint at step 16 falls inside a window, statistics in state
     def run(ckpt_path: Path | None) -> L.LightningModule:
@@ -356,7 +356,7 @@ def test_tiny_bert_calibrated_one_shot_then_gradual_wanda() -> None:
         ({"importance": "activation", "calibration_batches": -1}, r"calibration_batches=-1 must be an int >= 0"),
         (
             {"importance": "movement", "calibration_batches": 2},
-            r"calibration_batches=2: .*only importance=activation uses \(importance=movement\)",
+            r"calibration_batches=2: .*only importance=activation or obs uses \(importance=movement\)",
         ),
         (
             {"importance": "activation", "method": "random_unstructured"},

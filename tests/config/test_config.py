@@ -237,6 +237,8 @@ def test_config_dir_holds_the_tree() -> None:
         "nm_2_4",
         "none",
         "one_shot",
+        "sparsegpt_2_4",
+        "sparsegpt_oneshot",
         "wanda_gradual",
     ]
 

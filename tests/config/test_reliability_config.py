@@ -79,6 +79,8 @@ KEYS: dict[str, Key] = {
     "pruning.importance": Key(["[1]"], ["gradient"]),
     "pruning.activation_window": Key(["abc", "1.5"], ["0", "-1"], ["pruning=wanda_gradual"]),
     "pruning.calibration_batches": Key(["abc"], ["-1"], ["pruning=wanda_gradual"]),
+    "pruning.reconstruct": Key(["maybe"], ["true"]),  # reconstruction needs importance=obs
+    "pruning.sequential": Key(["maybe"], ["true"]),  # needs importance=obs and calibration batches
     "pruning.adopt_zeros": Key(["maybe"], []),
     "pruning.max_layer_sparsity": Key(["abc", "[0.9]"], ["0", "-0.1", "1.5", "nan"]),
     "pruning.nm_n": Key(["abc"], ["0", "4"], ["pruning=nm_2_4"]),

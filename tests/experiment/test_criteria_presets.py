@@ -45,6 +45,14 @@ def make_config(*overrides: str) -> DictConfig:
             "nm_2_4",
             {"importance": "magnitude", "scope": "layerwise", "calibration_batches": 0, "method": "SemiStructured"},
         ),
+        (
+            "sparsegpt_oneshot",
+            {"importance": "obs", "scope": "row", "calibration_batches": 8, "method": "L1Unstructured"},
+        ),
+        (
+            "sparsegpt_2_4",
+            {"importance": "obs", "scope": "layerwise", "calibration_batches": 8, "method": "SemiStructured"},
+        ),
     ],
 )
 def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, expected: dict[str, object]) -> None:
@@ -58,7 +66,8 @@ def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, exp
         "method": callback.method.__name__,
     }
     assert built == expected
-    if preset == "nm_2_4":
+    assert callback.reconstruct == (preset.startswith("sparsegpt"))
+    if preset in ("nm_2_4", "sparsegpt_2_4"):
         assert callback.method_kwargs == {"n": 2, "m": 4}
         assert type(callback.schedule).__name__ == "Constant" and callback.schedule.sparsity == 0.5
 
@@ -76,6 +85,10 @@ def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, exp
             r"pruning\.start=0\.0: pruning\.importance=movement needs",
         ),
         (["pruning=wanda_gradual", "pruning.calibration_batches=0"], r"needs pruning\.calibration_batches > 0"),
+        (["pruning=sparsegpt_oneshot", "pruning.calibration_batches=0"], r"=obs with an event at the start needs"),
+        (["pruning=sparsegpt_oneshot", "pruning.method=ln_structured"], r"obs chooses single weights .* ln_structured"),
+        (["pruning=sparsegpt_oneshot", "pruning.sequential=true", "pruning.scope=global"], r"pruning\.sequential=True"),
+        (["pruning=wanda_gradual", "pruning.reconstruct=true"], r"pruning\.reconstruct=True: .*needs importance=obs"),
         (
             ["pruning=movement", "pruning.method=ln_structured", "pruning.scope=layerwise"],
             r"pruning\.importance='movement': movement ranks signed scores, which ln_structured cannot",
@@ -83,7 +96,7 @@ def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, exp
         (["pruning=gmp_cubic", "pruning.importance=gradient"], r"pruning\.importance='gradient': one of"),
         (
             ["pruning=gmp_cubic", "pruning.calibration_batches=2"],
-            r"pruning\.calibration_batches=2: collects input statistics, which only importance=activation uses",
+            r"pruning\.calibration_batches=2: collects input statistics, which only importance=activation or obs uses",
         ),
         (
             ["pruning=gmp_cubic", "pruning.scope=row", "pruning.method=random_unstructured"],
@@ -97,15 +110,19 @@ def test_inconsistent_overrides_are_refused_by_validation(overrides: list[str], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["wanda_gradual", "movement", "nm_2_4"])
+@pytest.mark.parametrize("preset", ["wanda_gradual", "movement", "nm_2_4", "sparsegpt_oneshot", "sparsegpt_2_4"])
 def test_criterion_presets_end_to_end(tmp_path: Path, preset: str) -> None:
     summary = run_experiment(make_config(*TINY, f"pruning={preset}"), tmp_path)
     state_dict = torch.load(tmp_path / "model.pt", weights_only=True)
-    if preset == "nm_2_4":
+    if preset in ("nm_2_4", "sparsegpt_2_4"):
         for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
             weight = state_dict[name]
             assert (weight.view(weight.shape[0], -1, 4) != 0).sum(dim=-1).le(2).all(), name
         assert summary.total_sparsity == pytest.approx(0.5, abs=1e-3)
+    elif preset == "sparsegpt_oneshot":
+        for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
+            weight = state_dict[name]
+            assert (weight == 0).sum(dim=1).unique().tolist() == [round(0.5 * weight.shape[1])], name
     else:
         assert summary.total_sparsity == pytest.approx(0.9, abs=0.01)
     if preset == "wanda_gradual":

@@ -5,8 +5,15 @@
   the training batches of a window before each event (:mod:`.activations`);
 * ``"movement"``: ``-sum_t W * dL/dW`` since the previous event (Sanh et al. 2020), signed, higher kept
   (:mod:`.movement`);
+* ``"obs"``: Optimal Brain Surgeon saliency ``w_ij**2 / d_j**2`` from ``H = X^T X`` of the layer's inputs over the
+  same window (:mod:`.hessians`); with reconstruction (the callback's default for obs) the event also updates the
+  kept weights (:mod:`lightprune.prune.obs`), without it the saliencies rank as any scores do;
 * a callable ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape, ranked as the
   methods rank ``importance_scores`` (by magnitude for the L1 methods).
+
+Every input statistic (the activation sums, OBS's ``H``) leaves padded positions out by one rule (:mod:`.tokens`).
+Parameters sharded as DTensor take magnitude, activation and movement (:mod:`.sharded`); a callable and ``"obs"``
+are refused for them at setup, with the reason (:func:`.selecting.refuse_sharded_criteria`).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from torch import Tensor, nn
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.callback.activations import ActivationStats
+from lightprune.callback.hessians import HessianStats
 from lightprune.callback.movement import MovementScores
 from lightprune.callback.options import method_name, raise_problems
+from lightprune.prune.obs import layer_saliency
 
 __all__ = ["IMPORTANCES", "Importance", "ScoreFunction", "check_importance"]
 
@@ -50,8 +59,8 @@ def check_importance(
         >>> check_importance("gradient", prune.L1Unstructured, 1, 0)
         Traceback (most recent call last):
         ...
-        ValueError: importance='gradient' is not supported: use one of ('magnitude', 'activation', 'movement') or a \
-callable (qualified_name, module, parameter_name, weight) -> scores
+        ValueError: importance='gradient' is not supported: use one of ('magnitude', 'activation', 'movement', \
+'obs') or a callable (qualified_name, module, parameter_name, weight) -> scores
     """
     if not (importance in IMPORTANCES or callable(importance)):
         raise ValueError(
@@ -87,13 +96,14 @@ class Importance:
         self.window = window
         self.activations: ActivationStats | None = None
         self.movement: MovementScores | None = None
+        self.hessians: HessianStats | None = None
         self._selection: list[tuple[str, nn.Module, str]] = []
         self._weight: WeightOf = _parameter
         self._restored: Mapping[str, Any] | None = None
 
     @property
     def kind(self) -> str:
-        """``"magnitude"``, ``"activation"``, ``"movement"`` or ``"callable"``."""
+        """``"magnitude"``, ``"activation"``, ``"movement"``, ``"obs"`` or ``"callable"``."""
         return self.importance if isinstance(self.importance, str) else "callable"
 
     @property
@@ -111,17 +121,21 @@ class Importance:
         self._weight = weight or _parameter
         self.activations = ActivationStats(self._selection, self._weight) if self.kind == "activation" else None
         self.movement = MovementScores(self._selection) if self.kind == "movement" else None
+        self.hessians = HessianStats(self._selection) if self.kind == "obs" else None
         self._apply_restored()
 
     def unbind(self) -> None:
         """Forget the selection and the statistics (a new fit starts)."""
         self.close()
         self._selection, self.activations, self.movement, self._restored = [], None, None, None
+        self.hessians = None
 
     def close(self) -> None:
         """Remove any hook still attached (end of fit, an exception)."""
         if self.activations is not None:
             self.activations.stop()
+        if self.hessians is not None:
+            self.hessians.stop()
 
     # ------------------------------------------------------------------------------------------------------------
     # Collecting
@@ -129,17 +143,28 @@ class Importance:
 
     def collects(self, now: int, next_event: int | None) -> bool:
         """Whether the batch starting at time ``now`` lies in the window before ``next_event``."""
-        return self.activations is not None and next_event is not None and now >= next_event - self.window
+        collecting = self.activations is not None or self.hessians is not None
+        return collecting and next_event is not None and now >= next_event - self.window
 
-    def start_batch(self, mask: Tensor | None = None) -> None:
-        """Collect the inputs of the coming forward passes; only the real tokens of ``mask`` (``(B, T)``) if given."""
+    def start_batch(self, mask: Tensor | None = None, only: set[str] | None = None) -> None:
+        """Collect the inputs of the coming forward passes.
+
+        Args:
+            mask: the batch's ``(B, T)`` boolean mask of real tokens (:mod:`.tokens`): every input statistic
+                (activation sums, OBS's ``H``) counts only the real positions by the same rule.
+            only: OBS: collect ``H`` only for the layers named here (default all).
+        """
         if self.activations is not None:
             self.activations.start(mask)
+        if self.hessians is not None:
+            self.hessians.start(only, mask)
 
     def finish_batch(self, reduce_sum: Reduce) -> None:
         """Stop collecting and add the batch's statistics, summed across processes by ``reduce_sum``."""
         if self.activations is not None:
             self.activations.finish_batch(reduce_sum)
+        if self.hessians is not None:
+            self.hessians.finish_batch(reduce_sum)
 
     def optimizer_step(self, optimizer: Any) -> None:
         """Movement: add ``-W * grad`` of the selected weights this optimizer is about to step."""
@@ -159,6 +184,12 @@ class Importance:
             return self.activations.scores()
         if self.movement is not None:
             return self.movement.scores(reduce_mean)
+        if self.hessians is not None:
+            self.hessians.check()
+            return {
+                qualified: layer_saliency(module, name, self.hessians.hessian(qualified))
+                for qualified, module, name in self._selection
+            }
         found = {}
         for qualified, module, name in self._selection:
             weight = self._weight(qualified, module, name)
@@ -179,6 +210,8 @@ class Importance:
             self.activations.reset()
         if self.movement is not None:
             self.movement.reset()
+        if self.hessians is not None:
+            self.hessians.reset()
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -191,6 +224,8 @@ class Importance:
             state["activation"] = self.activations.state_dict()
         if self.movement is not None:
             state["movement"] = self.movement.state_dict()
+        if self.hessians is not None:
+            state["obs"] = self.hessians.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -207,3 +242,5 @@ class Importance:
             self.activations.load_state_dict(restored["activation"])
         if self.movement is not None and "movement" in restored:
             self.movement.load_state_dict(restored["movement"])
+        if self.hessians is not None and "obs" in restored:
+            self.hessians.load_state_dict(restored["obs"])

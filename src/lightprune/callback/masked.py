@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightprune import adapters, prune
-from lightprune.callback import sharded
+from lightprune.callback import reconstruction, sharded
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
 from lightprune.layouts import input_dim
@@ -283,6 +283,22 @@ class MaskedSelection:
                     f"beyond max_layer_sparsity={self.max_layer_sparsity} (rows round to whole weights): lower the "
                     "target or raise the cap"
                 )
+
+    def reconstruct_to(
+        self, target: float, hessian_of: Callable[[str], Tensor], only: Collection[str] | None = None
+    ) -> None:
+        """An OBS event (:mod:`~lightprune.callback.reconstruction`): prune up to ``target`` and update the kept
+        weights from each layer's ``hessian_of(qualified name)``; ``only`` restricts it to those layers (sequential
+        calibration). All of it or nothing: every ``H`` is checked before any weight changes."""
+        triples = [t for t in self.selection if only is None or t[0] in only]
+        n_m = None
+        if issubclass(self.method, prune.SemiStructured):
+            n_m = (self.method_kwargs["n"], self.method_kwargs["m"])
+        with self.reparametrized(), self.all_or_nothing():
+            reconstruction.reconstruct(
+                triples, self.mask, target, self.scope, hessian_of, n_m=n_m, mask_dtype=self.mask_dtype
+            )
+            self._share_everywhere()
 
     def _apply(
         self, module: nn.Module, name: str, method: prune.BasePruningMethod, scores: Any, qualified: str

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightprune import prune, rules
+from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.callback import clock, neighbours, reporting, rewinding, selecting, sharded
 from lightprune.callback.calibration import calibrate
@@ -41,6 +41,7 @@ from lightprune.callback.options import (
     resolve_schedule,
     schedule_for_run,
 )
+from lightprune.callback.reconstruction import blocks
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
 from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
 from lightprune.prune.stale import StaleRefresher
@@ -146,18 +147,34 @@ class PruningCallback(Callback):
             ConvTranspose1d/2d/3d (a channel's norm over samples and positions) and transformers'
             ``Conv1D`` weights only); ``"movement"`` (``-sum W * dL/dW`` over the optimizer steps since the previous
             event, with the final gradients; signed, higher kept; ``l1_unstructured`` or ``semi_structured`` only);
-            or a callable ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape,
-            ranked as ``importance_scores`` (by magnitude for the L1 methods). Statistics are summed across DDP
-            ranks (every rank gets the same masks), reset after each event and kept in the checkpoint state (resume
-            is exact). Random methods ignore scores and are refused with any importance but magnitude. Parameters
-            sharded as DTensor (``ModelParallelStrategy``) take magnitude, activation and movement (the activation
-            sums all-reduced, movement summed on each rank's shard); a callable is refused for them.
-        activation_window: with ``importance="activation"``, collect the input statistics during this many units of
-            time (optimizer steps, or epochs) before each event; outside the window no hook is attached.
-        calibration_batches: with ``importance="activation"``, before training starts, run this many batches of the
-            training dataloader through ``training_step`` under ``torch.no_grad()`` (eval mode, ``self.log`` skipped,
-            random generators untouched) and add their statistics, so an event at time 0 (one-shot Wanda, then
-            fine-tuning, in one fit) has statistics. Not run when resuming.
+            ``"obs"`` (Optimal Brain Surgeon, as SparseGPT: saliency ``w_ij**2 / d_j**2`` from ``H = X^T X`` of the
+            layer's inputs over the ``activation_window``; Linear, transformers' ``Conv1D`` and Conv1d/2d weights;
+            ``l1_unstructured`` or ``semi_structured``; see ``reconstruct``); or a callable
+            ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape, ranked as
+            ``importance_scores`` (by magnitude for the L1 methods). Statistics are summed across DDP ranks (every
+            rank gets the same masks), reset after each event and kept in the checkpoint state (resume is exact).
+            Random methods ignore scores and are refused with any importance but magnitude. Parameters sharded as
+            DTensor (``ModelParallelStrategy``) take magnitude, activation and movement (the activation sums
+            all-reduced, movement summed on each rank's shard); a callable and ``"obs"`` are refused for them.
+        activation_window: with ``importance="activation"`` or ``"obs"``, collect the input statistics during this
+            many units of time (optimizer steps, or epochs) before each event; outside the window no hook is attached.
+        calibration_batches: with ``importance="activation"`` or ``"obs"``, before training starts, run this many
+            batches of the training dataloader through ``training_step`` under ``torch.no_grad()`` (eval mode,
+            ``self.log`` skipped, random generators untouched) and add their statistics, so an event at time 0
+            (one-shot Wanda or SparseGPT, then fine-tuning, in one fit) has statistics. Not run when resuming.
+        reconstruct: with ``importance="obs"`` (default on): each event also moves the kept weights of every pruned
+            row by the OBS update (SparseGPT's, block by block: :mod:`lightprune.prune.obs`), from the weights
+            training has reached, so the layer's output on the window's inputs changes as little as possible; the
+            optimizer's state for them is kept. ``False``: rank by the saliency only, as any scores. The counts per
+            layer follow ``scope`` (``"global"``: one ranking of the saliencies before any update across layers;
+            ``"row"``: every output row of the weight as OBS sees it; see
+            :mod:`lightprune.callback.reconstruction`).
+        sequential: with ``importance="obs"``, reconstruction and ``calibration_batches``, prune the event at the
+            start block by block (transformer blocks: names up to their first number), each block's statistics taken
+            from calibration batches run through the blocks already pruned, as SparseGPT does: the calibration
+            batches run once per block. It pays for one-shot pruning of deep models at high sparsity (errors of
+            early blocks change the inputs of later ones); gradual schedules, whose later events see the training
+            batches through the pruned model anyway, do not need it.
         adopt_zeros: when fit starts, mask the entries of the selected weights that are exactly zero (a checkpoint
             pruned by another tool), so they stay zero through training; the schedule's targets count them.
         max_layer_sparsity: the largest share of any one tensor's units (weights, or channels) that may be pruned,
@@ -167,12 +184,13 @@ class PruningCallback(Callback):
             give from the tensors under their caps. In ``"layerwise"`` and ``"row"`` scope every tensor is pruned
             to the target, so a cap below the schedule's final sparsity is refused. A cap the selection cannot meet
             (the capped tensors hold fewer units than the final target) is refused before the first step.
-        token_mask: with ``importance="activation"``, which positions of a batch count in the input statistics
-            (padding does not): ``"attention_mask"`` (the default) takes ``batch["attention_mask"]`` of shape
-            ``(B, T)`` when the batch is a mapping holding one, another string another key, a callable
-            ``batch -> (B, T) mask`` finds it in any batch, ``None`` counts every position. A layer whose input
-            starts with the mask's ``(B, T)`` (``(B, T, d)`` in a transformer) counts only the positions where the
-            mask is nonzero; other inputs count whole (see :mod:`lightprune.callback.tokens`).
+        token_mask: with ``importance="activation"`` or ``"obs"``, which positions of a batch count in the input
+            statistics (the activation sums and OBS's ``H`` alike; padding does not): ``"attention_mask"`` (the
+            default) takes ``batch["attention_mask"]`` of shape ``(B, T)`` when the batch is a mapping holding one,
+            another string another key, a callable ``batch -> (B, T) mask`` finds it in any batch, ``None`` counts
+            every position. A layer whose input starts with the mask's ``(B, T)`` (``(B, T, d)`` in a transformer)
+            counts only the positions where the mask is nonzero; other inputs count whole, and convolutions count
+            every position (see :mod:`lightprune.callback.tokens`).
 
     Layer collapse is said whatever the cap: when an event leaves a selected tensor with no unpruned weight (no
     channel, for structured methods), a :class:`~lightprune.prune.LayerCollapseWarning` names every such tensor
@@ -180,7 +198,7 @@ class PruningCallback(Callback):
 
     The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
     is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
-    class runs past 350 lines because its constructor checks its twenty-five arguments eagerly, as Lightning's
+    class runs past 350 lines because its constructor checks its twenty-eight arguments eagerly, as Lightning's
     callbacks do, and this docstring documents them.)
 
     Raises:
@@ -222,12 +240,24 @@ class PruningCallback(Callback):
         calibration_batches: int = 0,
         adopt_zeros: bool = False,
         max_layer_sparsity: float = 1.0,
+        reconstruct: bool | None = None,
+        sequential: bool = False,
         token_mask: TokenMask = "attention_mask",
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
         check_importance(importance, self.method, activation_window, calibration_batches)
+        raise_problems(
+            rules.obs_problems(
+                "callable" if callable(importance) else importance,
+                reconstruct=reconstruct,
+                sequential=sequential,
+                scope=scope,
+                calibration_batches=calibration_batches,
+                max_layer_sparsity=max_layer_sparsity,
+            )
+        )
         if issubclass(self.method, prune.SemiStructured):
             check_semi_structured_schedule(self.schedule, self.method_kwargs["n"], self.method_kwargs["m"])
         check_token_mask(token_mask)
@@ -284,6 +314,8 @@ class PruningCallback(Callback):
         self.activation_window = activation_window
         self.calibration_batches = calibration_batches
         self.adopt_zeros = adopt_zeros
+        self.reconstruct = importance == "obs" if reconstruct is None else reconstruct
+        self.sequential = sequential
         self.token_mask = token_mask
         self._importance = Importance(importance, activation_window)
         self._events: list[int] = []  # the resolved schedule's events, to find the next one
@@ -355,10 +387,13 @@ class PruningCallback(Callback):
         if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
             counts = self._masked.counts() if self.scope == "global" else None
             selecting.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
-        self._events = self._resolved.events() if self._importance.kind == "activation" else []  # for its window
+        windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES
+        self._events = self._resolved.events() if windowed else []  # for its window
         fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
         self._check_first_event(fresh)
-        if fresh and self.calibration_batches:
+        if fresh and self.sequential:
+            self._sequential_first_event(trainer, pl_module)
+        elif fresh and self.calibration_batches:
             calibrate(
                 trainer,
                 pl_module,
@@ -613,13 +648,15 @@ class PruningCallback(Callback):
         if event is None or event <= self._last_event:
             return
         target = self._resolved.target(t)
-        if target > 0:
-            scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
-        else:  # an event at level 0 (a ramp's first) prunes nothing: it needs no scores and keeps the statistics
-            scores = None
         if target > 0 and self._collapsed is None:  # (every rank: counting sharded tensors is collective)
             self._collapsed = set(self._masked.collapsed())  # what a resumed fit brought back is not news
-        self._masked.prune_to(target, event, scores, signed=self._importance.signed)
+        if target > 0 and self.reconstruct and self._importance.hessians is not None:
+            self._masked.reconstruct_to(target, self._importance.hessians.hessian)
+        else:
+            scores = None  # an event at level 0 (a ramp's first) prunes nothing: no scores, the statistics stay
+            if target > 0:
+                scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
+            self._masked.prune_to(target, event, scores, signed=self._importance.signed)
         if target > 0:
             self._importance.after_event()
             self._say_collapsed(event)
@@ -661,11 +698,37 @@ class PruningCallback(Callback):
                 f"importance='movement' needs optimizer steps before an event, but the schedule {self._resolved!r} "
                 f"has one at {self.unit} 0: start it later"
             )
-        if kind == "activation" and not self.calibration_batches:
+        if kind in choices.STATISTICS_IMPORTANCES and not self.calibration_batches:
             raise ValueError(
-                f"importance='activation' needs input statistics, but the schedule {self._resolved!r} has an event "
+                f"importance={kind!r} needs input statistics, but the schedule {self._resolved!r} has an event "
                 f"at {self.unit} 0, before any training batch: set calibration_batches (e.g. 8) or start it later"
             )
+
+    def _sequential_first_event(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The event at the start, block by block: calibration batches through the blocks already pruned, then the
+        block's OBS event, until every block is pruned (``sequential=True``)."""
+        assert self._resolved is not None and self._masked is not None and self._importance.hessians is not None
+        target = self._resolved.target(0)
+        if self._resolved.first_event > 0 or target == 0:
+            raise ValueError(
+                f"sequential=True calibrates an event at {self.unit} 0, but the schedule {self._resolved!r} has none "
+                "that prunes: use a one-shot schedule (a float) or a ramp starting above 0, or sequential=False"
+            )
+        hessians = self._importance.hessians
+        for block in blocks([qualified for qualified, _, _ in self._masked.selection]):
+            names = set(block)
+            calibrate(
+                trainer,
+                pl_module,
+                self.calibration_batches,
+                lambda batch, names=names: hessians.start(names, find_token_mask(batch, self.token_mask)),
+                lambda: hessians.finish_batch(self._reducer(trainer, "sum")),
+            )
+            self._masked.reconstruct_to(target, hessians.hessian, only=names)
+            hessians.reset()
+        self._last_event = self._resolved.first_event
+        self._stale.expect_new()
+        self._log(trainer, pl_module, target, log_to_module=False)
 
     @staticmethod
     def _reducer(trainer: Trainer, op: str) -> Callable[[Tensor], Tensor]:

@@ -172,9 +172,11 @@ def refuse_sharded_criteria(selection: Selection, importance: str, method: Any) 
 
     Magnitude, activation and movement importance, ``scope="row"`` and ``adopt_zeros`` work on sharded parameters
     (statistics all-reduced, or local: see :mod:`lightprune.callback.sharded`). Refused: an importance callable (it
-    would be handed a DTensor whose values live on several ranks) and N:M groups along an input dim that is sharded
-    (transformers' ``Conv1D`` stores its weight ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span
-    two ranks).
+    would be handed a DTensor whose values live on several ranks); ``"obs"`` (SparseGPT's selection ranks a block of
+    columns across every row of the OBS matrix and its update walks each row's columns in order, while ``Shard(0)``
+    splits the rows (Linear) or the columns (transformers' ``Conv1D``) across ranks; no distributed version is
+    written); and N:M groups along an input dim that is sharded (transformers' ``Conv1D`` stores its weight
+    ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span two ranks).
 
     Example:
         >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "callable", None)  # not sharded
@@ -192,6 +194,14 @@ def refuse_sharded_criteria(selection: Selection, importance: str, method: Any) 
             f"PruningCallback does not pass parameters sharded as DTensor ({names[:3]}{more})"
             " to an importance callable (their values live on several ranks): use 'magnitude', 'activation' or "
             "'movement', or exclude them"
+        )
+    if importance == "obs":
+        more = " ..." if len(names) > 3 else ""
+        raise ValueError(
+            f"importance='obs' does not prune parameters sharded as DTensor ({names[:3]}{more}): SparseGPT's "
+            "selection ranks a block of columns across every row and its update walks each row's columns in order, "
+            "while Shard(0) splits the rows (Linear) or the columns (transformers' Conv1D) across ranks; use "
+            "'magnitude', 'activation' or 'movement', or exclude them"
         )
     if isinstance(method, type) and issubclass(method, prune.SemiStructured):
         split = [

@@ -1,7 +1,8 @@
 """Which positions of a batch count in the input statistics: real tokens, not padding.
 
 Padded batches of text put zero-information positions (the padding tokens' hidden states) into every layer's input;
-summing them into activation statistics biases the scores towards what padding looks like. The rule:
+summing them into activation statistics (or OBS's ``H = X^T X``) biases the scores towards what padding looks like.
+One rule for every input statistic (:mod:`.activations`, :mod:`.hessians`):
 
 1. **Finding the mask.** ``token_mask="attention_mask"`` (the callback's default) takes ``batch["attention_mask"]``
    when the batch is a mapping (a ``dict``, transformers' ``BatchEncoding``) holding a 2-D tensor under that key;

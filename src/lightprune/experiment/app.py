@@ -151,6 +151,8 @@ def build_callback(
         calibration_batches=p.calibration_batches,
         adopt_zeros=p.adopt_zeros,
         max_layer_sparsity=p.max_layer_sparsity,
+        reconstruct=p.reconstruct,
+        sequential=p.sequential,
     )
 
 

@@ -63,6 +63,13 @@ from lightprune.prune.methods import (
     RandomStructured,
     RandomUnstructured,
 )
+from lightprune.prune.obs import (
+    input_second_moment,
+    obs_saliency,
+    obs_semi_structured,
+    obs_unstructured,
+    sparsegpt,
+)
 from lightprune.prune.rowwise import RowwiseL1Unstructured
 from lightprune.prune.semi_structured import SemiStructured
 
@@ -89,10 +96,14 @@ __all__ = [
     "get_mask_dtype",
     "global_unstructured",
     "identity",
+    "input_second_moment",
     "is_pruned",
     "l1_unstructured",
     "ln_structured",
     "mask_dtype",
+    "obs_saliency",
+    "obs_semi_structured",
+    "obs_unstructured",
     "original",
     "prepare_for_state_dict",
     "pruned_names",
@@ -103,5 +114,6 @@ __all__ = [
     "rowwise_l1_unstructured",
     "semi_structured",
     "set_mask_dtype",
+    "sparsegpt",
     "transaction",
 ]
