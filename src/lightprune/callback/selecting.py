@@ -99,9 +99,9 @@ def check_cap(max_layer_sparsity: float, scope: str, final: float, counts: list[
     """Refuse a ``max_layer_sparsity`` under which the schedule's ``final`` sparsity cannot be met, before any step.
 
     In ``"layerwise"`` and ``"row"`` scope every tensor is pruned to the target, so a cap below the final target is
-    refused outright. In ``"global"`` scope, with the selection's ``(units, pruned units)`` ``counts``, the cap is
-    refused when the capped tensors cannot hold the final count (tensors already pruned beyond the cap, e.g. by an
-    earlier fit, keep what they have and count as full).
+    refused outright. In ``"global"``, ``"erk"`` and ``"owl"`` scope, with the selection's ``(units, pruned units)``
+    ``counts``, the cap is refused when the capped tensors cannot hold the final count (tensors already pruned
+    beyond the cap, e.g. by an earlier fit, keep what they have and count as full).
 
     Example:
         >>> check_cap(0.9, "global", 0.8, [(100, 0), (10, 0)])
@@ -161,11 +161,14 @@ def check_sharded(
         raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
 
 
-def refuse_sharded_criteria(selection: Selection, importance: str, scope: str, adopt_zeros: bool) -> None:
+def refuse_sharded_criteria(
+    selection: Selection, importance: str, scope: str, adopt_zeros: bool, regrow: str | None = None
+) -> None:
     """Parameters sharded as DTensor are pruned by magnitude, globally or layer by layer; refuse the rest, naming it.
 
-    Activation and movement statistics, per-row ranking and adopting zeros would need their own distributed
-    implementations (the rows and features of a shard are not the tensor's); they are not written yet.
+    Activation and movement statistics, per-row ranking, per-layer allocation (ERK, OWL), dynamic sparse training
+    and adopting zeros would need their own distributed implementations (the rows and features of a shard are not
+    the tensor's); they are not written yet.
 
     Example:
         >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "movement", "row", True)  # not sharded
@@ -179,8 +182,9 @@ def refuse_sharded_criteria(selection: Selection, importance: str, scope: str, a
         what
         for what, bad in (
             (f"importance={importance!r}", importance != "magnitude"),
-            ("scope='row'", scope == "row"),
+            (f"scope={scope!r}", scope in ("row", "erk", "owl")),
             ("adopt_zeros=True", adopt_zeros),
+            (f"regrow={regrow!r}", regrow is not None),
         )
         if bad
     ]
