@@ -30,6 +30,12 @@ Arms (``--arms``; see :data:`ARMS`):
 * ``lp_2_4`` (run only when named): 2:4 semi-structured pruning (``method="semi_structured"``, two of every four
   consecutive inputs kept in every row; the three layers' inputs, 784, 300 and 100, are multiples of 4), one-shot
   after 10 epochs, then 10 epochs of fine-tuning. Its sparsity is 0.5 whatever ``--sparsities`` says.
+* ``lp_gradual_erk`` (run only when named): ``lp_gradual``'s schedule, each layer ranked alone with its ERK share
+  (``scope="erk"``: density proportional to ``(fan_in + fan_out) / (fan_in * fan_out)``).
+* ``lp_rigl_erk``, ``lp_set_erk`` (run only when named): dynamic sparse training, sparse from the first step: ERK
+  amounts at step 0 from the initial weights, then every 100 steps each layer drops 30% of its active weights
+  (cosine-decayed to 0 at 75% of the run) and regrows as many where the dense gradient is largest (RigL) or at random
+  (SET). ``--epochs 60`` gives the 3x-epochs runs.
 * ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
   (Renda et al. 2020): the 10 retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not
   rewound. Under the protocol's constant learning rate, rewinding the learning rate changes nothing
@@ -111,12 +117,26 @@ ARMS = {
     "lp_one_shot_cosine_ft": "lightprune, cosine LR for 10 epochs, one-shot, fine-tune at the final LR",
     "lp_one_shot_lr_rewind": "lightprune, cosine LR for 10 epochs, one-shot, retrain replaying the cosine",
     "lp_2_4": "lightprune, 2:4 semi-structured one-shot after 10 epochs, fine-tune (sparsity 0.5)",
+    "lp_gradual_erk": "lightprune, gradual cubic in steps, ERK per-layer amounts",
+    "lp_rigl_erk": "lightprune, RigL from step 0 with ERK amounts (sparse from the start)",
+    "lp_set_erk": "lightprune, SET from step 0 with ERK amounts (sparse from the start)",
 }
 """Arm name -> what it does."""
 
-DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind", "lp_2_4"))
-"""The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair and 2:4 are asked for
-by name."""
+OPT_IN_ARMS = (
+    "lp_one_shot_cosine_ft",
+    "lp_one_shot_lr_rewind",
+    "lp_2_4",
+    "lp_gradual_erk",
+    "lp_rigl_erk",
+    "lp_set_erk",
+)
+DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in OPT_IN_ARMS)
+"""The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair, 2:4, ERK and dynamic
+sparse training are asked for by name."""
+
+REGROW = {"regrow_every": 100, "regrow_fraction": 0.3, "regrow_until": 0.75}
+"""RigL's published settings (Evci et al. 2020), for the dynamic sparse training arms."""
 
 IMPORTANCES = ("magnitude", "activation", "movement", "obs")
 """The criteria of ``--importance`` (PruningCallback's ``importance=``)."""
@@ -386,11 +406,19 @@ def arm_callbacks(
     if arm == "lp_control":
         schedule = Geometric(mp_amount(sparsity, rounds), start=2, frequency=1, rounds=rounds)
         return [PruningCallback(schedule, parameters=params, unit="epoch", scope="global", **masking_kwargs)]
-    if arm in ("lp_gradual", "lp_gradual_layerwise"):
+    if arm in ("lp_gradual", "lp_gradual_layerwise", "lp_gradual_erk"):
         start, end, frequency = gradual
         schedule = Cubic(final=sparsity, start=start, end=end, frequency=frequency)
-        scope = "global" if arm == "lp_gradual" else "layerwise"
+        scope = {"lp_gradual": "global", "lp_gradual_layerwise": "layerwise", "lp_gradual_erk": "erk"}[arm]
         return [PruningCallback(schedule, parameters=params, unit="step", scope=scope, **masking_kwargs)]
+    if arm in ("lp_rigl_erk", "lp_set_erk"):
+        regrow = "rigl" if arm == "lp_rigl_erk" else "set"
+        return [
+            PruningCallback(
+                Constant(sparsity, at=0), parameters=params, unit="step", scope="erk", regrow=regrow, **REGROW,
+                **masking_kwargs,
+            )
+        ]  # fmt: skip
     if arm == "lp_one_shot":
         schedule = Constant(sparsity, at=one_shot_epoch)
         return [PruningCallback(schedule, parameters=params, unit="epoch", **masking_kwargs)]

@@ -8,12 +8,13 @@ imports neither torch nor Lightning: the app checks a config with it in a fracti
 Example:
     >>> from lightprune import choices
     >>> choices.METHOD_CLASSES["ln_structured"], choices.SCOPES
-    ('LnStructured', ('global', 'layerwise', 'row'))
+    ('LnStructured', ('global', 'layerwise', 'row', 'erk', 'owl'))
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ALLOCATION_SCOPES",
     "DATASETS",
     "IMPORTANCES",
     "MASKING",
@@ -23,6 +24,7 @@ __all__ = [
     "OBS_METHODS",
     "OPTIMIZERS",
     "RANDOM_METHODS",
+    "REGROW",
     "SCOPES",
     "SIGNED_SCORE_METHODS",
     "STATISTICS_IMPORTANCES",
@@ -60,8 +62,15 @@ STATISTICS_IMPORTANCES = ("activation", "obs")
 OBS_METHODS = ("l1_unstructured", "semi_structured")
 """The methods whose patterns OBS pruning chooses itself (entries, or N:M groups) while it updates the weights."""
 
-SCOPES = ("global", "layerwise", "row")
-"""One ranking across the whole selection, one per tensor, or one per row of every tensor (``l1_unstructured``)."""
+SCOPES = ("global", "layerwise", "row", "erk", "owl")
+"""One ranking across the whole selection, one per tensor, one per row of every tensor (``l1_unstructured``), or one
+per tensor with per-tensor amounts allocated by ERK or OWL (:mod:`lightprune.prune.allocation`)."""
+
+ALLOCATION_SCOPES = ("erk", "owl")
+"""The scopes that rank each tensor alone with its own share of the total: unstructured methods only."""
+
+REGROW = ("rigl", "set")
+"""Dynamic sparse training: how masks regrow (the largest dense gradients, or at random)."""
 
 UNITS = ("step", "epoch")
 """What a schedule's times count: optimizer steps or epochs."""

@@ -51,8 +51,8 @@ DATASETS = choices.DATASETS
 MODELS = choices.MODELS
 OPTIMIZERS = choices.OPTIMIZERS
 PRESETS = (
-    "none", "one_shot", "gmp_cubic", "iterative_rounds", "ln_structured", "wanda_gradual", "movement", "nm_2_4",
-    "sparsegpt_oneshot", "sparsegpt_2_4", "custom",
+    "none", "one_shot", "gmp_cubic", "gmp_erk", "rigl_erk", "set_erk", "iterative_rounds", "ln_structured",
+    "wanda_gradual", "movement", "nm_2_4", "sparsegpt_oneshot", "sparsegpt_2_4", "custom",
 )  # fmt: skip
 SCHEDULES = tuple(name for name in SCHEDULE_CLASSES if name != "points")
 """The schedules a config names (``points`` takes a list of times and sparsities, which the config does not have)."""
@@ -199,8 +199,10 @@ class PruningConfig:
         method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured``,
             ``semi_structured`` (N:M, one event to ``1 - nm_n/nm_m``: ``schedule=constant``) or the import path of a
             ``BasePruningMethod`` subclass.
-        scope: ``global`` (one ranking over all selected weights), ``layerwise`` or ``row`` (every output row to the
-            target, Wanda's ranking; ``l1_unstructured`` only).
+        scope: ``global`` (one ranking over all selected weights), ``layerwise``, ``row`` (every output row to the
+            target, Wanda's ranking; ``l1_unstructured`` only), ``erk`` (per-layer amounts from the
+            Erdős–Rényi-Kernel rule: small layers keep more) or ``owl`` (per-layer amounts from each layer's share
+            of outliers of ``|W| * ||X||``; ``importance=activation``); ``erk`` and ``owl`` take unstructured methods.
         schedule: ``constant`` (one-shot at ``start``), ``linear``, ``cubic`` (Zhu & Gupta) or ``geometric``.
         initial_sparsity: sparsity at the first event of a linear/cubic ramp.
         final_sparsity: target total sparsity at the end of the schedule.
@@ -237,6 +239,14 @@ class PruningConfig:
         max_layer_sparsity: the largest share of any one layer's weights (channels) that may be pruned, in (0, 1];
             ``1.0``: no cap. A global ranking can otherwise prune a layer away entirely (layer collapse); with a cap
             the global total stays exact. In ``layerwise``/``row`` scope it may not be below ``final_sparsity``.
+        owl_threshold: OWL's ``M``, for ``scope=owl``: a score above ``M`` times its layer's mean is an outlier.
+        owl_lambda: OWL's ``lambda``, for ``scope=owl``: the layers' sparsities span ``2 * lambda`` around the target.
+        regrow: dynamic sparse training during the fine-tuning phase: ``rigl`` (regrow where the dense gradient is
+            largest) or ``set`` (at random); ``None``: masks only grow.
+        regrow_every: optimizer steps between mask updates.
+        regrow_fraction: the share of each layer's active weights moved at the first update, decayed by a cosine
+            to 0 at ``regrow_until``.
+        regrow_until: the fraction of the fine-tuning run after which masks stay put.
         nm_n: weights kept in every group of ``semi_structured``.
         nm_m: the group size of ``semi_structured`` (must divide every pruned layer's input size).
     """
@@ -270,6 +280,12 @@ class PruningConfig:
     sequential: bool = False
     adopt_zeros: bool = False
     max_layer_sparsity: float = 1.0
+    owl_threshold: float = 5.0
+    owl_lambda: float = 0.08
+    regrow: str | None = None
+    regrow_every: int = 100
+    regrow_fraction: float = 0.3
+    regrow_until: float = 0.75
     nm_n: int = 2
     nm_m: int = 4
 
@@ -628,7 +644,19 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
     found = rules.method_problems(
         method, kind, scope=pruning.scope, prune_channel_bias=pruning.prune_channel_bias, dim=pruning.dim
     )
-    found += rules.importance_problems(importance, method, calibration_batches=pruning.calibration_batches)
+    found += rules.importance_problems(
+        importance, method, calibration_batches=pruning.calibration_batches, scope=pruning.scope
+    )
+    found += rules.owl_problems(pruning.owl_threshold, pruning.owl_lambda)
+    found += rules.regrow_problems(
+        pruning.regrow,
+        pruning.regrow_every,
+        pruning.regrow_fraction,
+        pruning.regrow_until,
+        method=method,
+        kind=kind,
+        scope=pruning.scope,
+    )
     found += rules.cap_problems(pruning.max_layer_sparsity, scope=pruning.scope, final_sparsity=pruning.final_sparsity)
     found += rules.obs_problems(
         importance,

@@ -26,6 +26,8 @@ __all__ = [
     "kind_of",
     "method_problems",
     "obs_problems",
+    "owl_problems",
+    "regrow_problems",
     "semi_structured_problems",
 ]
 
@@ -87,6 +89,15 @@ def method_problems(
                 f"a global ranking needs an unstructured method, and {label} is {kind}: use scope=layerwise",
             )
         )
+    elif scope in choices.ALLOCATION_SCOPES and kind is not None and kind != "unstructured":
+        problems.append(
+            Problem(
+                "scope",
+                scope,
+                f"{scope} allocates each layer a share of the weights, which needs an unstructured method, and "
+                f"{label} is {kind}: use scope=layerwise",
+            )
+        )
     if scope == "row" and method != "l1_unstructured":
         problems.append(Problem("scope", scope, f"row ranks every row's entries as l1_unstructured does, not {label}"))
     if prune_channel_bias and not (kind == "structured" and dim == 0):
@@ -100,9 +111,12 @@ def method_problems(
     return problems
 
 
-def importance_problems(importance: Any, method: str | None, *, calibration_batches: int = 0) -> list[Problem]:
+def importance_problems(
+    importance: Any, method: str | None, *, calibration_batches: int = 0, scope: str | None = None
+) -> list[Problem]:
     """The rules between a criterion (:data:`lightprune.choices.IMPORTANCES`, or a callable: ``"callable"``), the
-    method ranking by it and the calibration batches collecting its statistics.
+    method ranking by it, the calibration batches collecting its statistics and the scope (``"owl"`` allocates by the
+    outliers of activation scores; ``None``: not checked).
 
     Example:
         >>> print(importance_problems("movement", "ln_structured")[0].message)
@@ -110,9 +124,19 @@ def importance_problems(importance: Any, method: str | None, *, calibration_batc
         method l1_unstructured or semi_structured
         >>> importance_problems("activation", "l1_unstructured", calibration_batches=4)
         []
+        >>> importance_problems("magnitude", "l1_unstructured", scope="owl")[0].format()
+        "importance='magnitude': scope=owl allocates by the outliers of |W| * ||X|| scores: use importance=activation"
     """
     label = method or "a custom method"
     problems: list[Problem] = []
+    if scope == "owl" and importance != "activation":
+        problems.append(
+            Problem(
+                "importance",
+                importance,
+                "scope=owl allocates by the outliers of |W| * ||X|| scores: use importance=activation",
+            )
+        )
     if calibration_batches and importance not in choices.STATISTICS_IMPORTANCES:
         problems.append(
             Problem(
@@ -141,6 +165,75 @@ def importance_problems(importance: Any, method: str | None, *, calibration_batc
                 "sign): use method l1_unstructured or semi_structured",
             )
         )
+    return problems
+
+
+def owl_problems(threshold: Any, lam: Any) -> list[Problem]:
+    """OWL's ``M`` (``owl_threshold``) is a number > 0 and its ``lambda`` (``owl_lambda``) one in [0, 0.5].
+
+    Example:
+        >>> [p.key for p in owl_problems(0, 0.08)]
+        ['owl_threshold']
+    """
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+    problems = []
+    if not (number(threshold) and threshold > 0):
+        problems.append(Problem("owl_threshold", threshold, "must be a float > 0 (outliers: scores above it x mean)"))
+    if not (number(lam) and 0 <= lam <= 0.5):
+        why = "must be a float in [0, 0.5] (the layers' sparsities span 2 * lambda)"
+        problems.append(Problem("owl_lambda", lam, why))
+    return problems
+
+
+def regrow_problems(
+    regrow: Any,
+    every: Any,
+    fraction: Any,
+    until: Any,
+    *,
+    method: str | None = None,
+    kind: str | None = None,
+    scope: str | None = None,
+) -> list[Problem]:
+    """Dynamic sparse training: ``regrow`` is ``None`` (off) or one of :data:`lightprune.choices.REGROW`, with an int
+    ``every`` >= 1, a ``fraction`` in (0, 1) and an ``until`` in (0, 1]; masks move weight by weight within each
+    tensor, so it needs an unstructured method (``kind``) and a scope other than ``"row"``.
+
+    Example:
+        >>> regrow_problems("rigl", 100, 0.3, 0.75)
+        []
+        >>> [p.key for p in regrow_problems("rigl", 0, 1.5, 0.75, method="ln_structured", kind="structured")]
+        ['regrow_every', 'regrow_fraction', 'method']
+    """
+    if regrow is None:
+        return []
+    if regrow not in choices.REGROW:
+        return [Problem("regrow", regrow, f"one of {choices.REGROW}, or None (no dynamic sparse training)")]
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+    problems = []
+    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        problems.append(Problem("regrow_every", every, "must be an int >= 1 (optimizer steps between mask updates)"))
+    if not (number(fraction) and 0 < fraction < 1):
+        problems.append(Problem("regrow_fraction", fraction, "must be a float in (0, 1) (share of active weights)"))
+    if not (number(until) and 0 < until <= 1):
+        problems.append(Problem("regrow_until", until, "must be a float in (0, 1] (a fraction of the run)"))
+    label = method or "a custom method"
+    if kind is not None and kind != "unstructured":
+        problems.append(
+            Problem("method", method, f"regrow={regrow} moves single weights, which needs an unstructured method, "
+                    f"and {label} is {kind}")
+        )  # fmt: skip
+    if scope == "row":
+        problems.append(
+            Problem("scope", scope, f"regrow={regrow} moves weights within each tensor, not within each row: use "
+                    "scope=erk, global or layerwise")
+        )  # fmt: skip
     return problems
 
 
@@ -176,6 +269,7 @@ def cap_problems(
 ) -> list[Problem]:
     """``max_layer_sparsity`` is a float in (0, 1] (1.0: no cap); in ``"layerwise"`` and ``"row"`` scope, where every
     tensor is pruned to the target, it may not be below the schedule's ``final_sparsity`` (``None``: not known yet).
+    In ``"global"``, ``"erk"`` and ``"owl"`` scope the other tensors take what a capped one cannot give.
 
     Example:
         >>> cap_problems(0.9, scope="global", final_sparsity=0.95)
@@ -190,7 +284,7 @@ raise the cap
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     if not (number and 0 < value <= 1):
         return [Problem("max_layer_sparsity", value, "must be a float in (0, 1] (1.0: no cap)")]
-    if scope not in (None, "global") and final_sparsity is not None and final_sparsity > value:
+    if scope in ("layerwise", "row") and final_sparsity is not None and final_sparsity > value:
         return [
             Problem(
                 "max_layer_sparsity",
@@ -232,6 +326,9 @@ def obs_problems(
     if importance == "obs" and reconstruct is not False and scope == "global" and capped:
         problems.append(Problem("max_layer_sparsity", max_layer_sparsity, "is not applied by OBS reconstruction's "
                                 "global counts yet: use scope=row or layerwise, or reconstruct=False"))  # fmt: skip
+    if importance == "obs" and reconstruct is not False and scope in choices.ALLOCATION_SCOPES:
+        problems.append(Problem("scope", scope, "OBS reconstruction counts per layer for global, layerwise or row "
+                                "scope, not per-layer allocation yet: use reconstruct=False"))  # fmt: skip
     if not isinstance(sequential, bool):
         problems.append(Problem("sequential", sequential, "must be a bool"))
     elif sequential:

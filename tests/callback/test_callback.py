@@ -841,7 +841,10 @@ def test_prune_channel_bias_zeroes_the_bias_of_pruned_channels(make_permanent: b
         ({"method_kwargs": {"amount": 0.5}}, r"method_kwargs must not contain 'amount'"),
         ({"method_kwargs": {"dim": 0}}, r"method_kwargs=\{'dim': 0\} do not fit L1Unstructured"),
         ({"method": "ln_structured", "method_kwargs": {"p": 2}}, r"method_kwargs=.*'p': 2.* do not fit LnStructured"),
-        ({"scope": "local"}, r"scope='local' is not supported: allowed are \('global', 'layerwise', 'row'\)"),
+        (
+            {"scope": "local"},
+            r"scope='local' is not supported: allowed are \('global', 'layerwise', 'row', 'erk', 'owl'\)",
+        ),
         (
             {"method": "ln_structured", "scope": "global"},
             r"scope='global': .*needs an unstructured method.*ln_structured",

@@ -112,6 +112,18 @@ SCRIPT = textwrap.dedent(
                 make_permanent=False, name="obs_nm",
             ),
         ]
+    elif sys.argv[2] == "dynamic":  # OWL's allocation with SET's random regrowth; RigL's dense gradients
+        callbacks = [
+            PruningCallback(
+                Linear(final=0.6, start=2, end=6, frequency=4), scope="owl", importance="activation",
+                owl_threshold=2.0, include=r"net\\.[02]\\.weight", regrow="set", regrow_every=2, regrow_until=0.9,
+                make_permanent=False,
+            ),
+            PruningCallback(
+                0.5, include=r"net\\.4\\.weight", regrow="rigl", regrow_every=2, regrow_until=0.9,
+                make_permanent=False, name="rigl",
+            ),
+        ]
     else:  # magnitude (global) and random draws
         callbacks = [
             PruningCallback(
@@ -193,6 +205,20 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
         if row.get("pruning/sparsity/net.0.weight")
     }
     assert totals[12] == pytest.approx(round(0.6 * 320) / 320, abs=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddp_ranks_hold_identical_masks_under_owl_set_and_rigl(tmp_path: Path) -> None:
+    """SET draws from (seed, step) and RigL ranks dense gradients averaged across ranks: the moved masks agree."""
+    ranks = fit_on_two_ranks(tmp_path, "dynamic")
+    masks = ranks[0]["masks"]
+    for key, pruned in (("net.4.weight_mask", 24), ("net.0.weight_mask", None)):
+        moved = [step for step in range(7, 17) if not torch.equal(masks[step][key], masks[step - 1][key])]
+        assert moved and all(step % 2 == 0 for step in moved), (key, moved)  # at update steps only, and they did
+        if pruned is not None:
+            assert all(int((~masks[step][key].bool()).sum()) == pruned for step in range(1, 17))
+    total = [int((~masks[16][key].bool()).sum()) for key in ("net.0.weight_mask", "net.2.weight_mask")]
+    assert sum(total) == round(0.6 * (128 + 192))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

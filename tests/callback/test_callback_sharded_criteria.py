@@ -367,7 +367,9 @@ def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -
     assert torch.equal(whole["ranked"][-1]["net.2.weight"], resumed["ranked"][-1]["net.2.weight"])
 
 
-def test_sharded_selections_refuse_a_callable_obs_and_n_m_across_the_sharded_dim(tmp_path: Path) -> None:
+def test_sharded_selections_refuse_a_callable_obs_allocation_regrowth_and_n_m_across_the_sharded_dim(
+    tmp_path: Path,
+) -> None:
     dist = pytest.importorskip("torch.distributed")
     transformers = pytest.importorskip("transformers")
     from torch.distributed.device_mesh import init_device_mesh
@@ -390,6 +392,11 @@ def test_sharded_selections_refuse_a_callable_obs_and_n_m_across_the_sharded_dim
             refuse_sharded_criteria(selection, "callable", prune.L1Unstructured)
         with pytest.raises(ValueError, match=r"importance='obs' does not prune parameters sharded as DTensor.*Shard"):
             refuse_sharded_criteria(selection[:1], "obs", prune.L1Unstructured)
+        for scope, regrow in (("erk", None), ("owl", None), ("global", "rigl")):
+            with pytest.raises(
+                ValueError, match=r"does not support (scope|regrow)=.*sharded as DTensor.*no distributed"
+            ):
+                refuse_sharded_criteria(selection[:1], "magnitude", prune.L1Unstructured, scope, regrow)
         with pytest.raises(ValueError, match=r"semi_structured.*along dim 0 of \['c_attn\.weight'\].*span two ranks"):
             refuse_sharded_criteria(selection, "magnitude", prune.SemiStructured)
     finally:

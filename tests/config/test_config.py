@@ -231,12 +231,15 @@ def test_config_dir_holds_the_tree() -> None:
     assert (config_dir() / "config.yaml").is_file()
     assert options("pruning") == [
         "gmp_cubic",
+        "gmp_erk",
         "iterative_rounds",
         "ln_structured",
         "movement",
         "nm_2_4",
         "none",
         "one_shot",
+        "rigl_erk",
+        "set_erk",
         "sparsegpt_2_4",
         "sparsegpt_oneshot",
         "wanda_gradual",

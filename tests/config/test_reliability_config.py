@@ -83,6 +83,12 @@ KEYS: dict[str, Key] = {
     "pruning.sequential": Key(["maybe"], ["true"]),  # needs importance=obs and calibration batches
     "pruning.adopt_zeros": Key(["maybe"], []),
     "pruning.max_layer_sparsity": Key(["abc", "[0.9]"], ["0", "-0.1", "1.5", "nan"]),
+    "pruning.owl_threshold": Key(["abc"], ["0", "-1", "nan"]),
+    "pruning.owl_lambda": Key(["abc"], ["-0.1", "0.6", "nan"]),
+    "pruning.regrow": Key(["[1]"], ["grow"]),
+    "pruning.regrow_every": Key(["abc", "1.5"], ["0", "-1"], ["pruning=rigl_erk"]),
+    "pruning.regrow_fraction": Key(["abc"], ["0", "1", "nan"], ["pruning=rigl_erk"]),
+    "pruning.regrow_until": Key(["abc"], ["0", "1.5", "nan"], ["pruning=set_erk"]),
     "pruning.nm_n": Key(["abc"], ["0", "4"], ["pruning=nm_2_4"]),
     "pruning.nm_m": Key(["abc"], ["1"], ["pruning=nm_2_4"]),
     "trainer.dense_epochs": Key(["abc", "1.5"], ["0", "-1"]),

@@ -347,8 +347,9 @@ def test_a_late_one_shot_is_valid_whatever_end_says(no_training: None, tmp_path:
         ("+trainer.max_epoch=3", "trainer.max_epoch: not a config key (did you mean trainer.max_epochs?)"),
         (
             "pruning=not_a_preset",
-            "Could not find 'pruning/not_a_preset'; Available options in 'pruning': gmp_cubic, iterative_rounds, "
-            "ln_structured, movement, nm_2_4, none, one_shot, sparsegpt_2_4, sparsegpt_oneshot, wanda_gradual",
+            "Could not find 'pruning/not_a_preset'; Available options in 'pruning': gmp_cubic, gmp_erk, "
+            "iterative_rounds, ln_structured, movement, nm_2_4, none, one_shot, rigl_erk, set_erk, sparsegpt_2_4, "
+            "sparsegpt_oneshot, wanda_gradual",
         ),
         ("pruning.final_sparsity=abc", "Value 'abc' of type 'str' could not be converted to Float"),
         ("data=mnist", "(the default for data=mnist) is not a directory; set data.root=<directory holding"),
@@ -487,8 +488,8 @@ def test_help_names_the_app_and_the_report_command(capsys: pytest.CaptureFixture
     text = capsys.readouterr().out
     assert text.startswith("lightprune-experiment: train a dense model")
     assert (
-        "pruning: gmp_cubic, iterative_rounds, ln_structured, movement, nm_2_4, none, one_shot, sparsegpt_2_4, "
-        "sparsegpt_oneshot, wanda_gradual" in text
+        "pruning: gmp_cubic, gmp_erk, iterative_rounds, ln_structured, movement, nm_2_4, none, one_shot, rigl_erk, "
+        "set_erk, sparsegpt_2_4, sparsegpt_oneshot, wanda_gradual" in text
     )
     assert "lightprune-experiment report multirun/" in text
 

@@ -3,6 +3,7 @@ callback they describe, refuse inconsistent overrides before training, and run e
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,18 @@ def make_config(*overrides: str) -> DictConfig:
             "sparsegpt_2_4",
             {"importance": "obs", "scope": "layerwise", "calibration_batches": 8, "method": "SemiStructured"},
         ),
+        (
+            "gmp_erk",
+            {"importance": "magnitude", "scope": "erk", "calibration_batches": 0, "method": "L1Unstructured"},
+        ),
+        (
+            "rigl_erk",
+            {"importance": "magnitude", "scope": "erk", "calibration_batches": 0, "method": "L1Unstructured"},
+        ),
+        (
+            "set_erk",
+            {"importance": "magnitude", "scope": "erk", "calibration_batches": 0, "method": "L1Unstructured"},
+        ),
     ],
 )
 def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, expected: dict[str, object]) -> None:
@@ -94,6 +107,12 @@ def test_each_criterion_preset_composes_and_builds_its_callback(preset: str, exp
             r"pruning\.importance='movement': movement ranks signed scores, which ln_structured cannot",
         ),
         (["pruning=gmp_cubic", "pruning.importance=gradient"], r"pruning\.importance='gradient': one of"),
+        (["pruning=rigl_erk", "pruning.scope=row"], r"pruning\.scope='row': regrow=rigl moves weights within each"),
+        (["pruning=gmp_erk", "pruning.scope=owl"], r"pruning\.importance='magnitude': scope=owl allocates by the"),
+        (
+            ["pruning=gmp_erk", "pruning.method=ln_structured"],
+            r"pruning\.scope='erk': erk allocates each layer a share of the weights, which needs an unstructured",
+        ),
         (
             ["pruning=gmp_cubic", "pruning.calibration_batches=2"],
             r"pruning\.calibration_batches=2: collects input statistics, which only importance=activation or obs uses",
@@ -146,3 +165,23 @@ def test_a_ramp_starting_at_level_0_needs_no_statistics_at_its_start() -> None:
 def test_movement_from_step_0_runs_end_to_end(tmp_path: Path) -> None:
     summary = run_experiment(make_config(*TINY, "pruning=movement", "pruning.start=0.0"), tmp_path)
     assert summary.total_sparsity == pytest.approx(0.9, abs=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["rigl_erk", "set_erk"])
+def test_dynamic_sparse_training_presets_end_to_end_draw_the_mask_movement(tmp_path: Path, preset: str) -> None:
+    from lightprune.experiment.plots import draw_mask_movement
+
+    cfg = make_config(*TINY, f"pruning={preset}", "pruning.regrow_every=2", "pruning.regrow_until=0.9")
+    summary = run_experiment(cfg, tmp_path)
+    # the summary counts zeros: a weight SET regrew (at zero) on an input pixel that is always 0 stays exactly 0
+    assert 0.9 - 1e-3 <= summary.total_sparsity < 0.91
+    assert (tmp_path / "mask_movement.png").is_file()
+    fig = draw_mask_movement(tmp_path / "logs" / "all_phases.csv")
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels[0] == "planned share (cosine decay)"
+    layers = " ".join(labels[1:]).replace("=", " ").replace("≈", " ").split()
+    assert sorted(layers) == ["fc1.weight", "fc2.weight", "fc3.weight"]  # every layer, alone or sharing a line
+    planned = next(line for line in fig.axes[0].lines if line.get_label().startswith("planned"))
+    shares = planned.get_ydata()
+    assert len(shares) >= 2 and all(a > b for a, b in itertools.pairwise(shares))  # the cosine decays

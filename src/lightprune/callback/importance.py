@@ -52,6 +52,7 @@ def check_importance(
     method: type[prune.BasePruningMethod],
     activation_window: int,
     calibration_batches: int,
+    scope: str | None = None,
 ) -> None:
     """Refuse, naming the bad value, an importance the callback cannot use with ``method``.
 
@@ -73,7 +74,7 @@ def check_importance(
         raise ValueError(f"calibration_batches={calibration_batches!r} must be an int >= 0")
     named = "callable" if callable(importance) else importance
     label = method_name(method) or method.__name__
-    raise_problems(rules.importance_problems(named, label, calibration_batches=calibration_batches))
+    raise_problems(rules.importance_problems(named, label, calibration_batches=calibration_batches, scope=scope))
 
 
 class Importance:

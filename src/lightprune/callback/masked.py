@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,10 +21,12 @@ from lightprune import adapters, prune
 from lightprune.callback import reconstruction, sharded
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
+from lightprune.callback.regrowth import zero_optimizer_state
 from lightprune.layouts import input_dim
-from lightprune.prune import distributed
+from lightprune.prune import allocation, distributed
 from lightprune.prune.collapse import LayerCollapseWarning, cap_units, capped_count
 from lightprune.prune.masking import masked_
+from lightprune.prune.regrow import drop_and_grow, moved_count
 from lightprune.prune.rowwise import RowwiseToSparsity
 from lightprune.prune.signed import signed_variant
 from lightprune.prune.state_dict import PlainStateDict
@@ -42,16 +44,18 @@ class MaskedSelection:
         ties: for each selected tensor held by other modules too, ``(module, name, [(qualified, other, name)])``.
         biases: modules whose bias follows the weight's pruned output channels.
         method: the pruning method class; ``method_kwargs`` its arguments besides ``amount``.
-        scope: ``"global"`` (one ranking), ``"layerwise"`` or ``"row"`` (every row of every tensor to the target).
+        scope: ``"global"`` (one ranking), ``"layerwise"`` or ``"row"`` (every row of every tensor to the target),
+            ``"erk"`` or ``"owl"`` (each tensor ranked alone, its count from :mod:`lightprune.prune.allocation`).
         mask_dtype: dtype of new masks (``None``: the parameter's).
         seed: seed of the random methods' draws, combined with each event's time.
         inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
             tensors plain Parameters, zeroed in place; events put the reparametrization back for their duration.
-        max_layer_sparsity: no tensor is pruned beyond this share of its units; a global event still prunes its
-            exact count (from the tensors under the cap), a layerwise one stops each tensor at the cap.
+        max_layer_sparsity: no tensor is pruned beyond this share of its units; a global (or ERK, OWL) event still
+            prunes its exact count (from the tensors under the cap), a layerwise one stops each tensor at the cap.
         adapted: the adapted layers (LoRA, see :mod:`lightprune.adapters`) by the qualified name of their selected
             base weight: once that weight has a mask, the layer's forward masks its update with it, and events rank
             the effective weight ``W + update``.
+        owl: OWL's ``(M, lambda)`` for ``scope="owl"`` (:mod:`lightprune.prune.allocation`).
 
     Sharded tensors (DTensors: FSDP2, ``ModelParallelStrategy``) are always masked in place, each rank keeping the
     mask of its local shard only (``torch.bool`` unless ``mask_dtype`` says otherwise); events select with
@@ -79,7 +83,9 @@ class MaskedSelection:
         inplace: bool = False,
         max_layer_sparsity: float = 1.0,
         adapted: Mapping[str, nn.Module] | None = None,
+        owl: tuple[float, float] = (allocation.OWL_THRESHOLD, allocation.OWL_LAMBDA),
     ) -> None:
+        self.owl_threshold, self.owl_lambda = owl
         self.selection, self.ties, self.biases = selection, ties, biases
         self.adapted = dict(adapted or {})
         self.method, self.method_kwargs, self.scope = method, dict(method_kwargs), scope
@@ -260,6 +266,13 @@ class MaskedSelection:
                             amount=increment,
                             **self.method_kwargs,
                         )
+            elif self.scope in ("erk", "owl") and target > 0:  # (a ramp's level-0 event has no scores: nothing to do)
+                for (qualified, module, name), count, (_, pruned) in zip(
+                    self.selection, self.allocate(target, scores), self.counts(), strict=True
+                ):
+                    if count > pruned:
+                        more = method(amount=count - pruned, **self.method_kwargs)
+                        self._apply(module, name, more, scores, qualified)
             else:
                 for qualified, module, name in self.selection:
                     units, pruned = self.units(module, name)
@@ -269,6 +282,93 @@ class MaskedSelection:
             for module in self.biases:
                 _prune_bias(module, self.mask_dtype)
             self._share_everywhere()
+
+    def allocate(self, target: float, scores: Mapping[str, Tensor] | None = None) -> list[int]:
+        """ERK or OWL: how many weights each selected tensor has pruned in all after an event to ``target``.
+
+        The total is exactly ``round(target * total)``; a tensor keeps at least what it has pruned already and gives
+        at most its ``max_layer_sparsity`` share. OWL's outlier ratios come from ``scores`` (``|W| * ||X||``), over
+        each tensor's unpruned entries.
+
+        Example:
+            >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(20, 20), nn.Linear(10, 20))
+            >>> selection = [(f"{i}.weight", net[i], "weight") for i in range(3)]
+            >>> MaskedSelection(selection, [], [], prune.L1Unstructured, {}, "erk", torch.bool, 0).allocate(0.5)
+            [0, 230, 72]
+        """
+        shapes = [tuple(prune.original(module, name).shape) for _, module, name in self.selection]
+        counts = self.counts()
+        if self.scope == "erk":
+            weights = allocation.erk_weights(shapes)
+        else:
+            if scores is None:
+                raise ValueError("scope='owl' allocates by the outliers of activation scores, and none were given")
+            ratios = [
+                allocation.outlier_ratio(scores[qualified], self.mask(module, name), self.owl_threshold)
+                for qualified, module, name in self.selection
+            ]
+            weights = allocation.owl_offsets(ratios, self.owl_lambda)
+        return allocation.layer_counts(
+            shapes,
+            target,
+            weights,
+            rule=self.scope,
+            pruned=[pruned for _, pruned in counts],
+            caps=[cap_units(self.max_layer_sparsity, units) for units, _ in counts],
+        )
+
+    def move(
+        self,
+        fraction: float,
+        step: int,
+        grads: Mapping[str, Tensor] | None = None,
+        optimizers: Iterable[Any] = (),
+    ) -> dict[str, float]:
+        """Dynamic sparse training: in every masked tensor, drop the ``k`` smallest active weights and regrow ``k``
+        inactive ones (:func:`~lightprune.prune.regrow.drop_and_grow`), ``k = round(fraction * active)``.
+
+        RigL regrows where ``grads`` (dense gradients by qualified name) are largest; SET (``grads=None``) at random,
+        drawn from ``(seed, step)`` alone, so every DDP rank and a resumed run draw the same. The new masks replace
+        the old ones (a fresh ``CustomFromMask`` each, as a restore does: masks are no longer monotone); regrown
+        weights start at zero and their optimizer state (momentum, Adam's moments) is zeroed. Every tensor keeps its
+        count of active weights. Returns the share of each tensor's active weights that moved.
+
+        Example:
+            >>> layer = nn.Linear(10, 10)
+            >>> masked = MaskedSelection([("fc.weight", layer, "weight")], [], [], prune.L1Unstructured, {},
+            ...                          "layerwise", torch.bool, 0)
+            >>> masked.prune_to(0.8, event=0)
+            >>> masked.move(0.25, step=100)
+            {'fc.weight': 0.25}
+            >>> masked.units(layer, "weight")
+            (100, 80)
+        """
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (2**63))
+        new: dict[str, Tensor] = {}
+        grown: dict[str, Tensor] = {}
+        shares: dict[str, float] = {}
+        for qualified, module, name in self.selection:
+            mask = self.mask(module, name)
+            if mask is None:
+                continue
+            weight = prune.original(module, name)
+            active = int(torch.count_nonzero(mask))
+            k = moved_count(fraction, active, mask.numel() - active)
+            shares[qualified] = k / active if active else 0.0
+            if k == 0:
+                continue
+            scores = None if grads is None else grads[qualified]
+            fresh, grown[qualified] = drop_and_grow(weight, mask, k, grow_scores=scores, generator=generator)
+            new[qualified] = fresh.to(mask.dtype)
+        if new:
+            self.restore(new, "dynamic sparse training")
+        targets = self.mask_targets()
+        with torch.no_grad():
+            for qualified, where in grown.items():
+                parameter = prune.original(*targets[qualified])
+                parameter.masked_fill_(where.to(parameter.device), 0)
+                zero_optimizer_state(optimizers, parameter, where)
+        return shares
 
     def _check_caps(self, target: float) -> None:
         """Per-row ranking prunes every row to the target, rounded row by row: refuse an event that would take a

@@ -21,6 +21,7 @@ __all__ = [
     "SCOPES",
     "UNITS",
     "check_choice",
+    "check_owl",
     "check_semi_structured_schedule",
     "method_name",
     "raise_problems",
@@ -37,7 +38,8 @@ METHODS: dict[str, type[prune.BasePruningMethod]] = {
 """Pruning methods the callback accepts by name; any ``BasePruningMethod`` subclass (or its import path) works too."""
 
 SCOPES = choices.SCOPES
-"""One ranking across the whole selection, one per tensor, or one per row of every tensor (``l1_unstructured``)."""
+"""One ranking across the whole selection, one per tensor, one per row of every tensor (``l1_unstructured``), or one
+per tensor with amounts allocated by ERK or OWL."""
 
 UNITS = choices.UNITS
 """What the schedule's times count: optimizer steps or epochs."""
@@ -150,6 +152,22 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     """
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported: allowed are {allowed}")
+
+
+def check_owl(threshold: Any, lam: Any) -> tuple[float, float]:
+    """OWL's two hyper-parameters as floats: ``threshold`` (``M``) > 0 and ``lam`` (``lambda``) in [0, 0.5].
+
+    Example:
+        >>> check_owl(5, 0.08)
+        (5.0, 0.08)
+        >>> check_owl(5, 0.8)
+        Traceback (most recent call last):
+        ...
+        ValueError: owl_lambda=0.8: must be a float in [0, 0.5] (the layers' sparsities span 2 * lambda)
+    """
+    problems = rules.owl_problems(threshold, lam)
+    raise_problems(problems)
+    return float(threshold), float(lam)
 
 
 def resolve_method_options(

@@ -33,6 +33,7 @@ from lightprune.callback.options import (
     MASKING,
     UNITS,
     check_choice,
+    check_owl,
     check_semi_structured_schedule,
     method_name,
     raise_problems,
@@ -42,7 +43,10 @@ from lightprune.callback.options import (
     schedule_for_run,
 )
 from lightprune.callback.reconstruction import blocks
+from lightprune.callback.regrowth import DenseGradients, RegrowPlan
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
+from lightprune.choices import ALLOCATION_SCOPES
+from lightprune.prune.allocation import OWL_LAMBDA, OWL_THRESHOLD
 from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
 from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
@@ -101,9 +105,16 @@ class PruningCallback(Callback):
             ``Constant``), a ``BasePruningMethod`` subclass, or its import path (``"my_package.pruning.MyMethod"``).
         method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
             ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
-        scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"`` or
+        scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"``,
             ``"row"`` (every output row, dim 0, of every tensor pruned to the target: Wanda's per-output ranking;
-            ``l1_unstructured`` only). Default: global for unstructured methods, layerwise for the others.
+            ``l1_unstructured`` only), ``"erk"`` or ``"owl"``: each tensor ranked alone, with its own share of the
+            event's exact total (:mod:`lightprune.prune.allocation`). ERK (Erdős–Rényi-Kernel) keeps a density
+            proportional to ``sum(shape) / prod(shape)``, tensors that would pass density 1 kept dense; OWL keeps
+            more of the tensors with more outliers of ``|W| * ||X||`` (``importance="activation"`` only; see
+            ``owl_threshold`` and ``owl_lambda``). Both take unstructured methods and any importance they accept
+            (magnitude, activation, movement, a callable; random methods draw each tensor's share at random: a
+            static random ERK mask); every event's total is exact and ``max_layer_sparsity`` caps a tensor's share,
+            the others taking the rest. Default: global for unstructured methods, layerwise for the others.
         unit: ``"step"`` (optimizer steps; training batches under manual optimization) or ``"epoch"``; the
             schedule's times, ``rewind`` and ``activation_window`` are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
@@ -191,6 +202,24 @@ class PruningCallback(Callback):
             every position. A layer whose input starts with the mask's ``(B, T)`` (``(B, T, d)`` in a transformer)
             counts only the positions where the mask is nonzero; other inputs count whole, and convolutions count
             every position (see :mod:`lightprune.callback.tokens`).
+        owl_threshold: with ``scope="owl"``, OWL's ``M``: a score above ``M`` times its tensor's mean (over the
+            unpruned entries) is an outlier (default 5).
+        owl_lambda: with ``scope="owl"``, OWL's ``lambda``: the outlier ratios are mapped linearly onto densities
+            spanning ``2 * lambda`` whose mean (weighted by size) is the target's (default 0.08), before the caps.
+        regrow: dynamic sparse training (:mod:`lightprune.callback.regrowth`): ``None`` (masks only grow, the
+            default), ``"rigl"`` or ``"set"``. Every ``regrow_every`` optimizer steps before ``regrow_until``, each
+            pruned tensor drops its ``k`` smallest active weights and regrows ``k`` inactive ones, where the dense
+            gradient of that step is largest (RigL, Evci et al. 2020) or at random from ``(seed, step)`` (SET,
+            Mocanu et al. 2018), so every tensor keeps its count and the total stays at the target. Regrown weights
+            start at zero with their optimizer state (momentum, Adam's moments) zeroed. The new mask replaces the old
+            one (a fresh ``CustomFromMask``, as a resume does): masks are no longer monotone, and the checkpoint
+            state holds the current ones. Typically with a one-shot schedule at step 0 and ``scope="erk"`` (sparse
+            from the start). Unstructured methods, any scope but ``"row"``; sharded selections are refused. Logs
+            ``pruning/regrown/<qualified name>`` (the share of the tensor's active weights moved) at each update.
+        regrow_every: optimizer steps between mask updates (RigL and SET use 100).
+        regrow_fraction: the share of each tensor's active weights moved, at step 0; decayed by a cosine,
+            ``fraction / 2 * (1 + cos(pi * t / until_step))``, to 0 at ``regrow_until`` (RigL's 0.3).
+        regrow_until: the fraction of the run (its optimizer steps) after which masks stay put (RigL's 0.75).
 
     Layer collapse is said whatever the cap: when an event leaves a selected tensor with no unpruned weight (no
     channel, for structured methods), a :class:`~lightprune.prune.LayerCollapseWarning` names every such tensor
@@ -198,7 +227,7 @@ class PruningCallback(Callback):
 
     The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
     is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
-    class runs past 350 lines because its constructor checks its twenty-eight arguments eagerly, as Lightning's
+    class runs past 350 lines because its constructor checks its thirty-four arguments eagerly, as Lightning's
     callbacks do, and this docstring documents them.)
 
     Raises:
@@ -242,12 +271,18 @@ class PruningCallback(Callback):
         max_layer_sparsity: float = 1.0,
         reconstruct: bool | None = None,
         sequential: bool = False,
+        owl_threshold: float = OWL_THRESHOLD,
+        owl_lambda: float = OWL_LAMBDA,
+        regrow: str | None = None,
+        regrow_every: int = 100,
+        regrow_fraction: float = 0.3,
+        regrow_until: float = 0.75,
         token_mask: TokenMask = "attention_mask",
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
-        check_importance(importance, self.method, activation_window, calibration_batches)
+        check_importance(importance, self.method, activation_window, calibration_batches, scope)
         raise_problems(
             rules.obs_problems(
                 "callable" if callable(importance) else importance,
@@ -258,6 +293,27 @@ class PruningCallback(Callback):
                 max_layer_sparsity=max_layer_sparsity,
             )
         )
+        self.owl_threshold, self.owl_lambda = check_owl(owl_threshold, owl_lambda)
+        raise_problems(
+            rules.regrow_problems(
+                regrow,
+                regrow_every,
+                regrow_fraction,
+                regrow_until,
+                method=method_name(self.method) or self.method.__name__,
+                kind=self.method.PRUNING_TYPE if not issubclass(self.method, prune.SemiStructured) else "global",
+                scope=scope,
+            )
+        )
+        self.regrow, self.regrow_every, self.regrow_fraction, self.regrow_until = (
+            regrow,
+            regrow_every,
+            regrow_fraction,
+            regrow_until,
+        )
+        self._plan = None if regrow is None else RegrowPlan(regrow, regrow_every, regrow_fraction, regrow_until)
+        self._grads: DenseGradients | None = None  # RigL's dense gradients, during an update step only
+        self._last_regrow = -1
         if issubclass(self.method, prune.SemiStructured):
             check_semi_structured_schedule(self.schedule, self.method_kwargs["n"], self.method_kwargs["m"])
         check_token_mask(token_mask)
@@ -385,10 +441,11 @@ class PruningCallback(Callback):
             self._step_handles = neighbours.mask_after_optimizer_steps(trainer, pl_module, self._in_place)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
         if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
-            counts = self._masked.counts() if self.scope == "global" else None
+            counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
             selecting.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
         windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES
         self._events = self._resolved.events() if windowed else []  # for its window
+        self._plan_regrowth(trainer)
         fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
         self._check_first_event(fresh)
         if fresh and self.sequential:
@@ -419,6 +476,8 @@ class PruningCallback(Callback):
         self._collecting = self._importance.collects(self._now(trainer), self._next_event())
         if self._collecting:
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
+        if self._grads is not None and self._plan is not None and self._plan.is_update(trainer.global_step + 1):
+            self._grads.start()  # this batch's backward belongs to the step after which the masks move
 
     @override
     def on_train_batch_end(
@@ -432,6 +491,7 @@ class PruningCallback(Callback):
             self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
         if self.unit == "step":
             self._step(trainer, pl_module, self._now(trainer))
+        self._move(trainer)
         step = clock.now(trainer, "step")
         if self.log_every_n_steps and step % self.log_every_n_steps == 0 and step != self._last_logged:
             self._log(trainer, pl_module, 0.0 if self._resolved is None else self._resolved.target(self._now(trainer)))
@@ -447,6 +507,8 @@ class PruningCallback(Callback):
             self._masked.make_permanent()
         self._remove_step_handles()
         self._importance.close()
+        if self._grads is not None:
+            self._grads.stop()
         self._stale.refresh()
 
     @override
@@ -488,6 +550,8 @@ class PruningCallback(Callback):
         self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
         self._remove_step_handles()
         self._importance.close()
+        if self._grads is not None:
+            self._grads.stop()
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -504,6 +568,7 @@ class PruningCallback(Callback):
             "rewind_snapshot": self._rewind_snapshot,
             "masks": {} if self._masked is None else self._masked.masks(),
             "sharded_masks": list(self._sharded_masks_in),
+            "last_regrow": self._last_regrow,
         }
         if self._importance.kind != "magnitude":
             state["importance"] = self._importance.state_dict()  # statistics collected since the last event
@@ -512,6 +577,7 @@ class PruningCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_event = int(state_dict.get("last_event", -1))
+        self._last_regrow = int(state_dict.get("last_regrow", -1))
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
         self._sharded_masks_in = list(state_dict.get("sharded_masks", []))
         masks = state_dict.get("masks", {})
@@ -545,6 +611,10 @@ class PruningCallback(Callback):
         self._events = []
         self._collecting = False
         self._collapsed = None
+        self._last_regrow = -1
+        if self._grads is not None:
+            self._grads.stop()
+        self._grads = None
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
@@ -564,7 +634,7 @@ class PruningCallback(Callback):
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
         selecting.refuse_overlaps(selection, others, self._log_prefix)
         selecting.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
-        selecting.refuse_sharded_criteria(selection, self._importance.kind, self.method)
+        selecting.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
         if self.structured:
             selecting.check_dims(selection, self.method_kwargs)
         if self.scope == "row":
@@ -591,6 +661,7 @@ class PruningCallback(Callback):
             inplace=self.masking == "inplace",
             max_layer_sparsity=self.max_layer_sparsity,
             adapted=adapted,
+            owl=(self.owl_threshold, self.owl_lambda),
         )
 
     @property
@@ -666,6 +737,37 @@ class PruningCallback(Callback):
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
             self._in_place()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
+
+    def _plan_regrowth(self, trainer: Trainer) -> None:
+        """Dynamic sparse training: fix ``regrow_until`` to the run's length; RigL collects dense gradients."""
+        if self._plan is None or self._masked is None:
+            return
+        total = trainer.estimated_stepping_batches
+        if total is None or not 1 <= total < float("inf"):
+            raise ValueError(
+                f"regrow_until={self.regrow_until} is a fraction of the run, whose length in optimizer steps is "
+                f"unknown ({total!r}): set max_steps or max_epochs"
+            )
+        self._plan.resolve(int(total))
+        self._grads = DenseGradients(self._masked.selection) if self.regrow == "rigl" else None
+
+    def _move(self, trainer: Trainer) -> None:
+        """Dynamic sparse training: after an update step's optimizer step, move every tensor's mask (once)."""
+        if self._plan is None or self._masked is None or self._plan.until_step is None:
+            return
+        step = trainer.global_step
+        if not self._plan.is_update(step) or step <= self._last_regrow:
+            return
+        grads = None if self._grads is None else self._grads.take(self._reducer(trainer, "mean"))
+        fraction = self._plan.fraction_at(step)
+        shares = self._masked.move(fraction, step, grads, trainer.optimizers)
+        self._last_regrow = step
+        self._stale.expect_new()
+        values = {f"{self._log_prefix}regrown/{qualified}": share for qualified, share in shares.items()}
+        values[self._log_prefix + "regrown/fraction"] = fraction
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
 
     def _say_collapsed(self, event: int) -> None:
         """Warn (rank zero) naming every tensor this event left with no unpruned unit: layer collapse."""

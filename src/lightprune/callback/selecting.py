@@ -99,9 +99,9 @@ def check_cap(max_layer_sparsity: float, scope: str, final: float, counts: list[
     """Refuse a ``max_layer_sparsity`` under which the schedule's ``final`` sparsity cannot be met, before any step.
 
     In ``"layerwise"`` and ``"row"`` scope every tensor is pruned to the target, so a cap below the final target is
-    refused outright. In ``"global"`` scope, with the selection's ``(units, pruned units)`` ``counts``, the cap is
-    refused when the capped tensors cannot hold the final count (tensors already pruned beyond the cap, e.g. by an
-    earlier fit, keep what they have and count as full).
+    refused outright. In ``"global"``, ``"erk"`` and ``"owl"`` scope, with the selection's ``(units, pruned units)``
+    ``counts``, the cap is refused when the capped tensors cannot hold the final count (tensors already pruned
+    beyond the cap, e.g. by an earlier fit, keep what they have and count as full).
 
     Example:
         >>> check_cap(0.9, "global", 0.8, [(100, 0), (10, 0)])
@@ -167,7 +167,9 @@ def check_sharded(
         raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
 
 
-def refuse_sharded_criteria(selection: Selection, importance: str, method: Any) -> None:
+def refuse_sharded_criteria(
+    selection: Selection, importance: str, method: Any, scope: str = "layerwise", regrow: str | None = None
+) -> None:
     """What parameters sharded as DTensor cannot be pruned with; refused, naming it and why.
 
     Magnitude, activation and movement importance, ``scope="row"`` and ``adopt_zeros`` work on sharded parameters
@@ -176,7 +178,9 @@ def refuse_sharded_criteria(selection: Selection, importance: str, method: Any) 
     columns across every row of the OBS matrix and its update walks each row's columns in order, while ``Shard(0)``
     splits the rows (Linear) or the columns (transformers' ``Conv1D``) across ranks; no distributed version is
     written); and N:M groups along an input dim that is sharded (transformers' ``Conv1D`` stores its weight
-    ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span two ranks).
+    ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span two ranks). Per-layer allocation (``scope``
+    ``"erk"`` or ``"owl"``) and dynamic sparse training (``regrow``) would need their own distributed implementations
+    and are refused too.
 
     Example:
         >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "callable", None)  # not sharded
@@ -188,15 +192,25 @@ def refuse_sharded_criteria(selection: Selection, importance: str, method: Any) 
     if not sharded:
         return
     names = [q for q, _, _ in sharded]
+    more = " ..." if len(names) > 3 else ""
+    refused = [
+        what
+        for what, bad in ((f"scope={scope!r}", scope in ("erk", "owl")), (f"regrow={regrow!r}", regrow is not None))
+        if bad
+    ]
+    if refused:
+        raise ValueError(
+            f"PruningCallback does not support {', '.join(refused)} for parameters sharded as DTensor ({names[:3]}"
+            f"{more}): per-layer allocation and dynamic sparse training have no distributed implementation; use "
+            "scope='global', 'layerwise' or 'row' without regrow, or exclude them"
+        )
     if importance == "callable":
-        more = " ..." if len(names) > 3 else ""
         raise ValueError(
             f"PruningCallback does not pass parameters sharded as DTensor ({names[:3]}{more})"
             " to an importance callable (their values live on several ranks): use 'magnitude', 'activation' or "
             "'movement', or exclude them"
         )
     if importance == "obs":
-        more = " ..." if len(names) > 3 else ""
         raise ValueError(
             f"importance='obs' does not prune parameters sharded as DTensor ({names[:3]}{more}): SparseGPT's "
             "selection ranks a block of columns across every row and its update walks each row's columns in order, "

@@ -153,6 +153,12 @@ def build_callback(
         max_layer_sparsity=p.max_layer_sparsity,
         reconstruct=p.reconstruct,
         sequential=p.sequential,
+        owl_threshold=p.owl_threshold,
+        owl_lambda=p.owl_lambda,
+        regrow=p.regrow,
+        regrow_every=p.regrow_every,
+        regrow_fraction=p.regrow_fraction,
+        regrow_until=p.regrow_until,
     )
 
 
@@ -536,7 +542,12 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import torch
 
     from lightprune.callback import PruningCallback
-    from lightprune.experiment.plots import plot_layer_sparsity, plot_training_curves
+    from lightprune.experiment.plots import (
+        has_mask_movement,
+        plot_layer_sparsity,
+        plot_mask_movement,
+        plot_training_curves,
+    )
     from lightprune.experiment.summary import format_summary_table, summarize
 
     started = time.perf_counter()
@@ -594,6 +605,8 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     if cfg.plots:
         if curves_csv is not None:
             plot_training_curves(curves_csv, output_dir / "training_curves.png", title=_plot_title(cfg))
+            if has_mask_movement(curves_csv):
+                plot_mask_movement(curves_csv, output_dir / "mask_movement.png")
         plot_layer_sparsity(summary, output_dir / "layer_sparsity.png")
     print(format_summary_table(summary))
     print(f"outputs: {output_dir}")

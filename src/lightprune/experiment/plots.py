@@ -3,6 +3,8 @@
 * :func:`read_metrics_csv` - Lightning ``CSVLogger``'s ``metrics.csv`` as ``{column: [(step, value), ...]}``.
 * :func:`plot_training_curves` - sparsity and accuracy over training steps, phases and pruning events marked.
 * :func:`plot_layer_sparsity` - per-layer sparsity bars (channels kept, for structured pruning).
+* :func:`plot_mask_movement` - dynamic sparse training: the share of each layer's active weights regrown at each
+  mask update, beside the planned (cosine-decayed) share.
 * :func:`plot_accuracy_vs_sparsity` - final accuracy against weights kept, one line per arm of a sweep, mean and
   standard deviation over seeds, the dense accuracy as a reference.
 * :func:`plot_pareto` - the same axes for a search (Optuna): every trial a point, the Pareto front marked.
@@ -26,10 +28,13 @@ __all__ = [
     "Arm",
     "draw_accuracy_vs_sparsity",
     "draw_layer_sparsity",
+    "draw_mask_movement",
     "draw_pareto",
     "draw_training_curves",
+    "has_mask_movement",
     "plot_accuracy_vs_sparsity",
     "plot_layer_sparsity",
+    "plot_mask_movement",
     "plot_pareto",
     "plot_training_curves",
     "read_metrics_csv",
@@ -50,6 +55,8 @@ DENSE_SHADE = "0.93"
 
 _ACC_COLUMN = re.compile(r"^(train|val|test)/acc(_step|_epoch)?$")
 _LAYER_PREFIX = "pruning/sparsity/"
+_REGROWN_PREFIX = "pruning/regrown/"
+_REGROWN_PLAN = "pruning/regrown/fraction"
 _EVENT_LINES_UP_TO = 5
 """Up to this many pruning events are also drawn as lines across the accuracy panel."""
 
@@ -477,6 +484,97 @@ def plot_layer_sparsity(summary: Any, out_png: str | Path) -> Path:
         True
     """
     return _save(draw_layer_sparsity(summary), out_png)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Mask movement (dynamic sparse training)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def has_mask_movement(metrics_csv: str | Path) -> bool:
+    """Whether ``metrics_csv`` holds dynamic sparse training's ``pruning/regrown/*`` columns.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = Path(tmp) / "metrics.csv"
+        ...     _ = path.write_text("step,pruning/regrown/fc1.weight\\n25,0.3\\n")
+        ...     has_mask_movement(path)
+        True
+    """
+    with Path(metrics_csv).open(newline="") as handle:
+        header = next(csv.reader(handle), [])
+    return any(column.startswith(_REGROWN_PREFIX) for column in header)
+
+
+def draw_mask_movement(metrics_csv: str | Path, title: str | None = None) -> Any:
+    """The figure :func:`plot_mask_movement` saves.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = Path(tmp) / "metrics.csv"
+        ...     text = "step,pruning/regrown/fc1.weight,pruning/regrown/fc2.weight,pruning/regrown/fraction\\n"
+        ...     _ = path.write_text(text + "25,0.3,0.29,0.3\\n50,0.15,0.16,0.15\\n")
+        ...     fig = draw_mask_movement(path)
+        >>> sorted(line.get_label() for line in fig.axes[0].lines)
+        ['fc1.weight', 'fc2.weight', 'planned share (cosine decay)']
+    """
+    from matplotlib.figure import Figure
+
+    series, _ = _read(metrics_csv)
+    keys = [key for key in series if key.startswith(_REGROWN_PREFIX) and key != _REGROWN_PLAN]
+    names = _short_names([_LAYER_PREFIX + key.removeprefix(_REGROWN_PREFIX) for key in keys])
+    fig = Figure(figsize=(9.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    plan = series.get(_REGROWN_PLAN, [])
+    if plan:
+        steps, values = zip(*plan, strict=True)
+        # wide and pale under the layers' lines, so a layer that follows the plan exactly does not hide it
+        ax.plot(steps, values, color=TARGET_COLOR, linewidth=6, alpha=0.3, label="planned share (cosine decay)")
+    groups: list[list[str]] = []  # layers with the same curve share one line (they would hide each other)
+    for key in keys:
+        group = next((g for g in groups if _same_curve(series[g[0]], series[key])), None)
+        if group is None:
+            groups.append([key])
+        else:
+            group.append(key)
+    for index, group in enumerate(groups):
+        steps, values = zip(*series[group[0]], strict=True)
+        color = LAYER_COLORS[index % len(LAYER_COLORS)]
+        style = LAYER_STYLES[(index // len(LAYER_COLORS)) % len(LAYER_STYLES)]
+        label = _group_label([names[_LAYER_PREFIX + key.removeprefix(_REGROWN_PREFIX)] for key in group], series, group)
+        ax.plot(steps, values, color=color, linestyle=style, marker="o", markersize=4, label=label)
+    if not keys:
+        _note(ax, "no mask update logged (pruning.regrow is off)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("share of the layer's active\nweights regrown at the update")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if keys or plan:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="layer")
+    ax.set_title(title or "Mask movement: weights dropped and regrown at each update")
+    return fig
+
+
+def plot_mask_movement(metrics_csv: str | Path, out_png: str | Path, title: str | None = None) -> Path:
+    """Dynamic sparse training (``regrow``): at each mask update, the share of each layer's active weights that was
+    dropped and regrown (``pruning/regrown/<layer>``, one colour per layer, a point per update), and the planned
+    share (``pruning/regrown/fraction``, dashed red: ``regrow_fraction`` decayed by a cosine to 0); saves a PNG.
+
+    A layer's points sit under the planned share when it has fewer inactive weights than the share asks for, or
+    where rounding to whole weights lowers it. Layers with the same curve share one line, labelled
+    ``fc1.weight = fc2.weight`` (``≈`` when they differ by less than a pixel).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = Path(tmp) / "metrics.csv"
+        ...     _ = path.write_text("step,pruning/regrown/fc1.weight\\n25,0.3\\n")
+        ...     plot_mask_movement(path, Path(tmp) / "movement.png").read_bytes()[:4]
+        b'\x89PNG'
+    """
+    return _save(draw_mask_movement(metrics_csv, title), out_png)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""Dynamic sparse training in ``PruningCallback`` (``regrow="rigl" | "set"``): the dense gradients RigL ranks by,
+masks that move only at update steps by the cosine-decayed share with every count exact, regrown weights and their
+optimizer state at zero, in both masking modes and under gradient accumulation; resume exact; refusals named."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+
+from lightprune import prune
+from lightprune.callback import PruningCallback
+from lightprune.callback.inplace import InPlaceMasks
+from lightprune.callback.regrowth import DenseGradients
+from tiny_lightning import N, TinyNet, folded, quiet_trainer, state
+
+pytestmark = pytest.mark.usefixtures("one_thread_for_module")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dense_gradients_are_the_effective_weights_gradient_summed_over_micro_batches(inplace: bool) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    prune.l1_unstructured(layer, "weight", amount=9)
+    effective = layer.weight.detach().clone()
+    masks = InPlaceMasks()
+    if inplace:
+        masks.take([(layer, "weight")])
+    grads = DenseGradients([("fc.weight", layer, "weight")])
+    inputs = [torch.randn(4, 5), torch.randn(2, 5)]
+    grads.start()
+    for x in inputs:  # two micro-batches of one optimizer step
+        (layer(x) ** 2).sum().backward()
+    taken = grads.take(lambda t: t)["fc.weight"]
+
+    leaf = effective.clone().requires_grad_(True)  # the reference: the gradient with respect to the used weight
+    for x in inputs:
+        (nn.functional.linear(x, leaf, layer.bias.detach()) ** 2).sum().backward()
+    torch.testing.assert_close(taken, leaf.grad)
+    assert bool((taken[effective == 0] != 0).any()), "pruned entries have their dense gradient"
+    assert not grads.collecting
+    (layer(inputs[0]) ** 2).sum().backward()  # no hook left: nothing is collected after the step
+    assert grads.sums == {}
+    masks.remove_hooks()
+
+
+class Before(L.Callback):
+    """Runs before the pruning callback: the weights right after each optimizer step, before masks move."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, Tensor]] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.weights.setdefault(trainer.global_step, folded(state(pl_module)))
+
+
+class After(L.Callback):
+    """Runs after the pruning callback: masks, effective weights and momentum after each step's updates."""
+
+    def __init__(self, callback: PruningCallback) -> None:
+        self.callback = callback
+        self.masks: dict[int, dict[str, Tensor]] = {}
+        self.weights: dict[int, dict[str, Tensor]] = {}
+        self.momentum: dict[int, dict[str, Tensor]] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step in self.masks or step == 0:  # (accumulating: a micro-batch before the first optimizer step)
+            return
+        masked = self.callback._masked
+        optimizer = trainer.optimizers[0]
+        self.masks[step], self.weights[step], self.momentum[step] = {}, {}, {}
+        for qualified, module, name in masked.selection:
+            parameter = prune.original(module, name)
+            self.masks[step][qualified] = masked.mask(module, name).bool().clone()
+            self.weights[step][qualified] = getattr(module, name).detach().clone()
+            self.momentum[step][qualified] = optimizer.state[parameter]["momentum_buffer"].clone()
+
+
+@pytest.mark.parametrize(
+    ("regrow", "masking", "accumulate"),
+    [("rigl", "reparametrize", 1), ("rigl", "inplace", 2), ("set", "reparametrize", 2), ("set", "inplace", 1)],
+)
+def test_masks_move_at_update_steps_only_with_exact_counts(regrow: str, masking: str, accumulate: int) -> None:
+    callback = PruningCallback(
+        0.8,
+        scope="erk",
+        regrow=regrow,
+        regrow_every=2,
+        regrow_fraction=0.3,
+        regrow_until=0.75,
+        masking=masking,
+        make_permanent=False,
+    )
+    before, after = Before(), After(callback)
+    quiet_trainer([before, callback, after], max_epochs=2, accumulate_grad_batches=accumulate).fit(TinyNet())
+    steps = 16 // accumulate
+    until = round(0.75 * steps)
+    updates = [t for t in range(1, steps + 1) if t % 2 == 0 and t < until]
+    assert sorted(after.masks) == list(range(1, steps + 1))
+    for t in range(2, steps + 1):
+        old, new = after.masks[t - 1], after.masks[t]
+        total = sum(int((~mask).sum()) for mask in new.values())
+        assert total == round(0.8 * N)  # the total stays at the target
+        for qualified in new:
+            active = int(old[qualified].sum())
+            assert int(new[qualified].sum()) == active  # every tensor's count is exact
+            grown = new[qualified] & ~old[qualified]
+            if t not in updates:
+                assert not bool(grown.any()), (t, qualified)
+                continue
+            share = 0.3 / 2 * (1 + math.cos(math.pi * t / until))
+            assert int(grown.sum()) == min(round(share * active), old[qualified].numel() - active)
+            assert bool((after.weights[t][qualified][grown] == 0).all())  # regrown weights start at zero
+            assert bool((after.momentum[t][qualified][grown] == 0).all())  # and so does their optimizer state
+            dropped = old[qualified] & ~new[qualified]
+            magnitude = before.weights[t][qualified].abs()
+            if dropped.any():  # dropped: the smallest active magnitudes right after the optimizer step
+                assert magnitude[dropped].max() <= magnitude[old[qualified] & new[qualified]].min()
+    assert any(bool((after.masks[t][q] != after.masks[t - 1][q]).any()) for t in updates for q in after.masks[t])
+
+
+@pytest.mark.parametrize("regrow", ["rigl", "set"])
+def test_resume_mid_run_is_exact(tmp_path: Path, regrow: str) -> None:
+    def run(ckpt_path: Path | None) -> nn.Module:
+        callback = PruningCallback(
+            0.8, scope="erk", regrow=regrow, regrow_every=2, regrow_until=0.9, make_permanent=False, seed=3
+        )
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+        model = TinyNet()
+        trainer = quiet_trainer([callback, checkpoints], max_epochs=4, enable_checkpointing=True)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    uninterrupted = run(None)
+    (middle,) = (tmp_path / "ckpt").glob("epoch=1-step=16.ckpt")  # Lightning resumes exactly at epoch ends
+    resumed = run(middle)  # masks moved at steps 2, 4, ..., 16 before, and move at 18, ..., 28 after the resume
+    a, b = state(uninterrupted), state(resumed)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        if key.endswith("_mask"):
+            assert torch.equal(a[key], b[key]), key
+    for key, value in folded(a).items():
+        torch.testing.assert_close(folded(b)[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"regrow": "grow"}, r"regrow='grow': one of \('rigl', 'set'\)"),
+        ({"regrow": "rigl", "method": "ln_structured"}, "moves single weights, which needs an unstructured method"),
+        ({"regrow": "set", "scope": "row"}, "moves weights within each tensor, not within each row"),
+        ({"regrow": "set", "regrow_fraction": 1.0}, r"regrow_fraction=1.0: must be a float in \(0, 1\)"),
+        ({"regrow": "set", "regrow_every": 0}, "regrow_every=0: must be an int >= 1"),
+        ({"regrow": "rigl", "regrow_until": 0}, r"regrow_until=0: must be a float in \(0, 1\]"),
+    ],
+)
+def test_refusals_are_named_at_construction(arguments: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PruningCallback(0.9, **arguments)
+
+
+def test_an_unknown_run_length_is_refused_before_the_first_step() -> None:
+    callback = PruningCallback(0.8, regrow="set")
+    with pytest.raises(ValueError, match=r"regrow_until=0\.75 is a fraction of the run"):
+        quiet_trainer([callback], max_epochs=-1, max_steps=-1).fit(TinyNet())
+
+
+def test_rigl_erk_on_a_tiny_gpt2_keeps_counts_ties_and_zeroes_adams_moments() -> None:
+    """GPT-2 from a config: transformers' Conv1D layers, the lm_head tied to the embedding, AdamW's two moments."""
+    transformers = pytest.importorskip("transformers")
+
+    class TinyGPT2(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            generator = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, 64, (32, 12), generator=generator)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+
+    callback = PruningCallback(
+        0.8,
+        scope="erk",
+        regrow="rigl",
+        regrow_every=2,
+        regrow_until=1.0,
+        module_types=(nn.Linear, "transformers.pytorch_utils.Conv1D"),
+        make_permanent=False,
+    )
+    model = TinyGPT2()
+    before: dict[str, Tensor] = {}
+
+    class Check(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            masked = callback._masked
+            now = {q: masked.mask(m, n).bool().clone() for q, m, n in masked.selection}
+            if trainer.global_step == 2:  # the update: regrown entries have Adam's moments at zero
+                optimizer = trainer.optimizers[0]
+                for qualified, module, name in masked.selection:
+                    grown = now[qualified] & ~before[qualified]
+                    assert int(now[qualified].sum()) == int(before[qualified].sum())
+                    assert grown.any(), qualified
+                    moments = optimizer.state[prune.original(module, name)]
+                    assert not bool(moments["exp_avg"][grown].any()) and not bool(moments["exp_avg_sq"][grown].any())
+            before.update(now)
+
+    quiet_trainer([callback, Check()], max_steps=3).fit(model)
+    assert sum(pruned for _, pruned in callback._masked.counts()) == round(
+        0.8 * sum(u for u, _ in callback._masked.counts())
+    )
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight or torch.equal(
+        model.model.lm_head.weight, model.model.transformer.wte.weight
+    )  # the tie holds through the moving masks
