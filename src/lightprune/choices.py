@@ -30,6 +30,8 @@ __all__ = [
     "STATISTICS_IMPORTANCES",
     "STRUCTURED_METHODS",
     "UNITS",
+    "UNIT_METHODS",
+    "UNIT_SCOPES",
 ]
 
 METHOD_CLASSES: dict[str, str] = {
@@ -41,7 +43,14 @@ METHOD_CLASSES: dict[str, str] = {
 }
 """Pruning methods by the name configs and the callback give them -> their class in :mod:`lightprune.prune`."""
 
-METHODS = tuple(METHOD_CLASSES)
+UNIT_METHODS = ("neurons", "heads")
+"""The methods that prune whole transformer units found from the model (:mod:`lightprune.structure`): MLP hidden
+neurons, or attention heads (key/value groups with their query heads under grouped-query attention)."""
+
+UNIT_SCOPES = ("layerwise", "global")
+"""The scopes of the unit methods: every group to the target, or one ranking per kind across groups."""
+
+METHODS = tuple(METHOD_CLASSES) + UNIT_METHODS
 """The pruning methods' names."""
 
 STRUCTURED_METHODS = ("ln_structured", "random_structured")

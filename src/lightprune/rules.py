@@ -55,7 +55,11 @@ def kind_of(method: str) -> str | None:
     Example:
         >>> kind_of("ln_structured"), kind_of("l1_unstructured"), kind_of("semi_structured"), kind_of("my.Method")
         ('structured', 'unstructured', 'global', None)
+        >>> kind_of("heads")
+        'units'
     """
+    if method in choices.UNIT_METHODS:
+        return "units"
     if method in choices.STRUCTURED_METHODS:
         return "structured"
     if method == "semi_structured":
@@ -64,7 +68,12 @@ def kind_of(method: str) -> str | None:
 
 
 def method_problems(
-    method: str | None, kind: str | None, *, scope: str, prune_channel_bias: bool = False, dim: int | None = None
+    method: str | None,
+    kind: str | None,
+    *,
+    scope: str,
+    prune_channel_bias: bool = False,
+    dim: int | None = None,
 ) -> list[Problem]:
     """The scope and channel-bias rules for ``method`` (a :mod:`~lightprune.choices` name, else ``None``) of
     ``PRUNING_TYPE`` ``kind`` (``None`` when unknown: the rules that need it are left to the built method).
@@ -77,6 +86,20 @@ def method_problems(
     """
     label = method or "a custom method"
     problems: list[Problem] = []
+    if method in choices.UNIT_METHODS:
+        if scope not in choices.UNIT_SCOPES:
+            problems.append(
+                Problem(
+                    "scope",
+                    scope,
+                    f"{method} ranks whole units per layer or across layers: use one of {choices.UNIT_SCOPES}",
+                )
+            )
+        if prune_channel_bias:
+            problems.append(
+                Problem("prune_channel_bias", prune_channel_bias, f"{method} prunes the units' biases already")
+            )
+        return problems
     if method == "semi_structured" and scope != "layerwise":
         problems.append(
             Problem("scope", scope, "semi_structured ranks its N:M groups within each layer: use scope=layerwise")
@@ -112,7 +135,12 @@ def method_problems(
 
 
 def importance_problems(
-    importance: Any, method: str | None, *, calibration_batches: int = 0, scope: str | None = None
+    importance: Any,
+    method: str | None,
+    *,
+    calibration_batches: int = 0,
+    scope: str | None = None,
+    reconstruct: bool = False,
 ) -> list[Problem]:
     """The rules between a criterion (:data:`lightprune.choices.IMPORTANCES`, or a callable: ``"callable"``), the
     method ranking by it, the calibration batches collecting its statistics and the scope (``"owl"`` allocates by the
@@ -137,12 +165,17 @@ def importance_problems(
                 "scope=owl allocates by the outliers of |W| * ||X|| scores: use importance=activation",
             )
         )
-    if calibration_batches and importance not in choices.STATISTICS_IMPORTANCES:
+    if (
+        calibration_batches
+        and importance not in choices.STATISTICS_IMPORTANCES
+        and not (reconstruct and method in choices.UNIT_METHODS)
+    ):
         problems.append(
             Problem(
                 "calibration_batches",
                 calibration_batches,
-                f"collects input statistics, which only importance=activation or obs uses (importance={importance})",
+                f"collects input statistics, which only importance=activation or obs uses (importance={importance})"
+                + (" and reconstruct=True" if method in choices.UNIT_METHODS else ""),
             )
         )
     if importance == "obs" and method not in choices.OBS_METHODS + choices.RANDOM_METHODS:
@@ -156,7 +189,8 @@ def importance_problems(
         )
     if importance != "magnitude" and method in choices.RANDOM_METHODS:
         problems.append(Problem("importance", importance, f"{label} draws at random and ignores scores"))
-    if importance == "movement" and method not in choices.SIGNED_SCORE_METHODS + choices.RANDOM_METHODS:
+    allowed = choices.SIGNED_SCORE_METHODS + choices.RANDOM_METHODS + choices.UNIT_METHODS
+    if importance == "movement" and method not in allowed:
         problems.append(
             Problem(
                 "importance",

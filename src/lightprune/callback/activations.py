@@ -6,6 +6,10 @@ padded positions are left out (the rule of :mod:`lightprune.callback.tokens`). H
 batch is collected (attached when it starts, removed when it ends), so outside the window they cost nothing. After
 each collected batch the batch's sums are all-reduced (summed) across processes in one call and added to the
 totals, so every rank holds the same totals at every moment: the masks agree, and a checkpoint holds the totals.
+
+With ``moments=True`` the same hooks also add, in float64, each feature's sum and the token count and, with
+``outer=True``, the sum of outer products ``X^T X``: the statistics of the structured units' ranking and refit
+(:class:`lightprune.structure.Moments`), collected, all-reduced and checkpointed by this one mechanism.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback.tokens import real_positions
 from lightprune.layouts import feature_layout, feature_of_entries, input_dim
+from lightprune.structure.statistics import Moments
 
 __all__ = ["ActivationStats"]
 
@@ -33,6 +38,8 @@ class ActivationStats:
             :func:`~lightprune.layouts.feature_layout`), else a ``ValueError`` names it.
         weight: ``(qualified, module, name) -> the weight scored``, detached (default: the Parameter; the callback
             gives the effective ``W + update`` of a weight under a LoRA adapter).
+        moments: also collect each feature's sum and the token count (float64); Linear/Conv1D inputs only.
+        outer: with ``moments``, also collect ``X^T X`` (for a least-squares refit).
 
     Example:
         >>> layer = nn.Linear(3, 2)
@@ -48,6 +55,9 @@ class ActivationStats:
         self,
         selection: list[tuple[str, nn.Module, str]],
         weight: Callable[[str, nn.Module, str], Tensor] | None = None,
+        *,
+        moments: bool = False,
+        outer: bool = False,
     ) -> None:
         for qualified, module, name in selection:
             if feature_layout(module, name) is None:
@@ -57,8 +67,17 @@ class ActivationStats:
                     "Conv1D); "
                     "exclude it or use another importance"
                 )
+            if moments and feature_layout(module, name) != "last":
+                raise ValueError(
+                    f"{qualified} of {type(module).__name__} reads units without a Linear or Conv1D forward: its "
+                    "inputs cannot be recorded as moments"
+                )
         self.selection = selection
         self._weight = weight or (lambda qualified, module, name: prune.original(module, name).detach())
+        self.with_moments, self.with_outer = moments, moments and outer
+        self.sums: dict[str, Tensor] = {}  # moments: per-feature sums, token counts, X^T X
+        self.tokens: dict[str, int] = {}
+        self.outers: dict[str, Tensor] = {}
         self.totals: dict[str, Tensor] = {}
         self.calls: dict[str, int] = {}
         self._pending: dict[str, Tensor] = {}
@@ -84,8 +103,15 @@ class ActivationStats:
         for qualified, module, name in self.selection:
             weight = prune.original(module, name)
             features = self._features(module, name)
-            self._pending[qualified] = torch.zeros(features, dtype=torch.float32, device=weight.device)
+            dtype = torch.float64 if self.with_moments else torch.float32
+            self._pending[qualified] = torch.zeros(features, dtype=dtype, device=weight.device)
             self._pending_calls[qualified] = 0
+            if self.with_moments:
+                self._pending[qualified + "#sum"] = torch.zeros(features, dtype=dtype, device=weight.device)
+                self._pending[qualified + "#tokens"] = torch.zeros(1, dtype=dtype, device=weight.device)
+            if self.with_outer:
+                square = torch.zeros(features, features, dtype=dtype, device=weight.device)
+                self._pending[qualified + "#outer"] = square
             self._handles.append(module.register_forward_pre_hook(self._hook(qualified, module, name)))
 
     def _hook(self, qualified: str, module: nn.Module, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
@@ -97,14 +123,20 @@ class ActivationStats:
             if not isinstance(x, Tensor):
                 return
             with torch.no_grad():
+                pending = self._pending[qualified]
                 if not channels:
                     x = real_positions(x.detach(), self._mask)
-                x = x.detach().to(torch.float32)
+                x = x.detach().to(pending.dtype)
                 feature = x.dim() - weight_dims + 1 if channels else x.dim() - 1
                 dims = [d for d in range(x.dim()) if d != feature]
                 squares = (x * x).sum(dim=dims) if dims else x * x
-                pending = self._pending[qualified]
                 pending += squares.to(pending.device)
+                if self.with_moments:
+                    flat = x.reshape(-1, x.shape[-1]).to(pending.device)
+                    self._pending[qualified + "#sum"] += flat.sum(0)
+                    self._pending[qualified + "#tokens"] += flat.shape[0]
+                    if self.with_outer:
+                        self._pending[qualified + "#outer"] += flat.T @ flat
             self._pending_calls[qualified] += 1
 
         return collect
@@ -118,17 +150,23 @@ class ActivationStats:
         if not self._pending:
             return
         names = [qualified for qualified, _, _ in self.selection]
+        keys = list(self._pending)  # the squares of every layer, then (moments) their sums, token counts, X^T X
         first = self._pending[names[0]]
-        calls = torch.tensor([float(self._pending_calls[q]) for q in names], dtype=torch.float32, device=first.device)
-        flat = torch.cat([*(self._pending[q].to(first.device) for q in names), calls])
+        calls = torch.tensor([float(self._pending_calls[q]) for q in names], dtype=first.dtype, device=first.device)
+        flat = torch.cat([*(self._pending[k].to(first.device).flatten() for k in keys), calls])
         flat = reduce(flat)
         start = 0
-        for qualified in names:
-            size = self._pending[qualified].numel()
-            part = flat[start : start + size].to(self._pending[qualified].device)
-            start += size
-            total = self.totals.get(qualified)
-            self.totals[qualified] = part.clone() if total is None else total + part
+        for key in keys:
+            pending = self._pending[key]
+            part = flat[start : start + pending.numel()].to(pending.device).reshape(pending.shape)
+            start += pending.numel()
+            qualified, _, what = key.partition("#")
+            if what == "tokens":
+                self.tokens[qualified] = self.tokens.get(qualified, 0) + round(float(part))
+                continue
+            store = {"": self.totals, "sum": self.sums, "outer": self.outers}[what]
+            total = store.get(qualified)
+            store[qualified] = part.clone() if total is None else total + part
         for qualified, count in zip(names, flat[start:].tolist(), strict=True):
             self.calls[qualified] = self.calls.get(qualified, 0) + int(count)
         self._pending, self._pending_calls = {}, {}
@@ -161,6 +199,22 @@ class ActivationStats:
             found[qualified] = weight.abs().to(torch.float32) * norms.to(weight.device)
         return found
 
+    def moments(self) -> dict[str, Moments]:
+        """The collected moments by consuming module's qualified name (``moments=True``): token count, sums, squares
+        and (``outer=True``) ``X^T X``, summed across processes."""
+        found = {}
+        for qualified, _, _ in self.selection:
+            if qualified not in self.totals:
+                continue
+            module_name = qualified.rpartition(".")[0]
+            found[module_name] = Moments(
+                self.tokens.get(qualified, 0),
+                self.sums[qualified].double(),
+                self.totals[qualified].double(),
+                self.outers[qualified].double() if qualified in self.outers else None,
+            )
+        return found
+
     def stop(self) -> None:
         """Remove the hooks and drop the batch in progress (an exception, the end of fit); the totals stay."""
         for handle in self._handles:
@@ -172,10 +226,14 @@ class ActivationStats:
         """Forget the totals (after an event, or when a fit starts)."""
         self.stop()
         self.totals, self.calls = {}, {}
+        self.sums, self.tokens, self.outers = {}, {}, {}
 
     def state_dict(self) -> dict[str, Any]:
         """The totals and forward counts, for a checkpoint."""
-        return {"totals": dict(self.totals), "calls": dict(self.calls)}
+        state: dict[str, Any] = {"totals": dict(self.totals), "calls": dict(self.calls)}
+        if self.with_moments:
+            state.update(sums=dict(self.sums), tokens=dict(self.tokens), outers=dict(self.outers))
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s totals, checked against the selection, onto the weights' devices."""
@@ -193,3 +251,10 @@ class ActivationStats:
         self.reset()
         self.totals = {q: t.to(prune.original(*expected[q]).device) for q, t in totals.items()}
         self.calls = {q: int(c) for q, c in calls.items()}
+        if self.with_moments:
+            for key, store in (("sums", self.sums), ("outers", self.outers)):
+                for qualified, value in dict(state.get(key, {})).items():
+                    if qualified not in expected:
+                        raise ValueError(f"the checkpoint's activation {key} name {qualified!r}, which is not selected")
+                    store[qualified] = value.to(prune.original(*expected[qualified]).device)
+            self.tokens = {q: int(c) for q, c in dict(state.get("tokens", {})).items()}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "first_batch"]
 
 
 @contextlib.contextmanager
@@ -91,3 +91,23 @@ def _reshard(pl_module: LightningModule) -> None:
     for module in pl_module.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def first_batch(trainer: Trainer) -> Any:
+    """The first batch of ``trainer.train_dataloader``, on the device, with the random generators left as they were
+    (a shuffling sampler draws from them: the training run that follows sees the same batches).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
+        >>> first_batch(SimpleNamespace(train_dataloader=[torch.ones(1, 2)] * 3, strategy=strategy)).shape
+        torch.Size([1, 2])
+    """
+    loader: Any = trainer.train_dataloader
+    if loader is None:
+        raise ValueError("finding units needs a training batch, and this fit has no training dataloader")
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        for batch in loader:
+            return trainer.strategy.batch_to_device(batch)
+    raise ValueError("finding units needs a training batch, and the training dataloader is empty")

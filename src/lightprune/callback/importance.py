@@ -53,6 +53,8 @@ def check_importance(
     activation_window: int,
     calibration_batches: int,
     scope: str | None = None,
+    units: str | None = None,
+    reconstruct: bool = False,
 ) -> None:
     """Refuse, naming the bad value, an importance the callback cannot use with ``method``.
 
@@ -73,8 +75,11 @@ def check_importance(
     if not (is_int(calibration_batches) and calibration_batches >= 0):
         raise ValueError(f"calibration_batches={calibration_batches!r} must be an int >= 0")
     named = "callable" if callable(importance) else importance
-    label = method_name(method) or method.__name__
-    raise_problems(rules.importance_problems(named, label, calibration_batches=calibration_batches, scope=scope))
+    label = units or method_name(method) or method.__name__
+    problems = rules.importance_problems(
+        named, label, calibration_batches=calibration_batches, scope=scope, reconstruct=reconstruct
+    )
+    raise_problems(problems)
 
 
 class Importance:
@@ -112,15 +117,28 @@ class Importance:
         """Whether the scores rank by value (movement) instead of by magnitude."""
         return self.kind == "movement"
 
-    def bind(self, selection: list[tuple[str, nn.Module, str]], weight: WeightOf | None = None) -> None:
+    def bind(
+        self,
+        selection: list[tuple[str, nn.Module, str]],
+        weight: WeightOf | None = None,
+        *,
+        inputs_of: list[tuple[str, nn.Module, str]] | None = None,
+        moments: bool = False,
+        outer: bool = False,
+    ) -> None:
         """Attach to the tensors a fit selected (checks activation's layers); restores a checkpoint's statistics.
 
         ``weight(qualified, module, name)`` gives the weight to rank (the effective ``W + update`` of a weight under
-        a LoRA adapter); by default the Parameter.
+        a LoRA adapter); by default the Parameter. Structured units (``method="neurons"``/``"heads"``) record the
+        inputs of ``inputs_of`` (their consuming projections) instead of the selection's, as
+        :class:`~lightprune.structure.Moments` (``moments``), with ``X^T X`` when ``outer`` (a refit needs them
+        whatever ranks the units).
         """
         self._selection = list(selection)
         self._weight = weight or _parameter
-        self.activations = ActivationStats(self._selection, self._weight) if self.kind == "activation" else None
+        recorded = self._selection if inputs_of is None else list(inputs_of)
+        wanted = self.kind == "activation" or outer
+        self.activations = ActivationStats(recorded, self._weight, moments=moments, outer=outer) if wanted else None
         self.movement = MovementScores(self._selection) if self.kind == "movement" else None
         self.hessians = HessianStats(self._selection) if self.kind == "obs" else None
         self._apply_restored()
@@ -181,7 +199,7 @@ class Importance:
         """The scores of every selected tensor by qualified name, or ``None`` for magnitude (the methods' own)."""
         if self.kind == "magnitude":
             return None
-        if self.activations is not None:
+        if self.kind == "activation" and self.activations is not None:
             return self.activations.scores()
         if self.movement is not None:
             return self.movement.scores(reduce_mean)

@@ -184,6 +184,12 @@ def resolve_method_options(
         >>> method.__name__, kwargs, scope
         ('LnStructured', {'dim': 0, 'n': 2}, 'layerwise')
     """
+    if isinstance(method, str) and method in choices.UNIT_METHODS:  # masks set per unit (lightprune.structure)
+        if method_kwargs:
+            raise ValueError(f"method={method!r} takes no method_kwargs; got {dict(method_kwargs)!r}")
+        scope = "layerwise" if scope is None else scope
+        raise_problems(rules.method_problems(method, rules.kind_of(method), scope=scope))
+        return prune.CustomFromMask, {}, scope
     cls = resolve_method(method)
     kwargs = dict(method_kwargs or {})
     if "amount" in kwargs:

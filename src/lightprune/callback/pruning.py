@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.callback import clock, neighbours, reporting, rewinding, selecting, sharded
-from lightprune.callback.calibration import calibrate
+from lightprune.callback.calibration import calibrate, first_batch
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked import MaskedSelection
 from lightprune.callback.options import (
@@ -45,6 +45,7 @@ from lightprune.callback.options import (
 from lightprune.callback.reconstruction import blocks
 from lightprune.callback.regrowth import DenseGradients, RegrowPlan
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
+from lightprune.callback.units import ExampleInputs, UnitRanking, UnitSelection, example_from_batch, find_groups
 from lightprune.choices import ALLOCATION_SCOPES
 from lightprune.prune.allocation import OWL_LAMBDA, OWL_THRESHOLD
 from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
@@ -278,15 +279,31 @@ class PruningCallback(Callback):
         regrow_fraction: float = 0.3,
         regrow_until: float = 0.75,
         token_mask: TokenMask = "attention_mask",
+        example_inputs: ExampleInputs = None,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
+        self.units = method if isinstance(method, str) and method in choices.UNIT_METHODS else None
+        self.example_inputs = example_inputs
+        if self.units is not None:
+            _check_unit_options(
+                method,
+                reconstruct,
+                masking,
+                adopt_zeros,
+                max_layer_sparsity,
+                parameters,
+                importance,
+                calibration_batches,
+            )
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
-        check_importance(importance, self.method, activation_window, calibration_batches, scope)
+        check_importance(
+            importance, self.method, activation_window, calibration_batches, scope, self.units, reconstruct
+        )
         raise_problems(
             rules.obs_problems(
                 "callable" if callable(importance) else importance,
-                reconstruct=reconstruct,
+                reconstruct=None if self.units else reconstruct,  # the units' refit is theirs, checked above
                 sequential=sequential,
                 scope=scope,
                 calibration_batches=calibration_batches,
@@ -326,7 +343,7 @@ class PruningCallback(Callback):
         check_choice("masking", masking, MASKING)
         raise_problems(
             rules.method_problems(
-                method_name(self.method) or self.method.__name__,
+                self.units or method_name(self.method) or self.method.__name__,
                 self.method.PRUNING_TYPE,
                 scope=scope,  # its rules held in resolve_method_options: only the channel-bias rule can fail here
                 prune_channel_bias=prune_channel_bias,
@@ -370,7 +387,10 @@ class PruningCallback(Callback):
         self.activation_window = activation_window
         self.calibration_batches = calibration_batches
         self.adopt_zeros = adopt_zeros
-        self.reconstruct = importance == "obs" if reconstruct is None else reconstruct
+        if self.units is not None:  # the least-squares refit of the units' consuming projections
+            self.reconstruct = bool(reconstruct)
+        else:  # OBS's update of the kept weights
+            self.reconstruct = importance == "obs" if reconstruct is None else reconstruct
         self.sequential = sequential
         self.token_mask = token_mask
         self._importance = Importance(importance, activation_window)
@@ -407,7 +427,7 @@ class PruningCallback(Callback):
         if self.name is not None:
             return self._generate_state_key(name=self.name)
         return self._generate_state_key(
-            method=self.method.__name__,
+            method=self.units or self.method.__name__,
             scope=self.scope,
             unit=self.unit,
             include=self.include,
@@ -425,6 +445,9 @@ class PruningCallback(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after configure_model (layers built there are selected) and after the strategy wrapped the model
+        if self.units is not None:
+            neighbours.refuse_other_pruning(trainer)
+            return  # units are found on the first training batch, when training starts
         self._masked = self._select(trainer, pl_module)
         self._importance.bind(self._masked.selection, self._masked.weight if self._masked.adapted else None)
         self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(self._masked.plain_state_dict)
@@ -435,6 +458,8 @@ class PruningCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.units is not None and self._masked is None:
+            self._select_units(trainer, pl_module)
         self._load_sharded_masks(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
         if self._masks_in_place:
@@ -443,7 +468,7 @@ class PruningCallback(Callback):
         if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
             counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
             selecting.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
-        windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES
+        windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES or self._importance.activations is not None
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
         fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
@@ -616,6 +641,28 @@ class PruningCallback(Callback):
             self._grads.stop()
         self._grads = None
 
+    def _select_units(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Find the unit groups on the first training batch (or ``example_inputs``) and attach to them."""
+        batch = None
+        if self.example_inputs is None or callable(self.example_inputs):
+            batch = first_batch(trainer)
+        args, kwargs = example_from_batch(batch, self.example_inputs)
+        assert self.units is not None
+        groups = find_groups(pl_module, self.units, args, kwargs, self.include, self.exclude)
+        masked = UnitSelection(pl_module, groups, self.scope, self.mask_dtype, self.seed, self.reconstruct)
+        self._masked = masked
+        moments = self._importance.kind == "activation" or self.reconstruct
+        self._importance.bind(masked.selection, inputs_of=masked.consumers(), moments=moments, outer=self.reconstruct)
+        self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(masked.plain_state_dict)
+        masked.share_with_averages(neighbours.averaged_models(trainer))
+
+    def _unit_ranking(self, trainer: Trainer) -> UnitRanking:
+        """The criterion and the statistics of this event, for the unit groups."""
+        importance = self._importance
+        moments = importance.activations.moments() if importance.activations is not None else None
+        movement = importance.movement.scores(self._reducer(trainer, "mean")) if importance.movement else None
+        return UnitRanking(self.importance, moments, movement)
+
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
         if self.parameters is not None:
@@ -724,8 +771,10 @@ class PruningCallback(Callback):
         if target > 0 and self.reconstruct and self._importance.hessians is not None:
             self._masked.reconstruct_to(target, self._importance.hessians.hessian)
         else:
-            scores = None  # an event at level 0 (a ramp's first) prunes nothing: no scores, the statistics stay
-            if target > 0:
+            scores: Any = None  # an event at level 0 (a ramp's first) prunes nothing: no scores, the statistics stay
+            if target > 0 and self.units is not None:
+                scores = self._unit_ranking(trainer)
+            elif target > 0:
                 scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
             self._masked.prune_to(target, event, scores, signed=self._importance.signed)
         if target > 0:
@@ -799,6 +848,11 @@ class PruningCallback(Callback):
             raise ValueError(
                 f"importance='movement' needs optimizer steps before an event, but the schedule {self._resolved!r} "
                 f"has one at {self.unit} 0: start it later"
+            )
+        if self.units is not None and self.reconstruct and not self.calibration_batches:
+            raise ValueError(
+                f"reconstruct=True refits from input statistics, but the schedule {self._resolved!r} has an event at "
+                f"{self.unit} 0, before any training batch: set calibration_batches (e.g. 8) or start it later"
             )
         if kind in choices.STATISTICS_IMPORTANCES and not self.calibration_batches:
             raise ValueError(
@@ -912,6 +966,9 @@ class PruningCallback(Callback):
         """
         if self._masked is None:
             return "PruningCallback: nothing selected yet"
+        if isinstance(self._masked, UnitSelection):
+            title = f"{self._title()}: pruned {self.scope}, {self.units}"
+            return reporting.summary_table(title, self.units or "units", self._masked.table_rows())
         unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
         rows = [(q, tuple(prune.original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
         return reporting.summary_table(f"{self._title()}: pruned {self.scope}, {self.method.__name__}", unit, rows)
@@ -925,3 +982,29 @@ class PruningCallback(Callback):
         reporting.warn_unfinished(
             self.unit, self._now(trainer), self._resolved.last_event, reached, self._resolved.final_sparsity
         )
+
+
+def _check_unit_options(
+    method: str,
+    reconstruct: Any,
+    masking: str,
+    adopt_zeros: bool,
+    max_layer_sparsity: float,
+    parameters: Any,
+    importance: Any,
+    calibration_batches: int,
+) -> None:
+    """Refuse, naming them, the options that unit pruning (``method="neurons"``/``"heads"``) does not take."""
+    if reconstruct is not None and not isinstance(reconstruct, bool):
+        raise ValueError(f"reconstruct={reconstruct!r} must be None or a bool")
+    refused = {
+        "masking": (masking, masking != "reparametrize", "units are masked through the reparametrization only"),
+        "adopt_zeros": (adopt_zeros, adopt_zeros, "units are found and ranked whole, not adopted from zeros"),
+        "max_layer_sparsity": (
+            max_layer_sparsity, max_layer_sparsity != 1.0, "every group keeps at least one unit already",
+        ),
+        "parameters": ("[...]", parameters is not None, "units are found from the model: use include/exclude"),
+    }  # fmt: skip
+    for key, (value, bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"{key}={value!r} is not supported with method={method!r}: {why}")
