@@ -9,7 +9,9 @@ from lightprune.schedules import SCHEDULES
 
 
 def test_the_callback_accepts_exactly_the_named_methods_scopes_units_and_maskings() -> None:
-    assert list(options.METHODS) == list(choices.METHODS)
+    assert list(options.METHODS) + list(choices.UNIT_METHODS) == list(choices.METHODS)
+    for name in choices.UNIT_METHODS:  # the unit methods are built from the model, not from a method class
+        assert options.resolve_method_options(name, None, None)[2] == "layerwise"
     for name, cls in options.METHODS.items():
         assert issubclass(cls, prune.BasePruningMethod) and cls.__name__ == choices.METHOD_CLASSES[name]
     structured = {name for name, cls in options.METHODS.items() if cls.PRUNING_TYPE == "structured"}

@@ -1,0 +1,236 @@
+"""``PruningCallback(method="neurons" | "heads")`` on tiny Hugging Face transformers built from configs.
+
+After every event each unit group (an MLP's neurons, an attention's heads or key/value groups) must be pruned by whole
+units, exactly ``round(target * count)`` of them (layerwise) or of all groups of the kind together (global), read
+back from the masks themselves; a fit resumed from a checkpoint must end with the uninterrupted fit's weights; the
+least-squares refit must bring the pruned model closer to the dense one; what cannot work is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightprune.callback import PruningCallback
+from lightprune.schedules import Cubic
+from lightprune.structure import UnitError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24
+        )
+        return transformers.BertModel(config)
+    if name == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=24)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=24,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+class Lit(L.LightningModule):
+    """A transformer trained to shrink its outputs' log-sum-exp (any loss reaching every unit serves)."""
+
+    def __init__(self, name: str, lr: float = 0.05) -> None:
+        super().__init__()
+        self.model, self.lr = build(name), lr
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).float().logsumexp(-1).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def data(batches: int = 4) -> DataLoader:
+    ids = torch.randint(0, VOCAB, (4 * batches, 6), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(ids), batch_size=4)
+
+
+def trainer(callbacks: list[Callback], **kwargs: Any) -> L.Trainer:
+    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options.update(kwargs)
+    return L.Trainer(callbacks=callbacks, **options)
+
+
+def unit_states(callback: PruningCallback) -> list[tuple[str, torch.Tensor]]:
+    """Each group's kept units read from the masks of all its slices; a unit cut across its slices fails here."""
+    masked = callback._masked
+    found = []
+    for group in masked.groups:
+        keeps = []
+        for piece in group.slices:
+            module = masked.model.get_submodule(piece.module)
+            mask = module._buffers.get(f"{piece.name}_mask")  # torch's reparametrization: name_orig * name_mask
+            if mask is None:
+                mask = torch.ones_like(getattr(module, piece.name), dtype=torch.bool)
+            block = mask.narrow(piece.dim, piece.offset, group.count * piece.per_unit).movedim(piece.dim, 0)
+            block = block.reshape(group.count, -1).bool()
+            assert bool((block.all(1) | ~block.any(1)).all()), f"a unit of {piece.module}.{piece.name} is cut apart"
+            keeps.append(block.all(1))
+        for keep in keeps[1:]:
+            assert torch.equal(keep, keeps[0]), f"the slices of {group.module} disagree on the kept units"
+        found.append((group.module, keeps[0]))
+    return found
+
+
+class Record(Callback):
+    """After each batch (after the pruning callback), the target and every group's kept units."""
+
+    def __init__(self, pruning: PruningCallback) -> None:
+        self.pruning, self.seen = pruning, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        target = self.pruning._resolved.target(trainer.global_step)
+        self.seen.append((target, unit_states(self.pruning)))
+
+
+CASES = [
+    ("bert", "neurons", "layerwise", "magnitude"),
+    ("bert", "heads", "global", "activation"),
+    ("gpt2", "heads", "layerwise", "movement"),
+    ("gpt2", "neurons", "global", "magnitude"),
+    ("llama", "heads", "layerwise", "activation"),
+    ("llama", "neurons", "layerwise", "movement"),
+]
+
+
+@pytest.mark.parametrize(("model", "method", "scope", "importance"), CASES)
+def test_every_event_prunes_whole_units_to_the_exact_count(model: str, method: str, scope: str, importance: str) -> None:
+    pruning = PruningCallback(
+        Cubic(final=0.75, start=1, end=4, frequency=1), method=method, scope=scope, importance=importance,
+        reconstruct=importance == "activation",
+    )  # fmt: skip
+    record = Record(pruning)
+    trainer([pruning, record], max_steps=4).fit(Lit(model), data())
+    assert [g.kind for g in pruning._masked.groups] == [method] * 2
+    targets = set()
+    for target, states in record.seen:
+        counts = [int((~keep).sum()) for _, keep in states]
+        sizes = [keep.numel() for _, keep in states]
+        if scope == "layerwise":
+            assert counts == [round(target * size) for size in sizes]
+        else:
+            assert sum(counts) == round(target * sum(sizes)) and all(c < s for c, s in zip(counts, sizes, strict=True))
+        targets.add(target)
+    assert len(targets) >= 3  # several events, each checked
+
+
+def test_llama_heads_are_whole_key_value_groups() -> None:
+    pruning = PruningCallback(0.5, method="heads")
+    trainer([pruning], max_steps=1).fit(Lit("llama"), data())
+    group = pruning._masked.groups[0]
+    assert (group.count, group.heads_per_unit) == (4, 2)  # 4 key/value heads, each read by 2 query heads
+    kept = int(group.count - pruning._masked.counts()[0][1])
+    attention = pruning._masked.model.get_submodule(group.module)
+    assert int((attention.k_proj.weight != 0).any(1).sum()) == kept * 4  # head_dim 4
+    assert int((attention.q_proj.weight != 0).any(1).sum()) == kept * 2 * 4
+
+
+def test_refit_brings_the_pruned_model_closer_to_the_dense_one() -> None:
+    batches = data(2)
+    errors = {}
+    for reconstruct in (False, True):
+        module = Lit("llama", lr=0.0)
+        with torch.no_grad():
+            dense = [module(batch[0]) for batch in batches]
+        pruning = PruningCallback(
+            0.5, method="neurons", importance="activation", reconstruct=reconstruct, calibration_batches=2
+        )
+        trainer([pruning], max_steps=1, limit_train_batches=1).fit(module, batches)
+        with torch.no_grad():
+            errors[reconstruct] = sum(float((module(b[0]) - d).square().mean()) for b, d in zip(batches, dense))
+    assert errors[True] < 0.9 * errors[False]
+
+
+def masks_and_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+def test_resume_from_a_checkpoint_is_exact(tmp_path: Any) -> None:
+    def run(ckpt: str | None, save: bool) -> dict[str, torch.Tensor]:
+        pruning = PruningCallback(
+            Cubic(final=0.5, start=2, end=5, frequency=1), method="neurons", importance="activation",
+            reconstruct=True, activation_window=2,
+        )  # fmt: skip
+        callbacks: list[Callback] = [pruning]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1))
+        module = Lit("llama")
+        trainer(callbacks, max_epochs=2, enable_checkpointing=save).fit(module, data(3), ckpt_path=ckpt)
+        return masks_and_weights(module)
+
+    whole = run(None, save=True)
+    first = sorted(tmp_path.glob("epoch=0*.ckpt"))[0]
+    resumed = run(str(first), save=False)
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)
+
+
+class NoUnits(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_without_the_units_is_refused_naming_it() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(8, 6)), batch_size=4)
+    with pytest.raises(UnitError, match="found no neurons in NoUnits"):
+        trainer([PruningCallback(0.5, method="neurons")], max_steps=1).fit(NoUnits(), loader)
+    with pytest.raises(UnitError, match="include/exclude leave none of the heads groups"):
+        trainer([PruningCallback(0.5, method="heads", include="nothing")], max_steps=1).fit(Lit("bert"), data())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"masking": "inplace"}, "masking='inplace' is not supported with method='neurons'"),
+        ({"max_layer_sparsity": 0.5}, "max_layer_sparsity=0.5 is not supported with method='neurons'"),
+        ({"parameters": []}, "parameters='\\[...\\]' is not supported with method='neurons'"),
+        ({"adopt_zeros": True}, "adopt_zeros=True is not supported"),
+        ({"scope": "row"}, "scope='row': neurons ranks whole units"),
+        ({"method_kwargs": {"dim": 0}}, "takes no method_kwargs"),
+        ({"prune_channel_bias": True}, "prune_channel_bias=True: neurons prunes the units' biases already"),
+        ({"importance": "gradient"}, "importance='gradient' is not supported"),
+        ({"calibration_batches": 2}, "calibration_batches=2: collects input statistics"),
+    ],
+)
+def test_options_units_cannot_take_are_refused_by_name(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PruningCallback(0.5, method="neurons", **kwargs)
+
+
+def test_reconstruct_needs_unit_methods_and_statistics_at_step_zero() -> None:
+    with pytest.raises(ValueError, match="reconstruct=True: refits the projections reading pruned units"):
+        PruningCallback(0.5, method="l1_unstructured", reconstruct=True)
+    with pytest.raises(ValueError, match="reconstruct=True refits from input statistics"):
+        trainer([PruningCallback(0.5, method="neurons", reconstruct=True)], max_steps=1).fit(Lit("bert"), data())
