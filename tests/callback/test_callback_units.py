@@ -115,7 +115,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("model", "method", "scope", "importance"), CASES)
-def test_every_event_prunes_whole_units_to_the_exact_count(model: str, method: str, scope: str, importance: str) -> None:
+def test_every_event_prunes_whole_units_to_the_exact_count(
+    model: str, method: str, scope: str, importance: str
+) -> None:
     pruning = PruningCallback(
         Cubic(final=0.75, start=1, end=4, frequency=1), method=method, scope=scope, importance=importance,
         reconstruct=importance == "activation",
@@ -158,7 +160,8 @@ def test_refit_brings_the_pruned_model_closer_to_the_dense_one() -> None:
         )
         trainer([pruning], max_steps=1, limit_train_batches=1).fit(module, batches)
         with torch.no_grad():
-            errors[reconstruct] = sum(float((module(b[0]) - d).square().mean()) for b, d in zip(batches, dense))
+            pairs = zip(batches, dense, strict=True)
+            errors[reconstruct] = sum(float((module(b[0]) - d).square().mean()) for b, d in pairs)
     assert errors[True] < 0.9 * errors[False]
 
 
