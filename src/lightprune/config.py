@@ -197,8 +197,9 @@ class PruningConfig:
             builds its callbacks itself): :func:`lightprune.experiment.app.pruning_callback`.
         preset: name of the preset this config came from (``none`` disables pruning).
         method: ``l1_unstructured``, ``random_unstructured``, ``ln_structured``, ``random_structured``,
-            ``semi_structured`` (N:M, one event to ``1 - nm_n/nm_m``: ``schedule=constant``) or the import path of a
-            ``BasePruningMethod`` subclass.
+            ``semi_structured`` (N:M, one event to ``1 - nm_n/nm_m``: ``schedule=constant``), ``neurons`` or
+            ``heads`` (transformer units found from the model; ``final_sparsity`` is then the share of units) or the
+            import path of a ``BasePruningMethod`` subclass.
         scope: ``global`` (one ranking over all selected weights), ``layerwise``, ``row`` (every output row to the
             target, Wanda's ranking; ``l1_unstructured`` only), ``erk`` (per-layer amounts from the
             Erdős–Rényi-Kernel rule: small layers keep more) or ``owl`` (per-layer amounts from each layer's share
@@ -232,7 +233,9 @@ class PruningConfig:
             or ``obs``.
         calibration_batches: training batches run forward before fine-tuning starts, so that an event at its start
             has input statistics (``importance=activation`` or ``obs``).
-        reconstruct: with ``importance=obs``, update the kept weights at each event (``null``: on for obs).
+        reconstruct: with ``importance=obs``, update the kept weights at each event (``null``: on for obs); with
+            ``neurons``/``heads``, refit the projections reading the units by least squares on the inputs collected
+            in the ``activation_window`` (an event at the start needs ``calibration_batches``).
         sequential: with ``importance=obs`` and calibration batches, prune the event at the start block by block,
             each block's statistics taken through the blocks already pruned (SparseGPT's one-shot procedure).
         adopt_zeros: weights already exactly zero when fine-tuning starts stay zero (masked).
@@ -641,11 +644,17 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
         problems, pruning.calibration_batches >= 0, "pruning.calibration_batches", pruning.calibration_batches, ">= 0"
     )
     kind = rules.kind_of(method)
+    units = method in choices.UNIT_METHODS
+    reconstruct = bool(pruning.reconstruct) and units  # the units' refit (OBS's update is checked by obs_problems)
     found = rules.method_problems(
         method, kind, scope=pruning.scope, prune_channel_bias=pruning.prune_channel_bias, dim=pruning.dim
     )
     found += rules.importance_problems(
-        importance, method, calibration_batches=pruning.calibration_batches, scope=pruning.scope
+        importance,
+        method,
+        calibration_batches=pruning.calibration_batches,
+        scope=pruning.scope,
+        reconstruct=reconstruct,
     )
     found += rules.owl_problems(pruning.owl_threshold, pruning.owl_lambda)
     found += rules.regrow_problems(
@@ -660,7 +669,7 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
     found += rules.cap_problems(pruning.max_layer_sparsity, scope=pruning.scope, final_sparsity=pruning.final_sparsity)
     found += rules.obs_problems(
         importance,
-        reconstruct=pruning.reconstruct,
+        reconstruct=None if units else pruning.reconstruct,
         sequential=pruning.sequential,
         scope=pruning.scope,
         calibration_batches=pruning.calibration_batches,
@@ -695,6 +704,13 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
         "pruning.start",
         pruning.start,
         f"pruning.importance={importance} with an event at the start needs pruning.calibration_batches > 0",
+    )
+    _check(
+        problems,
+        not (first_at_start and reconstruct and pruning.calibration_batches == 0),
+        "pruning.start",
+        pruning.start,
+        "pruning.reconstruct=true with an event at the start needs pruning.calibration_batches > 0",
     )
 
 

@@ -111,6 +111,25 @@ def test_structured_methods_need_layerwise_scope() -> None:
     assert problems(config(pruning={"method": "random_structured", "scope": "layerwise"})) == []
 
 
+def test_unit_methods_are_checked_by_the_callbacks_rules() -> None:
+    assert (
+        problems(config(pruning={"method": "neurons", "scope": "global", "importance": "movement", "start": 0.1})) == []
+    )
+    assert problems(config(pruning={"method": "heads", "scope": "row"})) == [
+        "pruning.scope='row': heads ranks whole units per layer or across layers: use one of ('layerwise', 'global')"
+    ]
+    assert problems(config(pruning={"method": "heads", "reconstruct": True, "start": 0.1})) == []  # the units' refit
+    assert problems(config(pruning={"method": "heads", "importance": "obs", "start": 0.1})) == [
+        "pruning.importance='obs': obs chooses single weights (or N:M groups) while it updates the others, which "
+        "heads cannot: use method l1_unstructured or semi_structured"
+    ]
+    at_start = {"method": "neurons", "reconstruct": True, "schedule": "constant", "start": 0.0}
+    assert problems(config(pruning=at_start)) == [
+        "pruning.start=0.0: pruning.reconstruct=true with an event at the start needs pruning.calibration_batches > 0"
+    ]
+    assert problems(config(pruning={**at_start, "calibration_batches": 2})) == []
+
+
 def test_max_layer_sparsity_is_checked_by_the_callbacks_rule() -> None:
     assert problems(config(pruning={"max_layer_sparsity": 0.95})) == []  # global: the callback checks the counts
     layerwise = {"scope": "layerwise", "final_sparsity": 0.9, "max_layer_sparsity": 0.8}
@@ -128,6 +147,7 @@ SET_BY_THE_APP = {
     "masking": "reparametrize",
     "method_kwargs": "pruning.n, dim, nm_n, nm_m",
     "module_types": "the default Linear/Conv",
+    "example_inputs": "the first training batch",
     "name": "one callback",
     "parameter_names": "weights",
     "parameters": "pruning.include / exclude",

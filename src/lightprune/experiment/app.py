@@ -409,7 +409,7 @@ def _plan(cfg: DictConfig, module: nn.Module, rewind: Any) -> list[tuple[str, fl
             plan = [("prune", None, build_callback(cfg, module=module, rewind=rewind))]
     except ValueError as err:  # the callback's own checks, e.g. of a method given by import path
         raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
-    if plan[0][2] is not None:
+    if plan[0][2] is not None and plan[0][2].units is None:  # unit groups are found (and checked) on a batch
         _check_selection(plan[0][2], module)
     return plan
 
