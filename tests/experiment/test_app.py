@@ -622,3 +622,15 @@ def test_the_run_writes_a_sparse_safetensors_file_and_measures_size_and_latency(
         assert compact.get_submodule("conv1").out_channels == 8
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["file_size_ratio"] == summary.file_size_ratio
+
+
+def test_a_neurons_run_reports_the_measured_speed_up_of_the_compact_model(tmp_path: Path) -> None:
+    overrides = ["pruning.method=neurons", "pruning.scope=layerwise", "pruning.final_sparsity=0.5"]
+    overrides += ["pruning.schedule=constant", "pruning.start=0.5", "pruning.importance=activation"]
+    summary = run_experiment(make_config(*TINY, *overrides, "pruning.reconstruct=true"), tmp_path)
+    assert summary.latency_model == "compact" and summary.latency_ratio is not None and summary.latency_ratio > 0
+    compact = torch.load(tmp_path / "model_compact.pt", weights_only=False)
+    loaded = load_run(tmp_path)
+    assert (compact.fc1.out_features, compact.fc2.out_features) == (150, 50)  # half of LeNet-300-100's neurons
+    x = torch.randn(4, compact.fc1.in_features)
+    torch.testing.assert_close(compact(x), loaded(x), rtol=1e-5, atol=1e-5)

@@ -246,7 +246,10 @@ class UnitSelection(MaskedSelection):
 
     def table_rows(self) -> list[tuple[str, tuple[int, ...], int, int]]:
         """``(group module, (count,), units, pruned)`` rows for the summary table."""
-        return [
-            (f"{g.module or '<model>'} ({g.kind})", (g.count,), n, p)
-            for g, (n, p) in zip(self.groups, self.counts(), strict=True)
-        ]
+        names = [group.module or "<model>" for group in self.groups]
+        rows = []
+        for group, name, (units, pruned) in zip(self.groups, names, self.counts(), strict=True):
+            if names.count(name) > 1:  # several MLP layers under one module: name the group by its first projection
+                name = group.produce[0].module
+            rows.append((f"{name} ({group.kind})", (group.count,), units, pruned))
+        return rows

@@ -579,6 +579,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
             metrics[f"{phase}/sparsity"] = target
     last_callback = plan[-1][2]
     structured = last_callback is not None and last_callback.structured
+    units = last_callback is not None and last_callback.units is not None
 
     summary = summarize(
         module,
@@ -599,7 +600,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     summary.dense_time_s = dense_time
     if cfg.save_model:
         torch.save(network.state_dict(), output_dir / "model.pt")
-        _export(summary, network, module, output_dir, input_shape, structured)
+        _export(summary, network, module, output_dir, input_shape, structured, units)
     summary.to_json(output_dir / "summary.json")
     curves_csv = _lay_end_to_end(output_dir, phases, output_dir / "logs" / "all_phases.csv")
     if cfg.plots:
@@ -613,8 +614,11 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     return summary
 
 
-def _export(summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool) -> None:
-    """``model.safetensors`` (and the compact model of a structured run), with the measured ratios in the summary."""
+def _export(
+    summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool, units: bool = False
+) -> None:
+    """``model.safetensors`` (and the compact model of a structured or unit run), with the measured ratios in the
+    summary."""
     import torch
 
     from lightprune.experiment.exporting import export_run
@@ -624,7 +628,7 @@ def _export(summary: Any, network: nn.Module, module: Any, output_dir: Path, sha
         reference = next(iter(network.parameters()))
         example = torch.zeros(1, *shape, dtype=reference.dtype, device=reference.device)
     try:
-        result = export_run(network, output_dir, example, structured=structured)
+        result = export_run(network, output_dir, example, structured=structured, units=units)
     except Exception as err:  # a state_dict safetensors cannot store: the run's other outputs still count
         log.warning("export skipped: %s", " ".join(str(err).split()))
         summary.export_notes = [f"export skipped: {err}"]

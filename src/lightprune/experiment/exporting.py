@@ -2,10 +2,11 @@
 
 :func:`export_run` writes ``model.safetensors`` (:func:`lightprune.export.save_sparse`: each tensor dense or as a
 bitmask plus its kept values) and, for structured runs, ``model_compact.pt`` (:func:`lightprune.export.compact`:
-the pruned channels physically removed), and measures what the summary reports next to the theoretical FLOP
-speed-up: the file-size ratio against the dense safetensors file of the same state_dict, and the latency ratio of
-the deployable model (the compact one, or the sparse-Linear one where CSR measures faster) against the masked
-model, interleaved (:func:`lightprune.export.compare_latency`).
+the pruned channels physically removed; for runs of ``method=neurons``/``heads``,
+:func:`lightprune.export.remove_units`: the pruned neurons and heads removed, same class), and measures what the
+summary reports next to the theoretical FLOP speed-up: the file-size ratio against the dense safetensors file of the
+same state_dict, and the latency ratio of the deployable model (the compact one, or the sparse-Linear one where CSR
+measures faster) against the masked model, interleaved (:func:`lightprune.export.compare_latency`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _save_graph_module(module: Any, path: Path, result: ExportResult) -> None:
 
 
 def export_run(
-    network: nn.Module, output_dir: Path, example: Any, *, structured: bool, repeats: int = 20
+    network: nn.Module, output_dir: Path, example: Any, *, structured: bool, repeats: int = 20, units: bool = False
 ) -> ExportResult:
     """Write the sparse (and, for ``structured`` runs, the compact) model into ``output_dir`` and measure them.
 
@@ -116,6 +117,7 @@ def export_run(
         output_dir: The run directory.
         example: One example input (batch of one), or ``None`` (no latency then).
         structured: Whether channels were pruned (``compact`` is tried).
+        units: Whether neurons or heads were pruned (``remove_units`` is tried).
         repeats: Timed rounds of the latency comparison.
 
     Example:
@@ -128,7 +130,7 @@ def export_run(
         >>> sorted(result.files), result.deployed, result.file_size_ratio > 1.5
         (['model.safetensors', 'model_compact.pt'], 'compact', True)
     """
-    from lightprune.export import compact, compare_latency, save_sparse, to_sparse_linear
+    from lightprune.export import compact, compare_latency, remove_units, save_sparse, to_sparse_linear
 
     result = ExportResult()
     sparse_path = output_dir / SPARSE_FILE
@@ -143,13 +145,23 @@ def export_run(
     network.eval()
     deployed: nn.Module | None = None
     try:
-        if structured:
+        if units:
+            try:
+                args = (example,) if isinstance(example, torch.Tensor) else tuple(example)
+                deployed = remove_units(network, args)
+                result.deployed = "compact"
+            except Exception as err:  # CompactError, UnitError
+                result.notes.append(f"remove_units skipped: {' '.join(str(err).split())[:300]}")
+        elif structured:
             try:
                 deployed = compact(network, example)
                 result.deployed = "compact"
             except Exception as err:  # CompactError, or a model torch.fx cannot trace
                 result.notes.append(f"compact skipped: {' '.join(str(err).split())[:300]}")
-        if deployed is not None:
+        if deployed is not None and units:
+            torch.save(deployed, output_dir / COMPACT_FILE)  # the model's own class, smaller
+            result.files[COMPACT_FILE] = (output_dir / COMPACT_FILE).stat().st_size
+        elif deployed is not None:
             _save_graph_module(deployed, output_dir / COMPACT_FILE, result)
         if deployed is None:
             try:
