@@ -224,7 +224,10 @@ def test_a_model_without_the_units_is_refused_naming_it() -> None:
         ({"method_kwargs": {"dim": 0}}, "takes no method_kwargs"),
         ({"prune_channel_bias": True}, "prune_channel_bias=True: neurons prunes the units' biases already"),
         ({"importance": "gradient"}, "importance='gradient' is not supported"),
-        ({"calibration_batches": 2}, "calibration_batches=2: collects input statistics"),
+        (
+            {"calibration_batches": 2},
+            "calibration_batches=2: collects input statistics, which only importance=activation .* reconstruct=True",
+        ),
     ],
 )
 def test_options_units_cannot_take_are_refused_by_name(kwargs: dict[str, Any], message: str) -> None:
