@@ -104,6 +104,15 @@ class PruningCallback(Callback):
             ``"semi_structured"`` (N:M, ``method_kwargs={"n": 2, "m": 4}`` by default, groups along each layer's
             input dim; its pattern is fixed, so the schedule must be one event to ``1 - n/m``: a float or a
             ``Constant``), a ``BasePruningMethod`` subclass, or its import path (``"my_package.pruning.MyMethod"``).
+            ``"neurons"`` and ``"heads"`` prune transformer units (see :mod:`lightprune.callback.units`): an MLP's
+            hidden neurons (the rows of its input projection(s), gate and up for gated MLPs, with bias, and the
+            columns of its output projection), or an attention's heads (rows of q, k, v with bias, columns of the
+            output projection; under grouped-query attention a unit is one key/value head with all the query heads
+            that read it). The groups are found when training starts from one traced forward of the
+            LightningModule on ``example_inputs``; the schedule's targets are shares of each group's units
+            (``round(target * count)``, exact; every group keeps at least one). ``include``/``exclude`` then match
+            the groups' module names; ``masking="inplace"``, ``parameters``, ``adopt_zeros`` and
+            ``max_layer_sparsity`` are refused.
         method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
             ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
         scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"``,
@@ -161,7 +170,11 @@ class PruningCallback(Callback):
             event, with the final gradients; signed, higher kept; ``l1_unstructured`` or ``semi_structured`` only);
             ``"obs"`` (Optimal Brain Surgeon, as SparseGPT: saliency ``w_ij**2 / d_j**2`` from ``H = X^T X`` of the
             layer's inputs over the ``activation_window``; Linear, transformers' ``Conv1D`` and Conv1d/2d weights;
-            ``l1_unstructured`` or ``semi_structured``; see ``reconstruct``); or a callable
+            ``l1_unstructured`` or ``semi_structured``; see ``reconstruct``); for ``"neurons"``/``"heads"``:
+            magnitude is the L2 norm of the unit's weights, activation ``||a_u||_2 * ||W_out[:, u]||_2`` (the unit's
+            output over the window times its outgoing weights), movement first-order Taylor ``|sum over the unit's
+            weights of -W * dL/dW|``, and a callable takes ``(pl_module, group) -> one score per unit`` (a
+            :class:`~lightprune.structure.UnitGroup`); or a callable
             ``(qualified_name, module, parameter_name, weight) -> scores`` of the weight's shape, ranked as
             ``importance_scores`` (by magnitude for the L1 methods). Statistics are summed across DDP ranks (every
             rank gets the same masks), reset after each event and kept in the checkpoint state (resume is exact).
@@ -180,7 +193,11 @@ class PruningCallback(Callback):
             optimizer's state for them is kept. ``False``: rank by the saliency only, as any scores. The counts per
             layer follow ``scope`` (``"global"``: one ranking of the saliencies before any update across layers;
             ``"row"``: every output row of the weight as OBS sees it; see
-            :mod:`lightprune.callback.reconstruction`).
+            :mod:`lightprune.callback.reconstruction`). With ``"neurons"``/``"heads"`` (default off): at every event
+            refit the projections reading the units by least squares on the kept units' inputs (the bias absorbing
+            the removed units' mean contribution), from the moments (sums and ``X^T X``) collected in the
+            ``activation_window`` before the event (summed across DDP ranks, kept in the checkpoint state); an event
+            at time 0 needs ``calibration_batches``.
         sequential: with ``importance="obs"``, reconstruction and ``calibration_batches``, prune the event at the
             start block by block (transformer blocks: names up to their first number), each block's statistics taken
             from calibration batches run through the blocks already pruned, as SparseGPT does: the calibration
@@ -189,6 +206,11 @@ class PruningCallback(Callback):
             batches through the pruned model anyway, do not need it.
         adopt_zeros: when fit starts, mask the entries of the selected weights that are exactly zero (a checkpoint
             pruned by another tool), so they stay zero through training; the schedule's targets count them.
+        example_inputs: with ``"neurons"``/``"heads"``, the inputs of the forward traced to find the units: a
+            callable ``batch -> inputs`` or fixed inputs (a tensor, a tuple of positional arguments, a dict of
+            keyword arguments). Default: the first training batch, a dict passed as keyword arguments (Hugging
+            Face style), a tensor as the one argument, a tuple or list by its first element (``(inputs, targets)``).
+            A model whose units cannot be found is refused when training starts, naming it.
         max_layer_sparsity: the largest share of any one tensor's units (weights, or channels) that may be pruned,
             in (0, 1]; 1.0 (the default) is no cap. A global ranking can otherwise take every weight of a layer
             whose weights are small next to the others' (layer collapse: a collapsed output layer outputs its bias
