@@ -235,8 +235,8 @@ def test_options_units_cannot_take_are_refused_by_name(kwargs: dict[str, Any], m
         PruningCallback(0.5, method="neurons", **kwargs)
 
 
-def test_reconstruct_needs_unit_methods_and_statistics_at_step_zero() -> None:
-    with pytest.raises(ValueError, match="reconstruct=True: refits the projections reading pruned units"):
+def test_reconstruct_without_units_is_obs_s_and_the_refit_needs_statistics_at_step_zero() -> None:
+    with pytest.raises(ValueError, match="reconstruct=True: updates the kept weights by OBS: needs importance=obs"):
         PruningCallback(0.5, method="l1_unstructured", reconstruct=True)
     with pytest.raises(ValueError, match="reconstruct=True refits from input statistics"):
         trainer([PruningCallback(0.5, method="neurons", reconstruct=True)], max_steps=1).fit(Lit("bert"), data())
