@@ -307,16 +307,7 @@ class PruningCallback(Callback):
         self.units = method if isinstance(method, str) and method in choices.UNIT_METHODS else None
         self.example_inputs = example_inputs
         if self.units is not None:
-            _check_unit_options(
-                method,
-                reconstruct,
-                masking,
-                adopt_zeros,
-                max_layer_sparsity,
-                parameters,
-                importance,
-                calibration_batches,
-            )
+            _check_unit_options(method, reconstruct, masking, adopt_zeros, max_layer_sparsity, parameters)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
         check_importance(
@@ -1013,8 +1004,6 @@ def _check_unit_options(
     adopt_zeros: bool,
     max_layer_sparsity: float,
     parameters: Any,
-    importance: Any,
-    calibration_batches: int,
 ) -> None:
     """Refuse, naming them, the options that unit pruning (``method="neurons"``/``"heads"``) does not take."""
     if reconstruct is not None and not isinstance(reconstruct, bool):
