@@ -190,7 +190,7 @@ class OptimConfig:
 class PruningConfig:
     """How to prune during the fine-tuning phase (mirrors :class:`lightprune.PruningCallback`).
 
-    Times (``start``, ``end``, ``frequency``) are fractions of the fine-tuning run, in ``unit``s.
+    Times (``start``, ``end``, ``frequency``) are fractions of the fine-tuning run, counted in ``unit``.
 
     Attributes:
         _target_: what ``hydra.utils.instantiate(cfg.pruning)`` calls in a user's own Hydra app (the experiment app
