@@ -90,3 +90,60 @@ def test_docs_build_offline_without_warnings_and_document_every_public_name(tmp_
     documented = read_inventory(out / "objects.inv")
     assert expected_objects() - documented == set()
     assert {"lightprune.PruningCallback", "lightprune.prune.global_unstructured"} <= documented
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Markdown pages: the README, the root files, docs/ and the examples' READMEs
+# ----------------------------------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.MULTILINE | re.DOTALL)
+
+
+def markdown_pages() -> list[Path]:
+    pages = [*ROOT.glob("*.md"), *DOCS.rglob("*.md"), *(ROOT / "examples").rglob("*.md")]
+    return sorted(page for page in pages if "_build" not in page.parts)
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub (and MyST's ``myst_heading_anchors``) gives a heading: lower case, punctuation dropped,
+    spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {github_slug(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE)}
+
+
+def relative_links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())
+    return [link for link in LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", link)]  # not http:, mailto:
+
+
+def test_github_slugs() -> None:
+    assert github_slug("Quality: accuracy at sparsity, against lightning's `ModelPruning`") == (
+        "quality-accuracy-at-sparsity-against-lightnings-modelpruning"
+    )
+    assert github_slug("Criteria beyond magnitude (issue 22)") == "criteria-beyond-magnitude-issue-22"
+
+
+@pytest.mark.parametrize("page", markdown_pages(), ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for link in relative_links(page):
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            broken.append(f"{link}: no such heading in {target.name}")
+    assert broken == []
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^# install and run the tests\n(.+)$", readme, flags=re.MULTILINE)
+    assert command, "the README's test command, after '# install and run the tests', is gone"
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any(line.startswith(command.group(1)) for line in ci_lines), command.group(1)
