@@ -38,6 +38,7 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+autodoc_preserve_defaults = True  # defaults as written in the source (a tuple of classes has no parseable repr)
 autodoc_default_options = {"members": True, "show-inheritance": True}
 
 myst_heading_anchors = 3  # links to a page's sections (page.md#section) resolve
