@@ -23,6 +23,7 @@ DOCS = ROOT / "docs"
 DOCUMENTED = [
     "lightprune.prune",
     "lightprune.export",
+    "lightprune.structure",
     "lightprune.schedules",
     "lightprune.selection",
     "lightprune.metrics",
