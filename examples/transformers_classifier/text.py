@@ -4,7 +4,7 @@ download - and a datamodule that makes its own data: the experiment app prunes a
 ``conf/model/tiny_bert.yaml`` names :class:`TextClassifier` by import path with the ``BertConfig`` arguments;
 ``conf/data/counting.yaml`` names :class:`CountingData`. The app uses the module's own ``training_step``,
 ``configure_optimizers`` and metric, and adds the pruning callback, the dense phase, logging and the summary (its
-FLOPs counted on ``example_input_array``). See README.md.
+FLOPs counted on ``example_input_array``). See docs/app.md ("Your own model, data, optimizer and schedule").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's reader for save_sparse files, which uses safetensors and torch only, reads them exactly."""
+"""The reader for save_sparse files in docs/export.md, which uses safetensors and torch only, reads them exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from lightprune import prune
 from lightprune.export import load_sparse, save_sparse
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "export.md"
 
 
 def _reader():

@@ -196,13 +196,13 @@ def test_caps_refused_with_a_message_and_nothing_changed() -> None:
     prune.global_unstructured(pairs, Mine, amount=0.5)  # without a cap, a custom method runs as in torch
 
 
-def test_the_readmes_mlp_example_says_the_collapse_and_the_cap_prevents_it() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_mlp_example_says_the_collapse_and_the_cap_prevents_it() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "callback.md").read_text()
     (source,) = [
         b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if "max_layer_sparsity=0.95)" in b
     ]
     printed = io.StringIO()
     said = pytest.warns(LayerCollapseWarning, match=r"parameters\[1\] \(Linear\.weight, shape \(2, 64\)\)")
     with said, contextlib.redirect_stdout(printed):
-        exec(compile(source, "README.md", "exec"), {})
-    assert printed.getvalue().split() == ["121", "1126"]  # as the README says: 0.95 of 128 held, 0.8 of 1408 in all
+        exec(compile(source, "docs/callback.md", "exec"), {})
+    assert printed.getvalue().split() == ["121", "1126"]  # as the page says: 0.95 of 128 held, 0.8 of 1408 in all
