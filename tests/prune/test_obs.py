@@ -209,7 +209,8 @@ def test_dead_inputs_give_no_nan_and_zero_weights() -> None:
 
 
 def test_transformers_conv1d_is_the_transposed_linear() -> None:
-    from transformers.pytorch_utils import Conv1D
+    # tests/prune also runs on the newest torch with torch alone (no transformers there)
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
 
     torch.manual_seed(0)
     linear, conv = nn.Linear(8, 6), Conv1D(6, 8)
