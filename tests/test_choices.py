@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lightprune import choices, config, prune
+from lightprune import choices, prune
 from lightprune.callback import options
-from lightprune.experiment import data, models
+from lightprune.experiment import config, data, models
 from lightprune.schedules import SCHEDULES
 
 

@@ -28,7 +28,7 @@ DOCUMENTED = [
     "lightprune.schedules",
     "lightprune.selection",
     "lightprune.metrics",
-    "lightprune.config",
+    "lightprune.experiment.config",
 ]
 
 

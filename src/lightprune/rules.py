@@ -1,8 +1,8 @@
 """The rules that tie the pruning choices together: one set of checks and messages for the callback and the app.
 
 :class:`lightprune.PruningCallback` raises the first problem these functions find when it is built; the experiment
-app's :func:`~lightprune.config.validate_config` lists every one of them under its ``pruning.`` keys before anything
-is imported or trained. Methods are named as :mod:`lightprune.choices` names them; any other name (a user's own
+app's :func:`~lightprune.experiment.config.validate_config` lists every one of them under its ``pruning.`` keys before
+anything is imported or trained. Methods are named as :mod:`lightprune.choices` names them; any other name (a user's own
 class, by its class name) or ``None`` is a custom method, which only its ``PRUNING_TYPE`` describes. Like
 :mod:`lightprune.choices`, this module imports nothing heavy.
 

@@ -27,10 +27,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 import lightprune.experiment.app as app
-from lightprune.config import ConfigError, register_configs
 from lightprune.experiment import cache as dense_cache
 from lightprune.experiment import load_run
 from lightprune.experiment.app import config_dir, main, run_experiment
+from lightprune.experiment.config import ConfigError, register_configs
 from lightprune.experiment.data import write_idx
 from lightprune.experiment.report import RunSummary
 

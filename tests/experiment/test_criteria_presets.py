@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import lightprune.experiment.app as app
-from lightprune.config import ConfigError, register_configs, validate_config
 from lightprune.experiment.app import config_dir, run_experiment
+from lightprune.experiment.config import ConfigError, register_configs, validate_config
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),

@@ -22,8 +22,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import lightprune.experiment.app as app
-from lightprune.config import OBJECTIVES, ConfigError, ExperimentConfig, register_configs, validate_config
 from lightprune.experiment.app import config_dir, main
+from lightprune.experiment.config import OBJECTIVES, ConfigError, ExperimentConfig, register_configs, validate_config
 from lightprune.experiment.plots import draw_pareto
 from lightprune.experiment.report import RunSummary, collect_runs
 from lightprune.experiment.search import objective_value, pareto_front, read_optimization_results

@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch import nn
 
-from lightprune.config import ConfigError, register_configs, validate_config
 from lightprune.experiment import load_run
 from lightprune.experiment.app import config_dir, run_experiment
+from lightprune.experiment.config import ConfigError, register_configs, validate_config
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*no `validation_step`.*"),
@@ -197,7 +197,7 @@ def test_the_bundled_presets_are_target_nodes_a_users_app_instantiates(model: st
     """``instantiate(cfg.data)`` and ``build_model(cfg.model, ...)`` give what the app trains, from the presets."""
     from hydra.utils import instantiate
 
-    from lightprune.config import is_bundled
+    from lightprune.experiment.config import is_bundled
     from lightprune.experiment.models import LeNet300100, SmallCNN
     from lightprune.experiment.targets import build_model
 

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightprune.config import (
+from lightprune.experiment.checks import exclude_patterns, preflight
+from lightprune.experiment.config import (
     ConfigError,
     config_warnings,
     is_bundled,
@@ -52,7 +53,6 @@ from lightprune.config import (
     unknown_key_message,
     validate_config,
 )
-from lightprune.experiment.checks import exclude_patterns, preflight
 
 if TYPE_CHECKING:  # torch is imported where it is used: a config error is reported before it loads
     from torch import nn
@@ -82,8 +82,8 @@ def config_dir() -> Path:
 
 
 def _schedule(cfg: DictConfig, rounds_target: float | None = None) -> Any:
-    """The pruning schedule of ``cfg.pruning`` (:func:`~lightprune.config.pruning_schedule`), or for one round of
-    ``iterative_rounds`` a single event to ``rounds_target`` when the round's fit starts."""
+    """The pruning schedule of ``cfg.pruning`` (:func:`~lightprune.experiment.config.pruning_schedule`), or for one
+    round of ``iterative_rounds`` a single event to ``rounds_target`` when the round's fit starts."""
     from lightprune.schedules import make_schedule
 
     if rounds_target is not None:
@@ -110,7 +110,7 @@ def build_callback(
         make_permanent: remove the pruning reparametrization at the end of fit (plain weights with zeros).
 
     Example:
-        >>> from lightprune.config import ExperimentConfig
+        >>> from lightprune.experiment.config import ExperimentConfig
         >>> callback = build_callback(OmegaConf.structured(ExperimentConfig))
         >>> type(callback).__name__, callback.scope, type(callback.schedule).__name__
         ('PruningCallback', 'global', 'Cubic')
@@ -172,7 +172,8 @@ def pruning_callback(
         module: the LightningModule, needed for ``exclude_classifier: true`` (the ``ln_structured`` preset):
             ``instantiate(cfg.pruning, module=model)``.
         log_every_n_steps: how often the callback logs (the Trainer's ``log_every_n_steps``).
-        **pruning: the preset's keys (:class:`~lightprune.config.PruningConfig`; unset keys take its defaults).
+        **pruning: the preset's keys (:class:`~lightprune.experiment.config.PruningConfig`; unset keys take its
+            defaults).
 
     Returns:
         The callback, or ``None`` for the ``none`` preset.
@@ -185,7 +186,7 @@ def pruning_callback(
         >>> type(callback).__name__, type(callback.schedule).__name__, callback.schedule.sparsity
         ('PruningCallback', 'Constant', 0.8)
     """
-    from lightprune.config import ExperimentConfig
+    from lightprune.experiment.config import ExperimentConfig
 
     cfg = OmegaConf.structured(ExperimentConfig)
     try:
@@ -476,7 +477,8 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path, *, overrides: Sequen
     """Run the whole experiment described by ``cfg`` and write its outputs into ``output_dir``.
 
     Args:
-        cfg: the experiment config (composed from ``conf/`` or built from :class:`~lightprune.config.ExperimentConfig`).
+        cfg: the experiment config (composed from ``conf/`` or built from
+            :class:`~lightprune.experiment.config.ExperimentConfig`).
         output_dir: the run directory.
         overrides: the command-line overrides the config was composed with, stored in ``summary.json``.
 
@@ -746,8 +748,8 @@ def _config_key_error(err: BaseException) -> str | None:
 def _one_line(err: BaseException) -> str | None:
     """A config error as one line (a few for several problems), or ``None`` when ``err`` is no config error.
 
-    Config errors: :class:`~lightprune.config.ConfigError` and what Hydra and OmegaConf raise while composing the
-    config (unknown keys, wrong types, unknown config group options, override syntax).
+    Config errors: :class:`~lightprune.experiment.config.ConfigError` and what Hydra and OmegaConf raise while
+    composing the config (unknown keys, wrong types, unknown config group options, override syntax).
     """
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

@@ -99,7 +99,7 @@ def dense_key_material(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     Example:
         >>> from omegaconf import OmegaConf
-        >>> from lightprune.config import ExperimentConfig
+        >>> from lightprune.experiment.config import ExperimentConfig
         >>> cfg = OmegaConf.to_container(OmegaConf.structured(ExperimentConfig))
         >>> sorted(dense_key_material(cfg))
         ['code', 'data', 'data_files', 'model', 'optim', 'seed', 'trainer']
@@ -131,7 +131,7 @@ def dense_key(cfg: Mapping[str, Any]) -> str:
 
     Example:
         >>> from omegaconf import OmegaConf
-        >>> from lightprune.config import ExperimentConfig
+        >>> from lightprune.experiment.config import ExperimentConfig
         >>> cfg = OmegaConf.to_container(OmegaConf.structured(ExperimentConfig))
         >>> key = dense_key(cfg)
         >>> cfg["pruning"]["final_sparsity"] = 0.5  # pruning settings share the dense phase

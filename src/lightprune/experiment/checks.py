@@ -1,8 +1,8 @@
 """Checks of an experiment config that look beyond its values (data files, the model's parameter names), made before
 Lightning is imported so that a mistake is reported in about a second.
 
-:func:`preflight` raises :class:`~lightprune.config.ConfigError`, as :func:`~lightprune.config.validate_config`
-does for values.
+:func:`preflight` raises :class:`~lightprune.experiment.config.ConfigError`, as
+:func:`~lightprune.experiment.config.validate_config` does for values.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from lightprune.config import ConfigError, is_bundled
+from lightprune.experiment.config import ConfigError, is_bundled
 from lightprune.experiment.datafiles import FASHION_MNIST_ROOT, IDX_FILES, default_root, missing_idx_files
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the value checks come before it loads
@@ -92,23 +92,23 @@ def _selection_problems(cfg: DictConfig) -> list[str]:
 
 
 def preflight(cfg: DictConfig) -> None:
-    """Checks what :func:`~lightprune.config.validate_config` cannot from values alone, without importing Lightning:
-    the data files exist (naming ``data.root`` when they do not) and ``pruning.include`` / ``pruning.exclude``
-    select some weight of the model.
+    """Checks what :func:`~lightprune.experiment.config.validate_config` cannot from values alone, without importing
+    Lightning: the data files exist (naming ``data.root`` when they do not) and ``pruning.include`` /
+    ``pruning.exclude`` select some weight of the model.
 
     Raises:
         ConfigError: listing every problem.
 
     Example:
         >>> from omegaconf import OmegaConf
-        >>> from lightprune.config import ExperimentConfig
+        >>> from lightprune.experiment.config import ExperimentConfig
         >>> cfg = OmegaConf.structured(ExperimentConfig)
         >>> preflight(cfg)
         >>> cfg.data.name, cfg.data.root = "mnist", "/nonexistent"
         >>> preflight(cfg)
         Traceback (most recent call last):
         ...
-        lightprune.config.ConfigError: invalid experiment config:
+        lightprune.experiment.config.ConfigError: invalid experiment config:
           data.root='/nonexistent': /nonexistent is not a directory; set data.root=<directory holding ...>
     """
     problems = _data_problems(cfg) + _selection_problems(cfg)

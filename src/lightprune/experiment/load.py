@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightprune.config import BUNDLED_DATA_TARGET, BUNDLED_MODEL_TARGET, is_bundled
+from lightprune.experiment.config import BUNDLED_DATA_TARGET, BUNDLED_MODEL_TARGET, is_bundled
 from lightprune.experiment.summary import SUMMARY_FILE, RunSummary, sparsity_by_layer
 from lightprune.experiment.targets import build_datamodule, build_model
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightprune.config import ConfigError, objective_names
+from lightprune.experiment.config import ConfigError, objective_names
 
 __all__ = [
     "OPTIMIZATION_RESULTS",
@@ -43,7 +43,7 @@ def objective_value(summary: Mapping[str, Any], objective: Any) -> Any:
 
     Args:
         summary: the summary as ``summary.json`` holds it (``RunSummary.to_dict()``, or the parsed file).
-        objective: one field name, or a list of names (:func:`~lightprune.config.objective_names`).
+        objective: one field name, or a list of names (:func:`~lightprune.experiment.config.objective_names`).
 
     Returns:
         The field's value for one name (or a list of one), the tuple of values for two or more names. A field the
@@ -87,7 +87,7 @@ def check_directions(objective: Any, sweeper: Any) -> None:
         >>> check_directions(["final_test_acc", "total_sparsity"], {"direction": "maximize"})
         Traceback (most recent call last):
         ...
-        lightprune.config.ConfigError: objective=['final_test_acc', 'total_sparsity'] gives 2 values, but \
+        lightprune.experiment.config.ConfigError: objective=['final_test_acc', 'total_sparsity'] gives 2 values, but \
 hydra.sweeper.direction='maximize' optimises 1: give one direction per objective
     """
     direction = sweeper.get("direction") if hasattr(sweeper, "get") else None

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from lightprune.config import DATA_APP_KEYS, MODEL_APP_KEYS, ConfigError, is_bundled, is_target
+from lightprune.experiment.config import DATA_APP_KEYS, MODEL_APP_KEYS, ConfigError, is_bundled, is_target
 
 __all__ = ["build_datamodule", "build_model", "data_facts", "instantiate", "make_scheduler", "source_digest"]
 
@@ -43,7 +43,7 @@ def instantiate(key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
         >>> instantiate("model", {"_target_": "torch.nn.Linear", "in_features": 2})
         Traceback (most recent call last):
         ...
-        lightprune.config.ConfigError: model: torch.nn.Linear(...) failed: TypeError: ...missing 1 required ...
+        lightprune.experiment.config.ConfigError: model: torch.nn.Linear(...) failed: TypeError: ...missing 1 ...
     """
     from hydra.utils import instantiate as hydra_instantiate
 
@@ -76,7 +76,8 @@ def data_facts(data_cfg: Any, datamodule: Any, needed: bool) -> tuple[tuple[int,
         >>> data_facts({"_target_": "x.Data"}, Data(), needed=True)
         Traceback (most recent call last):
         ...
-        lightprune.config.ConfigError: data.num_classes: x.Data has no num_classes attribute; set data.num_classes=<int>
+        lightprune.experiment.config.ConfigError: data.num_classes: x.Data has no num_classes attribute; set \
+data.num_classes=<int>
     """
     shape = getattr(datamodule, "dims", None) or getattr(datamodule, "input_shape", None)
     if shape is None and data_cfg.get("input_shape") is not None:

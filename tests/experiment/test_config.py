@@ -12,7 +12,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
-from lightprune.config import (
+from lightprune.experiment.app import config_dir
+from lightprune.experiment.config import (
     CacheConfig,
     ConfigError,
     DataConfig,
@@ -25,7 +26,6 @@ from lightprune.config import (
     unknown_keys,
     validate_config,
 )
-from lightprune.experiment.app import config_dir
 
 
 def config(**groups: dict) -> ExperimentConfig:

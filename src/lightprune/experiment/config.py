@@ -838,7 +838,7 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
         >>> validate_config(cfg)
         Traceback (most recent call last):
         ...
-        lightprune.config.ConfigError: invalid experiment config:
+        lightprune.experiment.config.ConfigError: invalid experiment config:
           pruning.final_sparsity=1.5: must be in [0, 1]
     """
     if not isinstance(cfg, DictConfig):

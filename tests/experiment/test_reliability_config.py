@@ -1,10 +1,10 @@
 """Every key of the experiment app, given a wrong type or an out-of-range value, fails with one clear message naming
 the key, before anything is trained or written (issue #6).
 
-``KEYS`` lists every leaf of :class:`~lightprune.config.ExperimentConfig` (a test walks the dataclasses, so a new key
-without an entry fails here) with a value of a wrong type and, where the key has a range or a set of choices, values
-outside it. Wrong types fail when Hydra composes the config (OmegaConf checks them against the schema); values out of
-range fail in ``validate_config``, which ``run_experiment`` calls first.
+``KEYS`` lists every leaf of :class:`~lightprune.experiment.config.ExperimentConfig` (a test walks the dataclasses, so a
+new key without an entry fails here) with a value of a wrong type and, where the key has a range or a set of choices,
+values outside it. Wrong types fail when Hydra composes the config (OmegaConf checks them against the schema); values
+out of range fail in ``validate_config``, which ``run_experiment`` calls first.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from lightprune import config as config_module
-from lightprune.config import ConfigError, ExperimentConfig, register_configs
+from lightprune.experiment import config as config_module
 from lightprune.experiment.app import config_dir, run_experiment
 from lightprune.experiment.cache import CACHE_ENV
+from lightprune.experiment.config import ConfigError, ExperimentConfig, register_configs
 
 TINY = ["experiment=smoke", "data.batch_size=256"]
 
