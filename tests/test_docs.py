@@ -28,6 +28,7 @@ DOCUMENTED = [
     "lightprune.schedules",
     "lightprune.selection",
     "lightprune.metrics",
+    "lightprune.registry",
     "lightprune.experiment.config",
 ]
 

@@ -1,9 +1,10 @@
 """The names lightprune accepts for its choices, in one place that imports nothing heavy.
 
 The callback's registries (:data:`lightprune.callback.options.METHODS`, ``SCOPES``, ...), the experiment app's
-bundled models and datasets and the app's config checks all read these tuples, so a name added here is accepted
-everywhere and a name can never be allowed by the config but refused by the library it configures. This module
-imports neither torch nor Lightning: the app checks a config with it in a fraction of a second.
+bundled models and datasets and the app's config checks all read these names, so a name added here is accepted
+everywhere and a name can never be allowed by the config but refused by the library it configures. The method names
+are views of :data:`lightprune.registry.METHODS` (a method registered there is among them). This module imports
+neither torch nor Lightning: the app checks a config with it in a fraction of a second.
 
 Example:
     >>> from lightprune import choices
@@ -13,6 +14,10 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
+from lightprune import registry
+
 __all__ = [
     "ALLOCATION_SCOPES",
     "DATASETS",
@@ -21,12 +26,9 @@ __all__ = [
     "METHODS",
     "METHOD_CLASSES",
     "MODELS",
-    "OBS_METHODS",
     "OPTIMIZERS",
-    "RANDOM_METHODS",
     "REGROW",
     "SCOPES",
-    "SIGNED_SCORE_METHODS",
     "STATISTICS_IMPORTANCES",
     "STRUCTURED_METHODS",
     "UNITS",
@@ -34,42 +36,45 @@ __all__ = [
     "UNIT_SCOPES",
 ]
 
-METHOD_CLASSES: dict[str, str] = {
-    "l1_unstructured": "L1Unstructured",
-    "random_unstructured": "RandomUnstructured",
-    "ln_structured": "LnStructured",
-    "random_structured": "RandomStructured",
-    "semi_structured": "SemiStructured",
-}
-"""Pruning methods by the name configs and the callback give them -> their class in :mod:`lightprune.prune`."""
 
-UNIT_METHODS = ("neurons", "heads")
+class _ClassNames(Mapping[str, str]):
+    """Method name -> the name of its class, read from :data:`lightprune.registry.METHODS` whenever it is used."""
+
+    def __getitem__(self, name: str) -> str:
+        return registry.METHODS[name].target.rpartition(".")[2]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.METHODS)
+
+    def __len__(self) -> int:
+        return len(registry.METHODS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+METHOD_CLASSES: Mapping[str, str] = _ClassNames()
+"""Pruning methods by the name configs and the callback give them -> their class's name (a view
+of :data:`lightprune.registry.METHODS`: the classes live in :mod:`lightprune.prune`, or where an entry says)."""
+
+UNIT_METHODS = registry.UNIT_METHODS
 """The methods that prune whole transformer units found from the model (:mod:`lightprune.structure`): MLP hidden
 neurons, or attention heads (key/value groups with their query heads under grouped-query attention)."""
 
 UNIT_SCOPES = ("layerwise", "global")
 """The scopes of the unit methods: every group to the target, or one ranking per kind across groups."""
 
-METHODS = tuple(METHOD_CLASSES) + UNIT_METHODS
-"""The pruning methods' names."""
+METHODS = registry.Names(extra=UNIT_METHODS)
+"""The pruning methods' names: the registry's, then the unit methods."""
 
-STRUCTURED_METHODS = ("ln_structured", "random_structured")
+STRUCTURED_METHODS = registry.Names(lambda entry: entry.kind == "structured")
 """The methods that prune whole channels (``PRUNING_TYPE == "structured"``); they need the layerwise scope."""
-
-RANDOM_METHODS = ("random_unstructured", "random_structured")
-"""The methods that draw their masks at random: they ignore every importance score."""
-
-SIGNED_SCORE_METHODS = ("l1_unstructured", "semi_structured")
-"""The methods that can rank signed scores (``importance="movement"``): a norm or a random draw would lose the sign."""
 
 IMPORTANCES = ("magnitude", "activation", "movement", "obs")
 """The callback's built-in pruning criteria (a callable returning scores is accepted too)."""
 
 STATISTICS_IMPORTANCES = ("activation", "obs")
 """The criteria that collect the selected layers' inputs in a window before each event (or calibration batches)."""
-
-OBS_METHODS = ("l1_unstructured", "semi_structured")
-"""The methods whose patterns OBS pruning chooses itself (entries, or N:M groups) while it updates the weights."""
 
 SCOPES = ("global", "layerwise", "row", "erk", "owl")
 """One ranking across the whole selection, one per tensor, one per row of every tensor (``l1_unstructured``), or one

@@ -2,9 +2,11 @@
 
 :class:`lightprune.PruningCallback` raises the first problem these functions find when it is built; the experiment
 app's :func:`~lightprune.experiment.config.validate_config` lists every one of them under its ``pruning.`` keys before
-anything is imported or trained. Methods are named as :mod:`lightprune.choices` names them; any other name (a user's own
-class, by its class name) or ``None`` is a custom method, which only its ``PRUNING_TYPE`` describes. Like
-:mod:`lightprune.choices`, this module imports nothing heavy.
+anything is imported or trained. Methods are named as :mod:`lightprune.registry` names them, and their traits (kind,
+random, signed, ...) are read from their entries; any other name (a user's own class, by its class name) or ``None``
+is a custom method, which only its ``PRUNING_TYPE`` describes. Like :mod:`lightprune.registry`, this module imports
+nothing heavy. (The engine checks its own arguments, ``max_layer_sparsity`` among them, without this module: see
+:func:`lightprune.prune.collapse.check_max_layer_sparsity`.)
 
 Example:
     >>> method_problems("ln_structured", "structured", scope="global")
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from lightprune import choices
+from lightprune import choices, registry
 
 __all__ = [
     "Problem",
@@ -25,10 +27,10 @@ __all__ = [
     "importance_problems",
     "kind_of",
     "method_problems",
+    "n_m_problems",
     "obs_problems",
     "owl_problems",
     "regrow_problems",
-    "semi_structured_problems",
 ]
 
 
@@ -50,7 +52,8 @@ class Problem(NamedTuple):
 
 
 def kind_of(method: str) -> str | None:
-    """The ``PRUNING_TYPE`` of a method named in :data:`lightprune.choices.METHODS` (``None`` for another name).
+    """The ``PRUNING_TYPE`` of a method named in :data:`lightprune.choices.METHODS` (``None`` for another name):
+    its registry entry's (:attr:`~lightprune.registry.Method.pruning_type`), or ``"units"`` for the unit methods.
 
     Example:
         >>> kind_of("ln_structured"), kind_of("l1_unstructured"), kind_of("semi_structured"), kind_of("my.Method")
@@ -60,11 +63,13 @@ def kind_of(method: str) -> str | None:
     """
     if method in choices.UNIT_METHODS:
         return "units"
-    if method in choices.STRUCTURED_METHODS:
-        return "structured"
-    if method == "semi_structured":
-        return "global"  # it ranks within groups of the whole tensor, as PruningContainer's "global" methods do
-    return "unstructured" if method in choices.METHODS else None
+    entry = registry.get(method)
+    return None if entry is None else entry.pruning_type
+
+
+def _names(trait: str) -> str:
+    """``"a or b"``: the registered methods with ``trait`` (what a message offers instead)."""
+    return " or ".join(name for name, entry in registry.METHODS.items() if getattr(entry, trait))
 
 
 def method_problems(
@@ -85,6 +90,7 @@ def method_problems(
         ['prune_channel_bias']
     """
     label = method or "a custom method"
+    entry = registry.get(method)
     problems: list[Problem] = []
     if method in choices.UNIT_METHODS:
         if scope not in choices.UNIT_SCOPES:
@@ -100,9 +106,9 @@ def method_problems(
                 Problem("prune_channel_bias", prune_channel_bias, f"{method} prunes the units' biases already")
             )
         return problems
-    if method == "semi_structured" and scope != "layerwise":
+    if entry is not None and entry.kind == "n:m" and scope != "layerwise":
         problems.append(
-            Problem("scope", scope, "semi_structured ranks its N:M groups within each layer: use scope=layerwise")
+            Problem("scope", scope, f"{method} ranks its N:M groups within each layer: use scope=layerwise")
         )
     elif scope == "global" and kind is not None and kind != "unstructured":
         problems.append(
@@ -121,8 +127,8 @@ def method_problems(
                 f"{label} is {kind}: use scope=layerwise",
             )
         )
-    if scope == "row" and method != "l1_unstructured":
-        problems.append(Problem("scope", scope, f"row ranks every row's entries as l1_unstructured does, not {label}"))
+    if scope == "row" and not (entry is not None and entry.rows):
+        problems.append(Problem("scope", scope, f"row ranks every row's entries as {_names('rows')} does, not {label}"))
     if prune_channel_bias and not (kind == "structured" and dim == 0):
         problems.append(
             Problem(
@@ -156,6 +162,7 @@ def importance_problems(
         "importance='magnitude': scope=owl allocates by the outliers of |W| * ||X|| scores: use importance=activation"
     """
     label = method or "a custom method"
+    entry = registry.get(method)
     problems: list[Problem] = []
     if scope == "owl" and importance != "activation":
         problems.append(
@@ -178,25 +185,26 @@ def importance_problems(
                 + (" and reconstruct=True" if method in choices.UNIT_METHODS else ""),
             )
         )
-    if importance == "obs" and method not in choices.OBS_METHODS + choices.RANDOM_METHODS:
+    random = entry is not None and entry.random
+    if importance == "obs" and not (random or (entry is not None and entry.obs)):
         problems.append(
             Problem(
                 "importance",
                 importance,
                 f"obs chooses single weights (or N:M groups) while it updates the others, which {label} cannot: use "
-                "method l1_unstructured or semi_structured",
+                f"method {_names('obs')}",
             )
         )
-    if importance != "magnitude" and method in choices.RANDOM_METHODS:
+    if importance != "magnitude" and random:
         problems.append(Problem("importance", importance, f"{label} draws at random and ignores scores"))
-    allowed = choices.SIGNED_SCORE_METHODS + choices.RANDOM_METHODS + choices.UNIT_METHODS
-    if importance == "movement" and method not in allowed:
+    signed = random or method in choices.UNIT_METHODS or (entry is not None and entry.signed)
+    if importance == "movement" and not signed:
         problems.append(
             Problem(
                 "importance",
                 importance,
                 f"movement ranks signed scores, which {label} cannot (a norm or a custom method would drop their "
-                "sign): use method l1_unstructured or semi_structured",
+                f"sign): use method {_names('signed')}",
             )
         )
     return problems
@@ -271,16 +279,17 @@ def regrow_problems(
     return problems
 
 
-def semi_structured_problems(
-    n: int, m: int, *, one_event: bool, sparsity: float | None, schedule: Any = None
+def n_m_problems(
+    method: str, n: int, m: int, *, one_event: bool, sparsity: float | None, schedule: Any = None
 ) -> list[Problem]:
-    """An N:M pattern is fixed: its run is one event (``one_event``) to ``1 - n/m`` (``sparsity``); ``schedule`` is
-    what a problem shows as the bad value (by default the sparsity, or that there are several events).
+    """An N:M pattern (of ``method``, a registered method of kind ``"n:m"``) is fixed: its run is one event
+    (``one_event``) to ``1 - n/m`` (``sparsity``); ``schedule`` is what a problem shows as the bad value (by default
+    the sparsity, or that there are several events).
 
     Example:
-        >>> semi_structured_problems(2, 4, one_event=True, sparsity=0.5)
+        >>> n_m_problems("semi_structured", 2, 4, one_event=True, sparsity=0.5)
         []
-        >>> semi_structured_problems(2, 4, one_event=False, sparsity=0.9)[0].format()
+        >>> n_m_problems("semi_structured", 2, 4, one_event=False, sparsity=0.9)[0].format()
         "schedule='a schedule of several events': semi_structured with n=2, m=4 prunes 1 - n/m = 0.5 of the weights \
 in one event: give a one-shot schedule to 0.5"
     """
@@ -291,7 +300,7 @@ in one event: give a one-shot schedule to 0.5"
         Problem(
             "schedule",
             schedule if schedule is not None else (sparsity if one_event else "a schedule of several events"),
-            f"semi_structured with n={n}, m={m} prunes 1 - n/m = {fixed:g} of the weights in one event: give a "
+            f"{method} with n={n}, m={m} prunes 1 - n/m = {fixed:g} of the weights in one event: give a "
             f"one-shot schedule to {fixed:g}"
             + (f" (this one prunes to {sparsity:g})" if one_event and sparsity else ""),
         )

@@ -55,11 +55,9 @@ def check_max_layer_sparsity(value: Any) -> float:
         ...
         ValueError: max_layer_sparsity=0 must be a float in (0, 1] (1.0: no cap)
     """
-    from lightprune.rules import cap_problems  # the rule's one home, shared with the callback and the app's config
-
-    problems = cap_problems(value)
-    if problems:
-        raise ValueError(f"{problems[0].key}={value!r} {problems[0].message}")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if not (number and 0 < value <= 1):  # the engine's own argument check: it imports nothing outside prune/
+        raise ValueError(f"max_layer_sparsity={value!r} must be a float in (0, 1] (1.0: no cap)")
     return float(value)
 
 
