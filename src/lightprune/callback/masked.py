@@ -21,6 +21,7 @@ from lightprune import adapters, prune
 from lightprune.callback import reconstruction, sharded
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
+from lightprune.callback.options import is_n_m
 from lightprune.callback.regrowth import zero_optimizer_state
 from lightprune.layouts import input_dim
 from lightprune.prune import allocation, distributed
@@ -90,6 +91,7 @@ class MaskedSelection:
         self.adapted = dict(adapted or {})
         self.method, self.method_kwargs, self.scope = method, dict(method_kwargs), scope
         self.structured = getattr(method, "PRUNING_TYPE", None) == "structured"
+        self.n_m = is_n_m(method)  # a fixed N:M pattern, built per layer along its input dim
         self.mask_dtype, self.seed = mask_dtype, seed
         self.max_layer_sparsity = max_layer_sparsity
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
@@ -228,7 +230,7 @@ class MaskedSelection:
 
         ``scores`` (by qualified name) rank instead of the weights, as ``importance_scores``; ``signed`` ranks them
         by value, higher kept (:mod:`lightprune.prune.signed`). The ``"row"`` scope prunes every row (dim 0) to
-        ``target``; ``SemiStructured`` applies its N:M pattern whatever ``target`` says.
+        ``target``; an N:M method applies its pattern whatever ``target`` says.
         """
         if self.sharded:
             with self._seeded(event):
@@ -240,7 +242,7 @@ class MaskedSelection:
             method = signed_variant(self.method) if signed else self.method
             if scores is None and self.adapted:  # rank the effective weights W + update
                 scores = {q: self.weight(q, m, n) for q, m, n in self.selection}
-            if issubclass(self.method, prune.SemiStructured):
+            if self.n_m:
                 for qualified, module, name in self.selection:
                     pattern = method(**{**self.method_kwargs, "dim": input_dim(module)})
                     self._apply(module, name, pattern, scores, qualified)
@@ -392,7 +394,7 @@ class MaskedSelection:
         calibration). All of it or nothing: every ``H`` is checked before any weight changes."""
         triples = [t for t in self.selection if only is None or t[0] in only]
         n_m = None
-        if issubclass(self.method, prune.SemiStructured):
+        if self.n_m:
             n_m = (self.method_kwargs["n"], self.method_kwargs["m"])
         with self.reparametrized(), self.all_or_nothing():
             reconstruction.reconstruct(

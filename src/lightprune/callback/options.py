@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightprune import choices, prune, rules
+from lightprune import choices, prune, registry, rules
 from lightprune._checks import is_int
 from lightprune.callback import clock
 from lightprune.schedules import Constant, FromCallable, Schedule
@@ -21,8 +22,10 @@ __all__ = [
     "SCOPES",
     "UNITS",
     "check_choice",
+    "check_n_m_schedule",
     "check_owl",
-    "check_semi_structured_schedule",
+    "is_n_m",
+    "method_entry",
     "method_name",
     "raise_problems",
     "resolve_method",
@@ -32,10 +35,26 @@ __all__ = [
     "schedule_for_run",
 ]
 
-METHODS: dict[str, type[prune.BasePruningMethod]] = {
-    name: getattr(prune, class_name) for name, class_name in choices.METHOD_CLASSES.items()
-}
-"""Pruning methods the callback accepts by name; any ``BasePruningMethod`` subclass (or its import path) works too."""
+
+class _MethodClasses(Mapping[str, type[prune.BasePruningMethod]]):
+    """Method name -> class, loaded from :data:`lightprune.registry.METHODS` whenever it is read."""
+
+    def __getitem__(self, name: str) -> type[prune.BasePruningMethod]:
+        return registry.METHODS[name].load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.METHODS)
+
+    def __len__(self) -> int:
+        return len(registry.METHODS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+METHODS: Mapping[str, type[prune.BasePruningMethod]] = _MethodClasses()
+"""Pruning methods the callback accepts by name (a view of :data:`lightprune.registry.METHODS`: a method registered
+there is accepted at once); any ``BasePruningMethod`` subclass (or its import path) works too."""
 
 SCOPES = choices.SCOPES
 """One ranking across the whole selection, one per tensor, one per row of every tensor (``l1_unstructured``), or one
@@ -128,6 +147,29 @@ def method_name(cls: type[prune.BasePruningMethod]) -> str | None:
     return next((name for name, known in METHODS.items() if known is cls), None)
 
 
+def method_entry(cls: type[prune.BasePruningMethod]) -> registry.Method | None:
+    """The registry entry that says how the callback builds and applies ``cls``: its own, else (for a subclass of a
+    registered class) that class's entry with its kind and defaults but none of the traits of its scores (``random``,
+    ``signed``, ``obs``, ``rows``, ``sharded``: the subclass may rank otherwise); ``None`` for any other class.
+
+    Example:
+        >>> method_entry(prune.SemiStructured).kind, method_entry(prune.Identity)
+        ('n:m', None)
+        >>> class Mine(prune.SemiStructured): ...
+        >>> entry = method_entry(Mine)
+        >>> entry.name, entry.fixed_amount, entry.signed, entry.sharded
+        ('semi_structured', True, False, False)
+    """
+    name = method_name(cls)
+    if name is not None:
+        return registry.METHODS[name]
+    bases = {known: registry.METHODS[name] for name, known in METHODS.items()}
+    base = next((bases[parent] for parent in cls.__mro__[1:] if parent in bases), None)
+    if base is None:
+        return None
+    return dataclasses.replace(base, random=False, signed=False, obs=False, rows=False, sharded=False)
+
+
 def raise_problems(problems: list[rules.Problem]) -> None:
     """Raise one ``ValueError`` naming every broken rule (nothing when there is none).
 
@@ -170,6 +212,17 @@ def check_owl(threshold: Any, lam: Any) -> tuple[float, float]:
     return float(threshold), float(lam)
 
 
+def is_n_m(cls: type[prune.BasePruningMethod]) -> bool:
+    """Whether ``cls`` prunes a fixed N:M pattern: its entry's kind is ``"n:m"`` (:func:`method_entry`).
+
+    Example:
+        >>> is_n_m(prune.SemiStructured), is_n_m(prune.L1Unstructured), is_n_m(prune.CustomFromMask)
+        (True, False, False)
+    """
+    entry = method_entry(cls)
+    return entry is not None and entry.kind == "n:m"
+
+
 def resolve_method_options(
     method: str | type[prune.BasePruningMethod], method_kwargs: Mapping[str, Any] | None, scope: str | None
 ) -> tuple[type[prune.BasePruningMethod], dict[str, Any], str]:
@@ -195,40 +248,40 @@ def resolve_method_options(
     if "amount" in kwargs:
         raise ValueError("method_kwargs must not contain 'amount': the callback computes it from the schedule")
     kind = getattr(cls, "PRUNING_TYPE", None)
-    semi = issubclass(cls, prune.SemiStructured)
+    entry = method_entry(cls)
     if kind == "structured":
-        kwargs.setdefault("dim", 0)
-        if cls is prune.LnStructured:
-            kwargs.setdefault("n", 2)
-    if semi:
-        kwargs.setdefault("n", 2)
-        kwargs.setdefault("m", 4)
-        if "dim" in kwargs:
-            raise ValueError("method_kwargs must not contain 'dim' for semi_structured: each layer's input dim is used")
+        kwargs.setdefault("dim", 0)  # output channels, for a structured class of the user's too
+    for key, value in (entry.defaults if entry is not None else {}).items():
+        kwargs.setdefault(key, value)
+    fixed = entry is not None and entry.fixed_amount
+    if entry is not None and fixed and "dim" in kwargs:
+        raise ValueError(f"method_kwargs must not contain 'dim' for {entry.name}: each layer's input dim is used")
     try:
-        cls(**kwargs) if semi else cls(amount=0, **kwargs)
+        cls(**kwargs) if fixed else cls(amount=0, **kwargs)
     except TypeError as err:
         raise ValueError(f"method_kwargs={kwargs!r} do not fit {cls.__name__}: {err}") from err
     if scope is None:
-        scope = "layerwise" if kind == "structured" or semi else "global"
+        scope = "layerwise" if kind == "structured" or fixed else "global"
     check_choice("scope", scope, SCOPES)
     raise_problems(rules.method_problems(method_name(cls) or cls.__name__, kind, scope=scope))
     return cls, kwargs, scope
 
 
-def check_semi_structured_schedule(schedule: Schedule, n: int, m: int) -> None:
-    """An N:M pattern is fixed: its run is one event to ``1 - n/m``; refuse any other schedule, naming it.
+def check_n_m_schedule(schedule: Schedule, method: str, n: int, m: int) -> None:
+    """An N:M pattern (of ``method``) is fixed: its run is one event to ``1 - n/m``; refuse any other schedule,
+    naming it.
 
     Example:
-        >>> check_semi_structured_schedule(Constant(0.5, at=10), 2, 4)
-        >>> check_semi_structured_schedule(Constant(0.75), 2, 4)
+        >>> check_n_m_schedule(Constant(0.5, at=10), "semi_structured", 2, 4)
+        >>> check_n_m_schedule(Constant(0.75), "semi_structured", 2, 4)
         Traceback (most recent call last):
         ...
         ValueError: schedule=Constant(sparsity=0.75, at=0): semi_structured with n=2, m=4 prunes 1 - n/m = 0.5 ...
     """
     one_event = isinstance(schedule, Constant)
     sparsity = getattr(schedule, "sparsity", None)
-    raise_problems(rules.semi_structured_problems(n, m, one_event=one_event, sparsity=sparsity, schedule=schedule))
+    problems = rules.n_m_problems(method, n, m, one_event=one_event, sparsity=sparsity, schedule=schedule)
+    raise_problems(problems)
 
 
 def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:
@@ -262,10 +315,10 @@ def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: in
     # the run's last time in the clock's unit (see lightprune.callback.clock)
     end = total
     if end is not None and 0 <= end < float("inf") and schedule.last_event > end:
-        warnings.warn(
+        rank_zero_warn(  # once, not on every rank; stacklevel 5: the frame that called the callback's setup
             f"the schedule's last event is at {unit} {schedule.last_event}, after the end of training at {unit} "
             f"{int(end)} (counting {clock.clock_name(trainer, unit)}): the final sparsity {schedule.final_sparsity} "
             "will not be reached",
-            stacklevel=3,
+            stacklevel=5,
         )
     return schedule

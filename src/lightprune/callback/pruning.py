@@ -33,8 +33,9 @@ from lightprune.callback.options import (
     MASKING,
     UNITS,
     check_choice,
+    check_n_m_schedule,
     check_owl,
-    check_semi_structured_schedule,
+    method_entry,
     method_name,
     raise_problems,
     resolve_method_options,
@@ -310,6 +311,8 @@ class PruningCallback(Callback):
             _check_unit_options(method, reconstruct, masking, adopt_zeros, max_layer_sparsity, parameters)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
+        entry = None if self.units else method_entry(self.method)
+        self._n_m = entry if entry is not None and entry.kind == "n:m" else None  # an N:M method's registry entry
         check_importance(
             importance, self.method, activation_window, calibration_batches, scope, self.units, reconstruct
         )
@@ -331,7 +334,7 @@ class PruningCallback(Callback):
                 regrow_fraction,
                 regrow_until,
                 method=method_name(self.method) or self.method.__name__,
-                kind=self.method.PRUNING_TYPE if not issubclass(self.method, prune.SemiStructured) else "global",
+                kind=self.method.PRUNING_TYPE,
                 scope=scope,
             )
         )
@@ -344,8 +347,8 @@ class PruningCallback(Callback):
         self._plan = None if regrow is None else RegrowPlan(regrow, regrow_every, regrow_fraction, regrow_until)
         self._grads: DenseGradients | None = None  # RigL's dense gradients, during an update step only
         self._last_regrow = -1
-        if issubclass(self.method, prune.SemiStructured):
-            check_semi_structured_schedule(self.schedule, self.method_kwargs["n"], self.method_kwargs["m"])
+        if self._n_m is not None:
+            check_n_m_schedule(self.schedule, self._n_m.name, self.method_kwargs["n"], self.method_kwargs["m"])
         check_token_mask(token_mask)
         if not isinstance(adopt_zeros, bool):
             raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
@@ -699,8 +702,8 @@ class PruningCallback(Callback):
             selecting.check_dims(selection, self.method_kwargs)
         if self.scope == "row":
             selecting.check_rows(selection)
-        if issubclass(self.method, prune.SemiStructured):
-            selecting.check_n_m_layout(selection, self.method_kwargs["m"])
+        if self._n_m is not None:
+            selecting.check_n_m_layout(selection, self._n_m.name, self.method_kwargs["m"])
         owners = parameter_owners(pl_module)
         if self._default_types and self.parameters is None:
             selecting.warn_small_share(selection, owners)

@@ -8,9 +8,9 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightprune import prune, rules
+from lightprune import prune, registry, rules
 from lightprune._checks import is_int
-from lightprune.callback.options import raise_problems
+from lightprune.callback.options import method_entry, raise_problems
 from lightprune.prune.collapse import cap_units
 
 __all__ = [
@@ -149,13 +149,7 @@ def check_sharded(
             f"{type(strategy).__name__}); sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Shard with "
             "ModelParallelStrategy and fully_shard in configure_model, or exclude them."
         )
-    supported = (
-        prune.L1Unstructured,
-        prune.RandomUnstructured,
-        prune.LnStructured,
-        prune.RandomStructured,
-        prune.SemiStructured,
-    )
+    supported = [entry.load() for entry in registry.METHODS.values() if entry.sharded]
     if method not in supported:
         raise ValueError(
             f"PruningCallback prunes sharded (DTensor) parameters with the built-in methods "
@@ -217,7 +211,8 @@ def refuse_sharded_criteria(
             "while Shard(0) splits the rows (Linear) or the columns (transformers' Conv1D) across ranks; use "
             "'magnitude', 'activation' or 'movement', or exclude them"
         )
-    if isinstance(method, type) and issubclass(method, prune.SemiStructured):
+    entry = method_entry(method) if isinstance(method, type) else None
+    if entry is not None and entry.kind == "n:m":
         split = [
             q
             for q, module, name in sharded
@@ -225,7 +220,7 @@ def refuse_sharded_criteria(
         ]
         if split:
             raise ValueError(
-                f"method='semi_structured' groups inputs along dim 0 of {split[:3]}, the dim FSDP2 shards (Shard(0)): "
+                f"method={entry.name!r} groups inputs along dim 0 of {split[:3]}, the dim FSDP2 shards (Shard(0)): "
                 "a group may span two ranks; exclude them or leave those modules unsharded"
             )
 
@@ -279,11 +274,12 @@ def check_rows(selection: Selection) -> None:
             raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: scope='row' needs >= 2 dims (rows: dim 0)")
 
 
-def check_n_m_layout(selection: Selection, m: int) -> None:
-    """N:M groups run along each layer's input dim, which ``m`` must divide; refuse, naming the first that fails.
+def check_n_m_layout(selection: Selection, method: str, m: int) -> None:
+    """N:M groups (of ``method``) run along each layer's input dim, which ``m`` must divide; refuse, naming the first
+    that fails.
 
     Example:
-        >>> check_n_m_layout([("fc.weight", nn.Linear(6, 2), "weight")], 4)
+        >>> check_n_m_layout([("fc.weight", nn.Linear(6, 2), "weight")], "semi_structured", 4)
         Traceback (most recent call last):
         ...
         ValueError: semi_structured with m=4 needs the input dim (dim 1) of every weight to be a multiple of m: \
@@ -296,7 +292,7 @@ fc.weight has shape (2, 6); exclude it or choose another m
         dim = input_dim(module)
         if tensor.dim() < 2 or tensor.shape[dim] % m:
             raise ValueError(
-                f"semi_structured with m={m} needs the input dim (dim {dim}) of every weight to be a multiple of m: "
+                f"{method} with m={m} needs the input dim (dim {dim}) of every weight to be a multiple of m: "
                 f"{qualified} has shape {tuple(tensor.shape)}; exclude it or choose another m"
             )
 
