@@ -3,7 +3,9 @@ every file of the ``conf/`` tree composes under the schema and validates."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+import inspect
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from lightprune.experiment.app import config_dir
 from lightprune.experiment.config import (
+    PRUNING_APP_KEYS,
     CacheConfig,
     ConfigError,
     DataConfig,
@@ -333,3 +336,47 @@ def test_the_cache_group_composes_with_its_defaults() -> None:
     cfg = compose_app("cache.retrain=true")
     assert (cfg.cache.dense, cfg.cache.dir, cfg.cache.retrain) == (True, None, True)
     assert OmegaConf.get_type(cfg.cache) is CacheConfig
+
+
+def test_every_pruning_key_is_an_argument_of_the_callback_or_builds_one() -> None:
+    """A key added to ``PruningConfig`` is either an argument of ``PruningCallback`` (then ``build_callback`` passes
+    it: the next test) or one the app builds arguments from, listed in ``PRUNING_APP_KEYS``."""
+    from lightprune import PruningCallback
+
+    arguments = set(inspect.signature(PruningCallback).parameters)
+    keys = {item.name for item in fields(PruningConfig)}
+    assert keys - arguments == set(PRUNING_APP_KEYS)
+
+
+@dataclass
+class _PruningWithMoreKeys(PruningConfig):
+    """A config with keys ``PruningConfig`` does not have, named like arguments of the callback."""
+
+    masking: str = "inplace"
+    name: str | None = "encoder"
+
+
+def test_build_callback_passes_every_key_named_like_a_callback_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightprune import PruningCallback
+    from lightprune.experiment.app import build_callback
+
+    received: dict = {}
+    original = PruningCallback.__init__
+
+    @functools.wraps(original)
+    def spy(self: PruningCallback, *args: object, **kwargs: object) -> None:
+        received.update(kwargs)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PruningCallback, "__init__", spy)
+    cfg = OmegaConf.structured(ExperimentConfig)
+    cfg.pruning = OmegaConf.structured(_PruningWithMoreKeys(seed=7, owl_lambda=0.1, regrow="set", regrow_every=9))
+    callback = build_callback(cfg)
+    arguments = set(inspect.signature(PruningCallback).parameters)
+    built = {"schedule", "include", "exclude", "rewind", "mask_dtype"}  # converted from the config's values
+    passed = {key for key in cfg.pruning if key in arguments} - built
+    assert {"masking", "name", "seed", "regrow"} <= passed
+    for key in passed:
+        assert received[key] == cfg.pruning[key], key
+    assert (callback.masking, callback._log_prefix) == ("inplace", "pruning/encoder/")
+    assert (callback.seed, callback.owl_lambda, callback.regrow, callback.regrow_every) == (7, 0.1, "set", 9)

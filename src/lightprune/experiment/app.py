@@ -47,6 +47,7 @@ from lightprune.experiment.config import (
     ConfigError,
     config_warnings,
     is_bundled,
+    method_kwargs,
     per_round,
     pruning_schedule,
     register_configs,
@@ -101,6 +102,13 @@ def build_callback(
 ) -> Any:
     """A :class:`lightprune.PruningCallback` for ``cfg.pruning``, or ``None`` for the dense preset.
 
+    Every key of ``cfg.pruning`` that names an argument of the callback reaches it as the config holds it, so a key
+    added to :class:`~lightprune.experiment.config.PruningConfig` under an argument's name needs no change here. Built
+    from the config: the schedule (:func:`~lightprune.experiment.config.pruning_schedule`), ``method_kwargs``
+    (:func:`~lightprune.experiment.config.method_kwargs`), ``include`` / ``exclude`` (with the classifier's pattern),
+    ``rewind``, ``mask_dtype``; the keys that are no argument of the callback are
+    :data:`~lightprune.experiment.config.PRUNING_APP_KEYS`.
+
     Args:
         cfg: the experiment config.
         module: the LightningModule to prune; needed for ``pruning.exclude_classifier`` (and for nothing else).
@@ -115,6 +123,8 @@ def build_callback(
         >>> type(callback).__name__, callback.scope, type(callback.schedule).__name__
         ('PruningCallback', 'global', 'Cubic')
     """
+    import inspect
+
     import torch
 
     from lightprune.callback import PruningCallback
@@ -122,44 +132,24 @@ def build_callback(
     p = cfg.pruning
     if p.preset == "none" or p.final_sparsity == 0:
         return None
-    from lightprune.choices import STRUCTURED_METHODS
-
-    method_kwargs: dict[str, Any] = {"dim": p.dim} if p.method in STRUCTURED_METHODS else {}
-    if p.method == "ln_structured":
-        method_kwargs["n"] = p.n
-    if p.method == "semi_structured":
-        method_kwargs = {"n": p.nm_n, "m": p.nm_m}
     if rewind is None and p.rewind is not None:
         rewind = p.rewind
-    return PruningCallback(
-        _schedule(cfg, rounds_target),
-        method=p.method,
-        method_kwargs=method_kwargs,
-        scope=p.scope,
-        unit=p.unit,
-        include=list(p.include) if p.include else None,
-        exclude=exclude_patterns(cfg, module),
-        prune_channel_bias=p.prune_channel_bias,
-        rewind=rewind,
-        make_permanent=make_permanent,
-        mask_dtype=torch.bool if p.mask_dtype == "bool" else None,
-        log_per_parameter=p.log_per_parameter,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
-        seed=p.seed,
-        importance=p.importance,
-        activation_window=p.activation_window,
-        calibration_batches=p.calibration_batches,
-        adopt_zeros=p.adopt_zeros,
-        max_layer_sparsity=p.max_layer_sparsity,
-        reconstruct=p.reconstruct,
-        sequential=p.sequential,
-        owl_threshold=p.owl_threshold,
-        owl_lambda=p.owl_lambda,
-        regrow=p.regrow,
-        regrow_every=p.regrow_every,
-        regrow_fraction=p.regrow_fraction,
-        regrow_until=p.regrow_until,
-    )
+    built: dict[str, Any] = {
+        "include": list(p.include) if p.include else None,
+        "exclude": exclude_patterns(cfg, module),
+        "rewind": rewind,
+        "mask_dtype": torch.bool if p.mask_dtype == "bool" else None,
+        "method_kwargs": method_kwargs(p),
+        "make_permanent": make_permanent,
+        "log_every_n_steps": cfg.trainer.log_every_n_steps,
+    }
+    arguments = inspect.signature(PruningCallback).parameters
+    passed: dict[str, Any] = {  # every other key that names an argument of the callback, as the config holds it
+        key: OmegaConf.to_container(p[key]) if OmegaConf.is_config(p[key]) else p[key]
+        for key in p
+        if key in arguments and key not in built and key != "schedule"
+    }
+    return PruningCallback(_schedule(cfg, rounds_target), **passed, **built)
 
 
 def pruning_callback(

@@ -25,10 +25,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightprune import choices, rules
+from lightprune import choices, registry, rules
 from lightprune.schedules import SCHEDULES as SCHEDULE_CLASSES
 
 __all__ = [
+    "PRUNING_APP_KEYS",
     "CacheConfig",
     "ConfigError",
     "DataConfig",
@@ -41,6 +42,7 @@ __all__ = [
     "config_warnings",
     "is_bundled",
     "is_target",
+    "method_kwargs",
     "objective_names",
     "register_configs",
     "unknown_keys",
@@ -86,6 +88,13 @@ OBJECTIVES = (
 )  # fmt: skip
 """What ``objective`` may name: the scalar (number) fields of a run's ``summary.json``
 (:class:`~lightprune.experiment.summary.RunSummary`), the most searched first."""
+PRUNING_APP_KEYS = (
+    "_target_", "preset", "initial_sparsity", "final_sparsity", "start", "end", "frequency", "rounds", "n", "dim",
+    "nm_n", "nm_m", "exclude_classifier",
+)  # fmt: skip
+"""The keys of :class:`PruningConfig` that name no argument of :class:`lightprune.PruningCallback`: they build its
+schedule (:func:`pruning_schedule`), its ``method_kwargs`` (:func:`method_kwargs`) and its ``exclude`` patterns. Every
+other key is passed to the callback under its own name (``lightprune.experiment.app.build_callback``)."""
 MAX_SEED = 2**32 - 1
 """Seeds reach numpy through ``seed_everything``, which accepts 0 ... 2**32 - 1."""
 
@@ -587,6 +596,25 @@ _SCHEDULE_KEYS = {
 """The ``pruning`` key behind each argument of the schedule classes (see :func:`pruning_schedule`)."""
 
 
+def method_kwargs(pruning: Any) -> dict[str, Any]:
+    """The callback's ``method_kwargs`` for a ``pruning`` config: every argument its method's registry entry fills in
+    (:attr:`~lightprune.registry.Method.defaults`) that the config holds, under the argument's name (``dim``, ``n``),
+    or with the prefix ``nm_`` for an N:M method (``nm_n``, ``nm_m``: ``n`` is ``ln_structured``'s norm). Nothing for
+    a method the registry does not know (an import path: its constructor's defaults apply).
+
+    Example:
+        >>> method_kwargs(OmegaConf.structured(PruningConfig(method="ln_structured", dim=1)))
+        {'dim': 1, 'n': 2.0}
+        >>> method_kwargs(OmegaConf.structured(PruningConfig(method="semi_structured")))
+        {'n': 2, 'm': 4}
+    """
+    entry = registry.get(pruning.method)
+    if entry is None:
+        return {}
+    prefix = "nm_" if entry.kind == "n:m" else ""
+    return {key: pruning[prefix + key] for key in entry.defaults if prefix + key in pruning}
+
+
 def per_round(pruning: Any) -> float:
     """The fraction of the remaining weights each of ``pruning.rounds`` geometric events (or rounds) prunes, so that
     the last reaches ``pruning.final_sparsity``: ``1 - (1 - s) ** (1 / rounds)``.
@@ -630,7 +658,6 @@ def _schedule_problem(err: ValueError) -> str:
     return f"pruning.schedule={text}"
 
 
-RANDOM_METHODS = choices.RANDOM_METHODS
 STATISTICS_IMPORTANCES = choices.STATISTICS_IMPORTANCES
 
 
@@ -675,12 +702,14 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
         calibration_batches=pruning.calibration_batches,
         max_layer_sparsity=pruning.max_layer_sparsity,
     )
-    if method == "semi_structured":
+    entry = registry.get(method)
+    if entry is not None and entry.kind == "n:m":
         _check(problems, pruning.nm_m >= 2, "pruning.nm_m", pruning.nm_m, "a group of >= 2 weights")
         _check(problems, 1 <= pruning.nm_n < pruning.nm_m, "pruning.nm_n", pruning.nm_n, f"in [1, nm_m={pruning.nm_m})")
         if 1 <= pruning.nm_n < pruning.nm_m:
             one_event = pruning.schedule == "constant"
-            found += rules.semi_structured_problems(
+            found += rules.n_m_problems(
+                method,
                 pruning.nm_n,
                 pruning.nm_m,
                 one_event=one_event,
