@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, overload
 
@@ -48,7 +48,7 @@ class Method:
         obs: OBS pruning (``importance="obs"``) chooses its pattern itself (single entries, or N:M groups).
         rows: ``scope="row"`` ranks every row's entries as it does (Wanda's ranking).
         sharded: the callback prunes DTensor shards with it exactly (``lightprune.prune.distributed``).
-        defaults: ``method_kwargs`` filled in when not given (``dim``, ``n``, ``m``, ...).
+        defaults: ``method_kwargs`` filled in when not given (``dim``, ``n``, ``m``, ...); read-only once built.
 
     Example:
         >>> entry = Method("keep_large", "lightprune.prune.L1Unstructured", "unstructured", signed=True)
@@ -64,14 +64,14 @@ class Method:
     obs: bool = False
     rows: bool = False
     sharded: bool = False
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    defaults: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind={self.kind!r} is not supported: allowed are {KINDS}")
         if "." not in self.target:
             raise ValueError(f"target={self.target!r} must be an import path 'package.module.Class'")
-        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults or {})))
 
     @property
     def fixed_amount(self) -> bool:

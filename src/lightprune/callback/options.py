@@ -251,7 +251,7 @@ def resolve_method_options(
     entry = method_entry(cls)
     if kind == "structured":
         kwargs.setdefault("dim", 0)  # output channels, for a structured class of the user's too
-    for key, value in (entry.defaults if entry is not None else {}).items():
+    for key, value in (entry.defaults or {} if entry is not None else {}).items():
         kwargs.setdefault(key, value)
     fixed = entry is not None and entry.fixed_amount
     if entry is not None and fixed and "dim" in kwargs:

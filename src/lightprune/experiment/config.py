@@ -612,7 +612,7 @@ def method_kwargs(pruning: Any) -> dict[str, Any]:
     if entry is None:
         return {}
     prefix = "nm_" if entry.kind == "n:m" else ""
-    return {key: pruning[prefix + key] for key in entry.defaults if prefix + key in pruning}
+    return {key: pruning[prefix + key] for key in entry.defaults or {} if prefix + key in pruning}
 
 
 def per_round(pruning: Any) -> float:
