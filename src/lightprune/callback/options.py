@@ -315,10 +315,10 @@ def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: in
     # the run's last time in the clock's unit (see lightprune.callback.clock)
     end = total
     if end is not None and 0 <= end < float("inf") and schedule.last_event > end:
-        rank_zero_warn(  # once, not on every rank; stacklevel 5: the frame that called the callback's setup
+        rank_zero_warn(  # once, not on every rank; stacklevel 6: the frame that called the hook, as before
             f"the schedule's last event is at {unit} {schedule.last_event}, after the end of training at {unit} "
             f"{int(end)} (counting {clock.clock_name(trainer, unit)}): the final sparsity {schedule.final_sparsity} "
             "will not be reached",
-            stacklevel=5,
+            stacklevel=6,
         )
     return schedule
