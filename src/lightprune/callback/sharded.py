@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightprune import prune
+from lightprune.callback.options import is_n_m
 
 __all__ = ["bias_keep", "load_masks", "local_masks", "mask_prefix", "new_masks", "save_masks"]
 
@@ -104,7 +105,7 @@ def new_masks(
     more pruning are left out), from :mod:`lightprune.prune.distributed`: the masks one process would compute.
 
     ``counts`` holds each tensor's ``(units, pruned units)`` over all ranks; ``method`` is one of the built-in
-    unstructured or structured methods or ``SemiStructured`` (the callback refuses others at setup). No tensor is
+    unstructured or structured methods or an N:M one (the callback refuses others at setup). No tensor is
     pruned beyond ``max_layer_sparsity`` of its units: a global event takes its exact count from the tensors under
     the cap, a layerwise one stops each tensor at the cap. ``scores`` (local, per tensor) rank instead of the
     weights, by value when ``signed`` (higher kept). Per-row ranking (``scope="row"``) and N:M groups along the input
@@ -118,7 +119,7 @@ def new_masks(
         distributed.local_of(t) if s is None else s
         for t, s in zip(tensors, scores or [None] * len(tensors), strict=True)
     ]
-    if issubclass(method, prune.SemiStructured) or scope == "row":
+    if is_n_m(method) or scope == "row":
         from lightprune.prune.rowwise import rowwise_mask
         from lightprune.prune.signed import signed_variant
 
