@@ -116,3 +116,47 @@ def test_the_registry_describes_the_built_in_classes_as_they_behave() -> None:
         kwargs = dict(entry.defaults)
         cls(**kwargs) if entry.fixed_amount else cls(amount=0.5, **kwargs)
     assert list(choices.STRUCTURED_METHODS) == [n for n, e in registry.METHODS.items() if e.kind == "structured"]
+
+
+class KeepLeadingOfGroups(prune.BasePruningMethod):
+    """An N:M method of the test's own: in every group of ``m`` entries along ``dim``, keep the first ``n``."""
+
+    PRUNING_TYPE = "global"
+
+    def __init__(self, n: int = 1, m: int = 2, dim: int = 1) -> None:
+        self.n, self.m, self.dim = n, m, dim
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        moved = default_mask.clone().movedim(self.dim, -1)
+        grouped = moved.reshape(*moved.shape[:-1], moved.shape[-1] // self.m, self.m).clone()
+        grouped[..., self.n :] = 0
+        return grouped.reshape(moved.shape).movedim(-1, self.dim).contiguous()
+
+
+@pytest.fixture
+def keep_leading() -> Iterator[registry.Method]:
+    entry = registry.register(
+        registry.Method("keep_leading", f"{__name__}.KeepLeadingOfGroups", "n:m", defaults={"n": 1, "m": 2})
+    )
+    yield entry
+    del registry.METHODS[entry.name]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_registered_n_m_method_gets_the_n_m_rules_and_pattern(keep_leading: registry.Method) -> None:
+    """Kind ``"n:m"`` alone makes a method a fixed per-layer pattern along the input dim (callback and app alike)."""
+    with pytest.raises(ValueError, match=r"keep_leading with n=1, m=2 prunes 1 - n/m = 0\.5 of the weights in one"):
+        PruningCallback(Constant(0.75), method="keep_leading")
+    callback = PruningCallback(Constant(0.5), method="keep_leading")
+    assert (callback.scope, callback.method_kwargs) == ("layerwise", {"n": 1, "m": 2})
+    model = TinyNet()
+    quiet_trainer([callback], max_epochs=1).fit(model)
+    weights = dict(model.named_parameters())
+    for name, (rows, cols) in WEIGHTS.items():
+        odd_columns = (torch.arange(cols) % 2 == 1).expand(rows, cols)  # Linear's input dim is 1
+        assert torch.equal(weights[name].detach() == 0, odd_columns), name
+    cfg = app_config("keep_leading", schedule="constant", final_sparsity=0.5, scope="layerwise", nm_n=1, nm_m=2)
+    validate_config(cfg)
+    assert build_callback(cfg).method_kwargs == {"n": 1, "m": 2}
+    with pytest.raises(ConfigError, match="keep_leading ranks its N:M groups within each layer: use scope=layerwise"):
+        validate_config(app_config("keep_leading", schedule="constant", final_sparsity=0.5, nm_n=1, nm_m=2))
