@@ -144,7 +144,7 @@ def _callback_event(model: Any, inplace: bool) -> Any:
     (counting, the engine call, putting masks in place) and the sparsities it logs (a torchmetrics collection)."""
     import torch
 
-    from lightprune.callback.masked import MaskedSelection
+    from lightprune.callback.masked_selection import MaskedSelection
     from lightprune.callback.reporting import sparsities
     from lightprune.prune import L1Unstructured
 

@@ -43,7 +43,7 @@ from criteria_minilm import (
     weight_sparsity,
 )
 from lightprune import prune
-from lightprune.callback.masked import MaskedSelection
+from lightprune.callback.masked_selection import MaskedSelection
 
 
 def prune_arm(model: torch.nn.Module, norms: dict[str, torch.Tensor], arm: str, sparsity: float, owl: Any) -> list:

@@ -1,32 +1,84 @@
-"""In-place masking: the selected tensors stay plain Parameters, zeroed where pruned after every optimizer step.
+"""In-place masking: the selected tensors stay plain Parameters; the masks are kept apart and applied in place.
 
 The reparametrization (``name_orig * name_mask`` recomputed before every forward, the product's gradient masked in
-every backward) costs two weight-sized passes and a weight-sized copy per step. In place, the masks are kept beside
-the model: the gradient of a pruned entry is zeroed as soon as it is accumulated (so clipping, logging and the
-optimizer never see it), and the weight of a pruned entry is zeroed right after each optimizer step. For optimizers
-whose update of an entry depends on that entry alone (SGD with momentum, weight decay and Nesterov, Adam, AdamW,
-RMSprop...) the effective weights are those of the reparametrized mode, bit for bit.
+every backward) costs two weight-sized passes and a weight-sized copy per step. In place, a training step costs at
+most one pass over the pruned gradients, as one call over all of them, and no weight pass where none is needed:
+
+- Gradients: under automatic optimization, once per optimizer step when the gradients are final (accumulated over
+  micro-batches, unscaled by AMP, reduced across DDP ranks), before clipping, gradient logging and the optimizer see
+  them (Lightning calls callbacks' ``on_before_optimizer_step`` before it clips). Under manual optimization, and
+  when used alone, also as each gradient is accumulated, so that the user's own ``clip_gradients`` before
+  ``optimizer.step()`` sees masked gradients.
+- Weights: optimizers whose update of an entry depends only on that entry's gradient and state, of these exact
+  classes (not subclasses, which may override ``step``): :data:`ENTRYWISE_OPTIMIZERS`, ``torch.optim.SGD``
+  (momentum, Nesterov, weight decay), ``Adam``, ``AdamW``, ``RMSprop`` and ``Adagrad``. A pruned entry is zero, its
+  gradient is masked and its optimizer state (momentum, moments) is zeroed whenever masks change, so each step
+  leaves it exactly zero: no weight pass runs after their steps. Every other optimizer (``Adamax``, ``NAdam``,
+  ``RAdam``, ``Adadelta``, ``Rprop``, ``ASGD``, ``SparseAdam``, subclasses, optimizers of other packages) gets a
+  weight pass after each of its steps. Rewinds and weight averages copied back are masked explicitly
+  (:meth:`InPlaceMasks.after_rewrite`).
+
+For the optimizers of :data:`ENTRYWISE_OPTIMIZERS` the effective weights are those of the reparametrized mode, bit
+for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback.masks import mask_of
+from lightprune.callback.mask_strategy import MaskStrategy, Pairs, mask_of, owner_in
+from lightprune.callback.regrowth import zero_optimizer_state
 from lightprune.prune.distributed import local_of
 from lightprune.prune.functional import remove_masked
 from lightprune.prune.masking import masked_
 
-__all__ = ["InPlaceMasks"]
+if TYPE_CHECKING:
+    from lightprune.callback.masked_selection import MaskedSelection
+
+__all__ = ["ENTRYWISE_OPTIMIZERS", "InPlaceMasks", "needs_weight_pass"]
+
+ENTRYWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+)
+"""Optimizer classes whose step leaves an entry with zero value, gradient and state exactly zero (exact types)."""
 
 
-class InPlaceMasks:
-    """Masks held outside the model, applied to the weights and their gradients in place.
+def needs_weight_pass(optimizer: Any) -> bool:
+    """Whether pruned weights must be zeroed again after ``optimizer``'s steps: unless its exact class is one of
+    :data:`ENTRYWISE_OPTIMIZERS` (Lightning's wrapper is looked through).
+
+    Example:
+        >>> weight = [nn.Parameter(torch.ones(2))]
+        >>> needs_weight_pass(torch.optim.Adam(weight)), needs_weight_pass(torch.optim.Adamax(weight))
+        (False, True)
+        >>> class MyAdam(torch.optim.Adam): ...
+        >>> needs_weight_pass(MyAdam(weight))
+        True
+    """
+    return type(getattr(optimizer, "optimizer", optimizer)) not in ENTRYWISE_OPTIMIZERS
+
+
+def _masked_all_(values: Sequence[Tensor], keeps: Sequence[Tensor]) -> None:
+    """Zero every ``values[i]`` where ``keeps[i]`` is false: one call over all pruned tensors."""
+    for value, keep in zip(values, keeps, strict=True):
+        masked_(value, keep)
+
+
+class InPlaceMasks(MaskStrategy):
+    """Masks held outside the model, applied to the weights and their gradients in place (see the module docstring).
+
+    Parameters sharded as DTensor are masked on their local shards (:class:`~lightprune.callback.sharded.ShardedMasks`
+    adds their events and checkpoints).
 
     Example:
         >>> layer = torch.nn.Linear(4, 2)
@@ -45,6 +97,18 @@ class InPlaceMasks:
         self._entries: dict[tuple[int, str], tuple[nn.Module, str, Tensor]] = {}
         self._by_parameter: dict[int, tuple[nn.Parameter, Tensor]] = {}
         self._handles: dict[int, Any] = {}
+        self._optimizers: list[Any] = []  # whose state of pruned entries is zeroed when masks change
+        self.hook_grads = True  # mask each gradient as it is accumulated (standalone, manual optimization)
+        self.weight_pass = True  # zero the pruned weights after every optimizer step
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The masks
+    # ------------------------------------------------------------------------------------------------------------
+
+    def mask(self, module: nn.Module, name: str) -> Tensor | None:
+        """The mask kept here for ``module.<name>`` (or its reparametrization's during :meth:`editing`), if any."""
+        entry = self._entries.get((id(module), name))
+        return mask_of(module, name) if entry is None else entry[2]
 
     def take(self, pairs: Iterable[tuple[nn.Module, str]]) -> None:
         """Move the masks of these reparametrized tensors here and make them plain Parameters again (zeros where
@@ -55,9 +119,7 @@ class InPlaceMasks:
                 continue
             parameter = prune.original(module, name)
             remove_masked(module, name)  # orig * mask in place: no new weight-sized tensor
-            self._entries[(id(module), name)] = (module, name, mask)
-            self._by_parameter[id(parameter)] = (parameter, mask)
-            self._watch_grad(parameter)
+            self._keep(module, name, parameter, mask)
 
     def put(self, module: nn.Module, name: str, mask: Tensor) -> None:
         """Keep ``mask`` for the plain (or DTensor) Parameter ``module.<name>`` and zero it where pruned now.
@@ -66,22 +128,17 @@ class InPlaceMasks:
         never applies to it, and weights and gradients are masked on the local shard.
         """
         parameter = prune.original(module, name)
-        self._entries[(id(module), name)] = (module, name, mask)
-        self._by_parameter[id(parameter)] = (parameter, mask)
-        self._watch_grad(parameter)
+        self._keep(module, name, parameter, mask)
         with torch.no_grad():
             masked_(local_of(parameter), mask)
 
-    def _watch_grad(self, parameter: Tensor) -> None:
-        """Mask the gradient of ``parameter`` as soon as it is accumulated (a frozen Parameter, such as the base
-        weight under a LoRA adapter, has none to mask)."""
-        if parameter.requires_grad and id(parameter) not in self._handles:
-            self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
-
-    def forget(self) -> None:
-        """Drop every mask kept here (the hooks stay)."""
-        self._entries.clear()
-        self._by_parameter.clear()
+    def _keep(self, module: nn.Module, name: str, parameter: nn.Parameter, mask: Tensor) -> None:
+        self._entries[(id(module), name)] = (module, name, mask)
+        self._by_parameter[id(parameter)] = (parameter, mask)
+        if self.hook_grads:
+            self._watch_grad(parameter)
+        if self._optimizers:  # a pruned entry's state stays zero, so its steps leave it zero (no weight pass)
+            zero_optimizer_state(self._optimizers, parameter, ~mask.bool())
 
     def give_back(self) -> list[tuple[nn.Module, str, Tensor]]:
         """Put every mask back under the reparametrization (for an event) and forget them here; returns them."""
@@ -92,25 +149,47 @@ class InPlaceMasks:
         self._by_parameter.clear()
         return entries
 
-    def mask(self, module: nn.Module, name: str) -> Tensor | None:
-        """The mask kept here for ``module.<name>``, if any."""
-        entry = self._entries.get((id(module), name))
-        return None if entry is None else entry[2]
+    @contextlib.contextmanager
+    def editing(self, pairs: Pairs) -> Iterator[None]:
+        """Put the reparametrization back for the block (an event, a restore), all or nothing; take it away after."""
+        self.give_back()
+        try:
+            with prune.transaction(pairs):
+                yield
+        finally:
+            self.take(pairs)
 
-    def masks_by_parameter(self) -> dict[int, tuple[nn.Parameter, Tensor]]:
-        """``{id(parameter): (parameter, mask)}``, one entry per Parameter (tied owners share one)."""
-        return dict(self._by_parameter)
+    def share_with_averages(self, masked: MaskedSelection, averages: list[nn.Module]) -> None:
+        """The averaged copies stay plain too: :meth:`after_rewrite` zeroes them."""
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Training steps
+    # ------------------------------------------------------------------------------------------------------------
 
     def apply(self) -> None:
-        """Zero the pruned entries of every masked Parameter (after an optimizer step, a rewind, an average)."""
+        """Zero the pruned entries of every masked Parameter: one weight pass."""
         with torch.no_grad():
-            for parameter, mask in self._by_parameter.values():
-                masked_(local_of(parameter), mask)
+            _masked_all_(*self._locals(parameter for parameter, _ in self._by_parameter.values()))
 
     def mask_grads(self) -> None:
-        """Zero the pruned entries of every gradient (again: a no-op unless something wrote gradients since)."""
-        for parameter, _ in self._by_parameter.values():
-            self._mask_grad(parameter)
+        """Zero the pruned entries of every gradient: one pass, one call over all pruned gradients."""
+        grads = (p.grad for p, _ in self._by_parameter.values())
+        _masked_all_(*self._locals(grads))
+
+    def _locals(self, tensors: Iterable[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
+        """The local tensors and their masks, skipping missing ones (a Parameter without a gradient)."""
+        values, keeps = [], []
+        for tensor, (_, mask) in zip(tensors, self._by_parameter.values(), strict=True):
+            if tensor is not None:
+                values.append(local_of(tensor))
+                keeps.append(mask)
+        return values, keeps
+
+    def _watch_grad(self, parameter: Tensor) -> None:
+        """Mask the gradient of ``parameter`` as soon as it is accumulated (a frozen Parameter, such as the base
+        weight under a LoRA adapter, has none to mask)."""
+        if parameter.requires_grad and id(parameter) not in self._handles:
+            self._handles[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._mask_grad)
 
     def _mask_grad(self, parameter: Tensor) -> None:
         entry = self._by_parameter.get(id(parameter))
@@ -118,7 +197,50 @@ class InPlaceMasks:
             masked_(local_of(parameter.grad), entry[1])
 
     def remove_hooks(self) -> None:
-        """Stop masking gradients (end of fit); the masks stay readable."""
+        """Stop masking gradients as they are accumulated; the masks stay readable."""
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+
+    def attach(self, trainer: Any, pl_module: Any, masked: MaskedSelection) -> list[Any]:
+        """Training starts: decide the per-step passes (see the module docstring) and zero the optimizer state of the
+        pruned entries (a resumed fit brings back state saved by either mode); returns the step hooks' handles."""
+        from lightprune.callback import neighbours
+
+        self._optimizers = list(trainer.optimizers)
+        self.weight_pass = any(needs_weight_pass(optimizer) for optimizer in self._optimizers)
+        self.hook_grads = not pl_module.automatic_optimization
+        if self.hook_grads:
+            for parameter, _ in self._by_parameter.values():
+                self._watch_grad(parameter)
+        else:
+            self.remove_hooks()
+        for parameter, mask in self._by_parameter.values():
+            zero_optimizer_state(self._optimizers, parameter, ~mask.bool())
+        return neighbours.mask_after_optimizer_steps(trainer, pl_module, lambda: self.after_optimizer_step(masked))
+
+    def before_optimizer_step(self) -> None:
+        """The gradients are final: mask them (one pass over all of them)."""
+        self.mask_grads()
+
+    def after_optimizer_step(self, masked: MaskedSelection) -> None:
+        """After an optimizer step: a weight pass, unless every optimizer leaves pruned entries at zero."""
+        if self.weight_pass:
+            self.after_rewrite(masked)
+
+    def after_rewrite(self, masked: MaskedSelection) -> None:
+        """Zero the pruned entries of the weights and of the averaged copies' weights."""
+        self.apply()
+        with torch.no_grad():
+            for average in masked.averages:
+                for qualified, module, name in masked.named_pairs():
+                    mask = self.mask(module, name)
+                    if mask is not None:
+                        weight = getattr(owner_in(average, qualified), name)
+                        masked_(weight, mask.to(weight.device))
+
+    def finish(self, masked: MaskedSelection, make_permanent: bool) -> None:
+        """End of fit, whatever ``make_permanent`` says: zero the weights a last time and stop masking gradients."""
+        self.after_rewrite(masked)
+        self.remove_hooks()
+        self._optimizers = []

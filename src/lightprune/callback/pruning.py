@@ -28,7 +28,7 @@ from lightprune._checks import is_int
 from lightprune.callback import clock, neighbours, reporting, rewinding, selecting, sharded
 from lightprune.callback.calibration import calibrate, first_batch
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
-from lightprune.callback.masked import MaskedSelection
+from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.callback.options import (
     MASKING,
     UNITS,
@@ -144,8 +144,11 @@ class PruningCallback(Callback):
         make_permanent: at the end of fit, remove the reparametrization of the tensors this callback pruned, so
             the model holds plain Parameters with zeros (always so with ``masking="inplace"``).
         masking: ``"reparametrize"`` (torch's ``name_orig * name_mask`` before every forward, the default) or
-            ``"inplace"``: between events the tensors stay plain Parameters; pruned gradient entries are zeroed as
-            soon as they are accumulated and pruned weights right after every optimizer step. Faster and leaner; the
+            ``"inplace"``: between events the tensors stay plain Parameters; pruned gradient entries are zeroed
+            once per optimizer step, before clipping (as they are accumulated under manual optimization). Pruned
+            weights stay exactly zero without a pass of their own under ``torch.optim.SGD``, ``Adam``, ``AdamW``,
+            ``RMSprop`` and ``Adagrad`` (exact classes: their optimizer state is zeroed where pruned); under any other
+            optimizer they are zeroed after every step (:mod:`lightprune.callback.inplace`). Faster and leaner; the
             effective weights are the same for optimizers whose update of an entry depends on that entry alone
             (SGD, Adam, AdamW, RMSprop...). LBFGS is refused; Adafactor and manual optimization warn. Parameters
             sharded as DTensor (``ModelParallelStrategy``, FSDP2) are always masked in place, each rank keeping the
@@ -250,9 +253,10 @@ class PruningCallback(Callback):
     (rank zero), and the end-of-fit table marks them.
 
     The callback is Lightning's side of pruning: its hooks, the clock, the checkpoint state and the logging. What
-    is masked and how an event changes the masks lives in :class:`~lightprune.callback.masked.MaskedSelection`. (The
-    class runs past 350 lines because its constructor checks its thirty-four arguments eagerly, as Lightning's
-    callbacks do, and this docstring documents them.)
+    is masked and how an event changes the masks lives in
+    :class:`~lightprune.callback.masked_selection.MaskedSelection`, how the masks are held and applied at each step
+    in its :class:`~lightprune.callback.mask_strategy.MaskStrategy`. (The class is long because its constructor
+    checks every argument eagerly, as Lightning's callbacks do, and this docstring documents them all.)
 
     Raises:
         ValueError: for any configuration mistake, at construction (or, for the selection, at setup), naming the
@@ -478,8 +482,8 @@ class PruningCallback(Callback):
             self._select_units(trainer, pl_module)
         self._load_sharded_masks(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
-        if self._masks_in_place:
-            self._step_handles = neighbours.mask_after_optimizer_steps(trainer, pl_module, self._in_place)
+        if self._masked is not None:
+            self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
         if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
             counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
@@ -503,7 +507,7 @@ class PruningCallback(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._in_place()  # StochasticWeightAveraging updates its average when an epoch starts
+        self._after_rewrite()  # StochasticWeightAveraging updates its average when an epoch starts
         if self.unit == "epoch":
             self._step(trainer, pl_module, trainer.current_epoch)
 
@@ -529,7 +533,7 @@ class PruningCallback(Callback):
             self._collecting = False
             self._importance.finish_batch(self._reducer(trainer, "sum"))  # every rank, before any event
         if self._masked is not None and self._masked.averages:
-            self._in_place()  # weight-averaging callbacks (run before this one) updated their copies
+            self._after_rewrite()  # weight-averaging callbacks (run before this one) updated their copies
         if self.unit == "step":
             self._step(trainer, pl_module, self._now(trainer))
         self._move(trainer)
@@ -541,11 +545,11 @@ class PruningCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
         self._warn_if_schedule_unfinished(trainer)
-        if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.sharded):
+        if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.strategy.collective):
             table = self.summary_table()  # sharded: every rank takes part in reducing the counts
             rank_zero_info(table)
-        if (self.make_permanent or self._masks_in_place) and self._masked is not None:
-            self._masked.make_permanent()
+        if self._masked is not None:
+            self._masked.make_permanent(self.make_permanent)
         self._remove_step_handles()
         self._importance.close()
         if self._grads is not None:
@@ -554,8 +558,8 @@ class PruningCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self._masked is not None and self._masked.inplace is not None:
-            self._masked.inplace.mask_grads()  # before clipping and the step, whatever wrote the gradients since
+        if self._masked is not None:
+            self._masked.strategy.before_optimizer_step()  # the gradients are final; clipping and the step follow
         self._importance.optimizer_step(optimizer)  # movement: the gradients are final (accumulated, unscaled)
 
     @override
@@ -599,8 +603,7 @@ class PruningCallback(Callback):
         # a checkpoint written after the state_dict hook is gone (OnExceptionCheckpoint) is made plain all the same
         if self._masked is not None:
             self._masked.plain_state_dict(pl_module, checkpoint["state_dict"], "", None)
-            if self._masked.sharded:
-                self._save_sharded_masks(checkpoint)
+            self._masked.strategy.save_checkpoint(checkpoint, self.state_key)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -727,14 +730,6 @@ class PruningCallback(Callback):
             owl=(self.owl_threshold, self.owl_lambda),
         )
 
-    @property
-    def _masks_in_place(self) -> bool:
-        """Whether the masks are kept apart and applied in place: ``masking="inplace"``, or a sharded selection."""
-        return self.masking == "inplace" or (self._masked is not None and self._masked.sharded)
-
-    def _save_sharded_masks(self, checkpoint: dict[str, Any]) -> None:
-        sharded.save_masks(checkpoint, self.state_key)
-
     def _load_sharded_masks(self, trainer: Trainer) -> None:
         """Resuming from a distributed checkpoint: read this rank's shard of every mask saved beside the weights."""
         names, self._sharded_masks_in = self._sharded_masks_in, []
@@ -742,9 +737,10 @@ class PruningCallback(Callback):
             masks = sharded.load_masks(trainer.ckpt_path, names, self._masked, self.state_key, self.mask_dtype)
             self._masked.restore(masks, self.state_key)
 
-    def _in_place(self) -> None:
+    def _after_rewrite(self) -> None:
+        """The weights were rewritten (a rewind, a weight average): the strategy masks them again if it must."""
         if self._masked is not None:
-            self._masked.apply_in_place()
+            self._masked.after_rewrite()
 
     def _remove_step_handles(self) -> None:
         for handle in self._step_handles:
@@ -800,7 +796,7 @@ class PruningCallback(Callback):
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None:
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
-            self._in_place()
+            self._after_rewrite()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
 
     def _plan_regrowth(self, trainer: Trainer) -> None:
@@ -931,15 +927,7 @@ class PruningCallback(Callback):
             return
         current = {}
         for qualified, module, name in self._masked.selection:
-            mask = self._masked.mask(module, name)
-            tensor = prune.original(module, name)
-            if self._masked.sharded:  # local shards; a plain tensor, the same on every rank, counts on rank 0 only
-                from lightprune.prune.distributed import is_sharded, local_of
-
-                tensor = local_of(tensor)
-                if not is_sharded(prune.original(module, name)) and trainer.global_rank != 0:
-                    tensor, mask = tensor.new_empty(0), None
-            current[qualified] = torch.ones_like(tensor, dtype=torch.bool) if mask is None else mask
+            current[qualified] = self._masked.strategy.logged_mask(module, name, trainer.global_rank)
         values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
         total_key = self._log_prefix + "sparsity/total"
         if not self.log_per_parameter:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lightprune import prune, rules
 from lightprune.callback.options import raise_problems
+from lightprune.prune.distributed import local_of
 
 __all__ = ["DenseGradients", "RegrowPlan", "zero_optimizer_state"]
 
@@ -146,7 +147,8 @@ class DenseGradients:
 
 
 def zero_optimizer_state(optimizers: Iterable[Any], parameter: Tensor, where: Tensor) -> None:
-    """Zero every optimizer state tensor of ``parameter``'s shape (momentum, Adam's moments) at ``where``.
+    """Zero every optimizer state tensor of ``parameter``'s shape (momentum, Adam's moments) at ``where`` (for a
+    Parameter sharded as DTensor, ``where`` is of its local shard's shape).
 
     Example:
         >>> weight = nn.Parameter(torch.ones(3))
@@ -163,5 +165,5 @@ def zero_optimizer_state(optimizers: Iterable[Any], parameter: Tensor, where: Te
         if not state:
             continue
         for value in state.values():
-            if isinstance(value, Tensor) and value.shape == parameter.shape:
-                value.masked_fill_(where.to(value.device), 0)
+            if isinstance(value, Tensor) and value.shape == parameter.shape:  # a DTensor's: its local shard
+                local_of(value).masked_fill_(where.to(value.device), 0)

@@ -1,8 +1,9 @@
 """Masks of sharded tensors (DTensors: FSDP2, ``ModelParallelStrategy``): events, restores and checkpoints.
 
-Each rank keeps the masks of its own shards. :func:`new_masks` computes an event's new local masks with
-:mod:`lightprune.prune.distributed` (exactly one process's masks), :func:`bias_keep` the local channel biases that
-follow them, and :func:`local_masks` this rank's part of masks read back from a checkpoint.
+Each rank keeps the masks of its own shards, in place (:class:`ShardedMasks`, the mask strategy of a sharded
+selection). :func:`new_masks` computes an event's new local masks with :mod:`lightprune.prune.distributed` (exactly
+one process's masks); the channel biases follow them by the rule of every strategy
+(:func:`~lightprune.callback.mask_strategy.bias_keep`, on local shards).
 
 Checkpoints hold them exactly whatever the format. A distributed checkpoint (the model's state holds DTensors)
 saves the weights shard by shard from every rank, but the callbacks' states from rank zero only: each rank's local
@@ -17,15 +18,22 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.callback.inplace import InPlaceMasks
+from lightprune.callback.mask_strategy import Pairs, bias_keep, check_restored, exact_increment
 from lightprune.callback.options import is_n_m
+from lightprune.layouts import input_dim
+from lightprune.prune import distributed
 
-__all__ = ["bias_keep", "load_masks", "local_masks", "mask_prefix", "new_masks", "save_masks"]
+if TYPE_CHECKING:
+    from lightprune.callback.masked_selection import MaskedSelection
+
+__all__ = ["ShardedMasks", "load_masks", "mask_prefix", "new_masks", "save_masks"]
 
 
 def mask_prefix(state_key: str) -> str:
@@ -111,9 +119,6 @@ def new_masks(
     weights, by value when ``signed`` (higher kept). Per-row ranking (``scope="row"``) and N:M groups along the input
     dim (``input_dims``) need no traffic: under ``Shard(0)`` every row, and every group along dim 1, is local.
     """
-    from lightprune.prune import distributed
-    from lightprune.prune.collapse import capped_count
-
     new: dict[int, Tensor] = {}
     local_scores = [
         distributed.local_of(t) if s is None else s
@@ -136,7 +141,7 @@ def new_masks(
     if method.PRUNING_TYPE == "structured":
         n = method_kwargs.get("n")  # None: RandomStructured
         for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-            increment = capped_count(target, units, max_layer_sparsity) - pruned
+            increment = exact_increment(target, units, pruned, max_layer_sparsity)
             if increment > 0:
                 new[i] = distributed.sharded_structured_mask(
                     tensor, increment, dim=method_kwargs["dim"], n=n, current=mask, dtype=dtype, group=group
@@ -144,7 +149,7 @@ def new_masks(
         return new
     name = "random" if method is prune.RandomUnstructured else "l1"
     if scope == "global":
-        increment = round(target * sum(u for u, _ in counts)) - sum(p for _, p in counts)
+        increment = exact_increment(target, sum(u for u, _ in counts), sum(p for _, p in counts))
         if increment > 0:
             masks = distributed.sharded_unstructured_masks(
                 tensors, increment, method=name, current=current, dtype=dtype, group=group,
@@ -153,7 +158,7 @@ def new_masks(
             new = dict(enumerate(masks))
         return new
     for i, (tensor, mask, (units, pruned)) in enumerate(zip(tensors, current, counts, strict=True)):
-        increment = capped_count(target, units, max_layer_sparsity) - pruned
+        increment = exact_increment(target, units, pruned, max_layer_sparsity)
         if increment > 0:
             new[i] = distributed.sharded_unstructured_masks(
                 [tensor], increment, method=name, current=[mask], dtype=dtype, group=group,
@@ -162,45 +167,108 @@ def new_masks(
     return new
 
 
-def bias_keep(weight_mask: Tensor, bias: Tensor, owner: str) -> Tensor:
-    """Which local bias entries to keep: those of the output channels (rows) whose local weight mask is not all zero.
+class ShardedMasks(InPlaceMasks):
+    """The masks of a selection sharded as DTensor: in place, each rank holding the masks of its local shards.
+
+    Counting is collective (one all_reduce for all tensors); events select with :func:`new_masks`, never under the
+    reparametrization; the callback's state holds each mask as a DTensor of its parameter's layout. The averaged
+    copies of weight-averaging callbacks are refused.
 
     Example:
-        >>> bias_keep(torch.tensor([[1, 0], [0, 0]], dtype=torch.bool), torch.zeros(2), "Linear")
-        tensor([ True, False])
+        >>> strategy = ShardedMasks(group=None)
+        >>> strategy.collective, strategy.saved_mask(torch.ones(2, dtype=torch.bool), torch.zeros(2)).shape
+        (True, torch.Size([2]))
     """
-    keep = torch.count_nonzero(weight_mask, dim=list(range(1, weight_mask.dim()))) > 0
-    if keep.shape != bias.shape:
-        raise ValueError(
-            f"the local bias of {owner} has shape {tuple(bias.shape)} but its weight's local shard has "
-            f"{keep.numel()} rows: bias and weight must be sharded alike along dim 0"
-        )
-    return keep
+
+    collective = True
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def counts(self, pairs: Pairs, dim: int | None) -> list[tuple[int, int]]:
+        """``(units, pruned units)`` of each tensor over all ranks, in one all_reduce."""
+        tensors = [prune.original(module, name) for module, name in pairs]
+        masks = [self.mask(module, name) for module, name in pairs]
+        return distributed.pruned_units(tensors, masks, dim=dim, group=self.group)
+
+    def prune_to(self, masked: MaskedSelection, target: float, scores: Any, signed: bool) -> None:
+        """An event on local shards: new masks from :func:`new_masks`, kept in place.
+
+        ``scores`` hold each tensor's local scores (the shard's shape). The new masks are computed for every tensor
+        first and only then put in place, so a failure leaves the old masks untouched (all or nothing, as on one
+        process).
+        """
+        dtype = _dtype(masked)
+        pairs = [(module, name) for _, module, name in masked.selection]
+        tensors = [prune.original(module, name) for module, name in pairs]
+        current = [self.mask(module, name) for module, name in pairs]
+        local_scores = None if scores is None else [scores[q] for q, _, _ in masked.selection]
+        new = new_masks(
+            tensors, current, masked.counts(), target, masked.method, masked.method_kwargs, masked.scope, dtype,
+            self.group, masked.max_layer_sparsity, scores=local_scores, signed=signed,
+            input_dims=[input_dim(module) for module, _ in pairs],
+        )  # fmt: skip
+        for i, mask in new.items():
+            self.put(*pairs[i], mask)
+        for _, module, name in masked.selection:
+            weight_mask = self.mask(module, name)
+            if module in masked.biases and weight_mask is not None:
+                bias = distributed.local_of(prune.original(module, "bias"))
+                self.put(module, "bias", bias_keep(weight_mask, bias, type(module).__name__).to(dtype))
+
+    def adopt_zeros(self, masked: MaskedSelection) -> None:
+        """A zero is a zero wherever it lies, so no traffic. Every tensor gets a mask on every rank (all ones where a
+        shard holds no zero), so the ranks' masks stay alike."""
+        new = {}
+        for _, module, name in masked.selection:
+            keep = distributed.local_of(prune.original(module, name)).detach() != 0
+            current = self.mask(module, name)
+            if current is not None:
+                keep &= distributed.local_of(current).bool()
+            new[(module, name)] = keep.to(_dtype(masked))
+        for (module, name), keep in new.items():
+            self.put(module, name, keep)
+
+    def restore(self, masked: MaskedSelection, saved: Mapping[str, Tensor], owner: str) -> None:
+        """Each saved mask's local part (a DTensor's local shard, or this rank's rows of a full tensor from a
+        consolidated checkpoint), checked first: all or nothing."""
+        targets = masked.mask_targets()
+        check_restored(saved, targets, owner)
+        local = {}
+        for key, mask in saved.items():
+            tensor = prune.original(*targets[key])
+            part = distributed.local_of(mask) if distributed.is_sharded(mask) else distributed.local_part(mask, tensor)
+            local[key] = part.to(distributed.local_of(tensor).device)
+        for key, mask in local.items():
+            self.put(*targets[key], mask)
+
+    def saved_mask(self, mask: Tensor, tensor: Tensor) -> Tensor:
+        """This rank's local mask as a DTensor of the parameter's layout."""
+        return distributed.as_dtensor(mask, tensor)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], state_key: str) -> None:
+        """:func:`save_masks`."""
+        save_masks(checkpoint, state_key)
+
+    def logged_mask(self, module: nn.Module, name: str, rank: int) -> Tensor:
+        """The local shard's mask; a plain tensor, the same on every rank, is counted on rank 0 only."""
+        tensor = prune.original(module, name)
+        if not distributed.is_sharded(tensor) and rank != 0:
+            return torch.ones(0, dtype=torch.bool, device=tensor.device)
+        mask = self.mask(module, name)
+        local = distributed.local_of(tensor)
+        return torch.ones_like(local, dtype=torch.bool) if mask is None else mask
+
+    def share_with_averages(self, masked: MaskedSelection, averages: list[nn.Module]) -> None:
+        """Refused: the averaged copies of a sharded model are not masked."""
+        if averages:
+            raise ValueError(
+                "PruningCallback does not mask the averaged copies of weight-averaging callbacks (EMA, SWA) of a "
+                "sharded model; remove the weight-averaging callback or train without sharding"
+            )
 
 
-def local_masks(saved: Mapping[str, Tensor], targets: dict[str, tuple[Any, str]], owner: str) -> dict[str, Tensor]:
-    """This rank's part of each saved mask, checked against the selected tensors ``targets`` before any is used: a
-    DTensor's local shard, or this rank's rows of a full tensor (a consolidated checkpoint).
-
-    Raises:
-        ValueError: naming every mask that is not selected or whose shape differs; nothing is returned then.
-    """
-    from lightprune.prune import distributed
-
-    local: dict[str, Tensor] = {}
-    problems = []
-    for key, mask in saved.items():
-        if key not in targets:
-            problems.append(f"{key!r} is not selected by this callback (the selection is {sorted(targets)})")
-            continue
-        tensor = prune.original(*targets[key])
-        if tuple(mask.shape) != tuple(tensor.shape):
-            problems.append(f"the mask of {key!r} has shape {tuple(mask.shape)}, the parameter {tuple(tensor.shape)}")
-            continue
-        part = distributed.local_of(mask) if distributed.is_sharded(mask) else distributed.local_part(mask, tensor)
-        local[key] = part.to(distributed.local_of(tensor).device)
-    if problems:
-        raise ValueError(
-            f"{owner}: the checkpoint's masks do not fit the model (nothing was changed):\n  " + "\n  ".join(problems)
-        )
-    return local
+def _dtype(masked: MaskedSelection) -> torch.dtype:
+    """The dtype of a sharded selection's new masks: ``torch.bool`` unless ``mask_dtype`` says otherwise."""
+    return torch.bool if masked.mask_dtype is None else masked.mask_dtype

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback.masked import MaskedSelection
+from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.selection import compile_patterns
 from lightprune.structure import Moments, UnitGroup, find_units, prune_units, refit_consumers
 from lightprune.structure.ranking import _per_unit
@@ -242,7 +242,7 @@ class UnitSelection(MaskedSelection):
                 if ranking.moments is None:
                     raise ValueError("reconstruct=True needs the consumers' input moments of the window")
                 refit_consumers(self.model, self.groups, keeps, ranking.moments)
-            self._share_everywhere()
+            self.share_everywhere()
 
     def table_rows(self) -> list[tuple[str, tuple[int, ...], int, int]]:
         """``(group module, (count,), units, pruned)`` rows for the summary table."""

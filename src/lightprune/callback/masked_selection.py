@@ -3,8 +3,10 @@
 A :class:`MaskedSelection` knows the selected ``(qualified name, module, name)`` triples, the other modules holding
 a selected Parameter (tied weights), the channel biases that follow structured weights and the averaged copies of
 the model kept by weight-averaging callbacks; all of them share the selected tensors' masks. It prunes to a target
-sparsity with exact counts, all or nothing, and saves or restores the masks by qualified name. It knows nothing of
-Lightning: the callback owns the clock and decides when.
+sparsity with exact counts, all or nothing, and saves or restores the masks by qualified name. How the masks are held
+and applied (reparametrized, in place, on sharded tensors' local shards) is its
+:class:`~lightprune.callback.mask_strategy.MaskStrategy`'s business. It knows nothing of Lightning: the callback
+owns the clock and decides when.
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import adapters, prune
-from lightprune.callback import reconstruction, sharded
+from lightprune.callback import reconstruction
 from lightprune.callback.inplace import InPlaceMasks
-from lightprune.callback.masks import bias_name, mask_of, restore_problems, share_mask
+from lightprune.callback.mask_strategy import (
+    MaskStrategy,
+    ReparametrizedMasks,
+    bias_keep,
+    bias_name,
+    exact_increment,
+    mask_of,
+    share_mask,
+)
 from lightprune.callback.options import is_n_m
 from lightprune.callback.regrowth import zero_optimizer_state
+from lightprune.callback.sharded import ShardedMasks
 from lightprune.layouts import input_dim
 from lightprune.prune import allocation, distributed
-from lightprune.prune.collapse import LayerCollapseWarning, cap_units, capped_count
-from lightprune.prune.masking import masked_
+from lightprune.prune.collapse import LayerCollapseWarning, cap_units
 from lightprune.prune.regrow import drop_and_grow, moved_count
 from lightprune.prune.rowwise import RowwiseToSparsity
 from lightprune.prune.signed import signed_variant
@@ -51,6 +61,7 @@ class MaskedSelection:
         seed: seed of the random methods' draws, combined with each event's time.
         inplace: between events, keep the masks apart (:class:`~lightprune.callback.inplace.InPlaceMasks`) and the
             tensors plain Parameters, zeroed in place; events put the reparametrization back for their duration.
+            Otherwise :class:`~lightprune.callback.mask_strategy.ReparametrizedMasks`.
         max_layer_sparsity: no tensor is pruned beyond this share of its units; a global (or ERK, OWL) event still
             prunes its exact count (from the tensors under the cap), a layerwise one stops each tensor at the cap.
         adapted: the adapted layers (LoRA, see :mod:`lightprune.adapters`) by the qualified name of their selected
@@ -60,7 +71,8 @@ class MaskedSelection:
 
     Sharded tensors (DTensors: FSDP2, ``ModelParallelStrategy``) are always masked in place, each rank keeping the
     mask of its local shard only (``torch.bool`` unless ``mask_dtype`` says otherwise); events select with
-    :mod:`lightprune.prune.distributed` (histograms summed across ranks), never under the reparametrization.
+    :mod:`lightprune.prune.distributed` (histograms summed across ranks), never under the reparametrization
+    (:class:`~lightprune.callback.sharded.ShardedMasks`).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -96,19 +108,16 @@ class MaskedSelection:
         self.max_layer_sparsity = max_layer_sparsity
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
-        tensors = [prune.original(module, name) for _, module, name in selection]
-        self.sharded = any(distributed.is_sharded(t) for t in tensors)
-        self.group = distributed.group_of(tensors) if self.sharded else None
-        self.inplace = InPlaceMasks() if inplace or self.sharded else None
-        self.permanent = False  # made permanent: the masks are gone, the pruned entries are the weights' zeros
+        self.strategy = _strategy_for([prune.original(module, name) for _, module, name in selection], inplace)
+
+    @property
+    def permanent(self) -> bool:
+        """Made permanent: the masks are gone, the pruned entries are the weights' zeros."""
+        return self.strategy.permanent
 
     def mask(self, module: nn.Module, name: str) -> Tensor | None:
         """The mask of ``module.<name>`` (under the reparametrization or kept apart in place), or ``None``."""
-        if self.inplace is not None:
-            kept = self.inplace.mask(module, name)
-            if kept is not None:
-                return kept
-        return mask_of(module, name)
+        return self.strategy.mask(module, name)
 
     def weight(self, qualified: str, module: nn.Module, name: str) -> Tensor:
         """The weight events rank (detached): ``W + update`` for an adapted base weight, else the Parameter."""
@@ -146,20 +155,12 @@ class MaskedSelection:
             >>> prune.is_pruned(layer), masked.units(layer, "weight")
             (False, (8, 4))
         """
-        if self.sharded:
-            return self._sharded_counts([(module, name)])[0]
-        tensor = prune.original(module, name)
-        mask = self.mask(module, name)
-        if mask is None and self.permanent:
-            mask = tensor.detach() != 0
-        if not self.structured:
-            pruned = 0 if mask is None else tensor.numel() - int(torch.count_nonzero(mask))
-            return tensor.numel(), pruned
-        dim = self.method_kwargs["dim"] % tensor.dim()
-        if mask is None:
-            return tensor.shape[dim], 0
-        other = [d for d in range(mask.dim()) if d != dim]
-        return tensor.shape[dim], int((torch.count_nonzero(mask, dim=other) == 0).sum())
+        return self.strategy.counts([(module, name)], self._dim)[0]
+
+    @property
+    def _dim(self) -> int | None:
+        """The dim whose channels are the units (structured methods), or ``None``: entries are."""
+        return self.method_kwargs["dim"] if self.structured else None
 
     def collapsed(self) -> list[str]:
         """Qualified names of the selected tensors with every unit pruned (no weight, or no channel, left).
@@ -176,16 +177,8 @@ class MaskedSelection:
         return [q for (q, _, _), (units, pruned) in zip(self.selection, counts, strict=True) if 0 < units == pruned]
 
     def counts(self) -> list[tuple[int, int]]:
-        """:meth:`units` of every selected tensor."""
-        if self.sharded:  # one all_reduce for all of them
-            return self._sharded_counts([(module, name) for _, module, name in self.selection])
-        return [self.units(module, name) for _, module, name in self.selection]
-
-    def _sharded_counts(self, pairs: list[tuple[nn.Module, str]]) -> list[tuple[int, int]]:
-        tensors = [prune.original(module, name) for module, name in pairs]
-        masks = [self.mask(module, name) for module, name in pairs]
-        dim = self.method_kwargs["dim"] if self.structured else None
-        return distributed.pruned_units(tensors, masks, dim=dim, group=self.group)
+        """:meth:`units` of every selected tensor (sharded: one all_reduce for all of them)."""
+        return self.strategy.counts([(module, name) for _, module, name in self.selection], self._dim)
 
     # ------------------------------------------------------------------------------------------------------------
     # Events
@@ -211,18 +204,6 @@ class MaskedSelection:
         with prune.transaction(self.pairs()):
             yield
 
-    @contextlib.contextmanager
-    def reparametrized(self) -> Iterator[None]:
-        """In place mode: put the reparametrization back for the block (an event, a restore), take it away after."""
-        if self.inplace is None:
-            yield
-            return
-        self.inplace.give_back()
-        try:
-            yield
-        finally:
-            self.inplace.take(self.pairs())
-
     def prune_to(
         self, target: float, event: int, scores: Mapping[str, Tensor] | None = None, signed: bool = False
     ) -> None:
@@ -232,58 +213,58 @@ class MaskedSelection:
         by value, higher kept (:mod:`lightprune.prune.signed`). The ``"row"`` scope prunes every row (dim 0) to
         ``target``; an N:M method applies its pattern whatever ``target`` says.
         """
-        if self.sharded:
-            with self._seeded(event):
-                self._prune_sharded(target, scores, signed)
-            return
+        with self._seeded(event):
+            self.strategy.prune_to(self, target, scores, signed)
+
+    def engine_event(self, target: float, scores: Mapping[str, Tensor] | None, signed: bool) -> None:
+        """:meth:`prune_to` computed by the engine, under the reparametrization (the strategy's
+        :meth:`~lightprune.callback.mask_strategy.MaskStrategy.editing` block: all or nothing)."""
         cap = self.max_layer_sparsity
         # new masks get self.mask_dtype through the calls' mask_dtype= (the user's prune.mask_dtype setting is theirs)
-        with self.reparametrized(), self._seeded(event), self.all_or_nothing():
-            method = signed_variant(self.method) if signed else self.method
-            if scores is None and self.adapted:  # rank the effective weights W + update
-                scores = {q: self.weight(q, m, n) for q, m, n in self.selection}
-            if self.n_m:
-                for qualified, module, name in self.selection:
-                    pattern = method(**{**self.method_kwargs, "dim": input_dim(module)})
-                    self._apply(module, name, pattern, scores, qualified)
-            elif self.scope == "row":
-                for qualified, module, name in self.selection:
-                    self._apply(module, name, RowwiseToSparsity(target, by_magnitude=not signed), scores, qualified)
-                self._check_caps(target)
-            elif self.scope == "global":
-                counts = self.counts()
-                total = sum(units for units, _ in counts)
-                increment = round(target * total) - sum(pruned for _, pruned in counts)
+        method = signed_variant(self.method) if signed else self.method
+        if scores is None and self.adapted:  # rank the effective weights W + update
+            scores = {q: self.weight(q, m, n) for q, m, n in self.selection}
+        if self.n_m:
+            for qualified, module, name in self.selection:
+                pattern = method(**{**self.method_kwargs, "dim": input_dim(module)})
+                self._apply(module, name, pattern, scores, qualified)
+        elif self.scope == "row":
+            for qualified, module, name in self.selection:
+                self._apply(module, name, RowwiseToSparsity(target, by_magnitude=not signed), scores, qualified)
+            self._check_caps(target)
+        elif self.scope == "global":
+            counts = self.counts()
+            increment = exact_increment(target, sum(u for u, _ in counts), sum(p for _, p in counts))
+            if increment > 0:
+                pairs = [(module, name) for _, module, name in self.selection]
+                by_pair = None if scores is None else {(m, n): scores[q] for q, m, n in self.selection}
+                with warnings.catch_warnings():  # the callback says it, naming the tensors (PruningCallback)
+                    warnings.simplefilter("ignore", LayerCollapseWarning)
+                    prune.global_unstructured(
+                        pairs,
+                        method,
+                        importance_scores=by_pair,
+                        mask_dtype=self.mask_dtype,
+                        max_layer_sparsity=cap,
+                        amount=increment,
+                        **self.method_kwargs,
+                    )
+        elif self.scope in ("erk", "owl") and target > 0:  # (a ramp's level-0 event has no scores: nothing to do)
+            for (qualified, module, name), count, (_, pruned) in zip(
+                self.selection, self.allocate(target, scores), self.counts(), strict=True
+            ):
+                if count > pruned:
+                    more = method(amount=count - pruned, **self.method_kwargs)
+                    self._apply(module, name, more, scores, qualified)
+        else:
+            for qualified, module, name in self.selection:
+                units, pruned = self.units(module, name)
+                increment = exact_increment(target, units, pruned, cap)
                 if increment > 0:
-                    pairs = [(module, name) for _, module, name in self.selection]
-                    by_pair = None if scores is None else {(m, n): scores[q] for q, m, n in self.selection}
-                    with warnings.catch_warnings():  # the callback says it, naming the tensors (PruningCallback)
-                        warnings.simplefilter("ignore", LayerCollapseWarning)
-                        prune.global_unstructured(
-                            pairs,
-                            method,
-                            importance_scores=by_pair,
-                            mask_dtype=self.mask_dtype,
-                            max_layer_sparsity=cap,
-                            amount=increment,
-                            **self.method_kwargs,
-                        )
-            elif self.scope in ("erk", "owl") and target > 0:  # (a ramp's level-0 event has no scores: nothing to do)
-                for (qualified, module, name), count, (_, pruned) in zip(
-                    self.selection, self.allocate(target, scores), self.counts(), strict=True
-                ):
-                    if count > pruned:
-                        more = method(amount=count - pruned, **self.method_kwargs)
-                        self._apply(module, name, more, scores, qualified)
-            else:
-                for qualified, module, name in self.selection:
-                    units, pruned = self.units(module, name)
-                    increment = capped_count(target, units, cap) - pruned
-                    if increment > 0:
-                        self._apply(module, name, method(amount=increment, **self.method_kwargs), scores, qualified)
-            for module in self.biases:
-                _prune_bias(module, self.mask_dtype)
-            self._share_everywhere()
+                    self._apply(module, name, method(amount=increment, **self.method_kwargs), scores, qualified)
+        for module in self.biases:
+            _prune_bias(module, self.mask_dtype)
+        self.share_everywhere()
 
     def allocate(self, target: float, scores: Mapping[str, Tensor] | None = None) -> list[int]:
         """ERK or OWL: how many weights each selected tensor has pruned in all after an event to ``target``.
@@ -396,11 +377,11 @@ class MaskedSelection:
         n_m = None
         if self.n_m:
             n_m = (self.method_kwargs["n"], self.method_kwargs["m"])
-        with self.reparametrized(), self.all_or_nothing():
+        with self.strategy.editing(self.pairs()):
             reconstruction.reconstruct(
                 triples, self.mask, target, self.scope, hessian_of, n_m=n_m, mask_dtype=self.mask_dtype
             )
-            self._share_everywhere()
+            self.share_everywhere()
 
     def _apply(
         self, module: nn.Module, name: str, method: prune.BasePruningMethod, scores: Any, qualified: str
@@ -412,65 +393,9 @@ class MaskedSelection:
     def adopt_zeros(self) -> None:
         """Mask every entry of the selected tensors that is exactly zero now (weights pruned by another tool), on top
         of any mask already there, as one change: all of it or nothing. Sharded tensors: each rank its own shard."""
-        if self.sharded:
-            self._adopt_zeros_sharded()
-            return
-        with self.reparametrized(), self.all_or_nothing():
-            for _, module, name in self.selection:
-                with torch.no_grad():
-                    keep = getattr(module, name) != 0
-                if not bool(keep.all()):
-                    prune.custom_from_mask(module, name, mask=keep, mask_dtype=self.mask_dtype)
-            self._share_everywhere()
+        self.strategy.adopt_zeros(self)
 
-    def _adopt_zeros_sharded(self) -> None:
-        """:meth:`adopt_zeros` on local shards: a zero is a zero wherever it lies, so no traffic. Every tensor gets a
-        mask on every rank (all ones where a shard holds no zero), so the ranks' masks stay alike."""
-        assert self.inplace is not None
-        new = {}
-        for _, module, name in self.selection:
-            local = distributed.local_of(prune.original(module, name)).detach()
-            current = self.mask(module, name)
-            keep = local != 0
-            if current is not None:
-                keep &= distributed.local_of(current).bool()
-            new[(module, name)] = keep.to(self._sharded_dtype)
-        for (module, name), keep in new.items():
-            self.inplace.put(module, name, keep)
-
-    def _prune_sharded(self, target: float, scores: Mapping[str, Tensor] | None = None, signed: bool = False) -> None:
-        """An event on sharded tensors: new local masks from :mod:`lightprune.prune.distributed`, kept in place.
-
-        ``scores`` hold each tensor's local scores (the shard's shape). The new masks are computed for every tensor
-        first and only then put in place, so a failure leaves the old masks untouched (all or nothing, as on one
-        process).
-        """
-        assert self.inplace is not None
-        pairs = [(module, name) for _, module, name in self.selection]
-        tensors = [prune.original(module, name) for module, name in pairs]
-        current = [self.mask(module, name) for module, name in pairs]
-        local_scores = None if scores is None else [scores[q] for q, _, _ in self.selection]
-        new = sharded.new_masks(
-            tensors, current, self.counts(), target, self.method, self.method_kwargs, self.scope, self._sharded_dtype,
-            self.group, self.max_layer_sparsity, scores=local_scores, signed=signed,
-            input_dims=[input_dim(module) for module, _ in pairs],
-        )  # fmt: skip
-        for i, mask in new.items():
-            module, name = pairs[i]
-            self.inplace.put(module, name, mask)
-        for _, module, name in self.selection:
-            if module in self.biases:
-                weight_mask = self.inplace.mask(module, name)
-                if weight_mask is not None:
-                    bias = distributed.local_of(prune.original(module, "bias"))
-                    keep = sharded.bias_keep(weight_mask, bias, type(module).__name__)
-                    self.inplace.put(module, "bias", keep.to(self._sharded_dtype))
-
-    @property
-    def _sharded_dtype(self) -> torch.dtype:
-        return torch.bool if self.mask_dtype is None else self.mask_dtype
-
-    def _share_everywhere(self) -> None:
+    def share_everywhere(self) -> None:
         """Give every other place a selected tensor lives the very mask of the selected owner.
 
         Tied owners get the reparametrization too (``name_orig`` is the same Parameter, so the tie holds), so every
@@ -488,45 +413,17 @@ class MaskedSelection:
             mask = self.mask(adapters.base_of(layer), "weight")
             if mask is not None:
                 adapters.mask_delta(layer, mask)
-        named = self.named_pairs()
-        self.plain_state_dict.pairs = [(module, name) for _, module, name in named]
-        if self.inplace is not None:
-            return  # the averaged copies stay plain too: apply_in_place zeroes them
-        for average in self.averages:
-            mirrored = []
-            for qualified, module, name in named:
-                mask = mask_of(module, name)
-                if mask is not None:
-                    counterpart = _owner_in(average, qualified)
-                    share_mask(counterpart, name, mask)
-                    mirrored.append((counterpart, name))
-            _plain_state_dict_of(average).pairs = mirrored
+        self.plain_state_dict.pairs = self.pairs()
+        self.strategy.share_with_averages(self, self.averages)
 
-    def apply_in_place(self) -> None:
-        """In place mode: zero the pruned entries of the weights and of the averaged copies' weights."""
-        if self.inplace is None:
-            return
-        self.inplace.apply()
-        with torch.no_grad():
-            for average in self.averages:
-                for qualified, module, name in self.named_pairs():
-                    mask = self.inplace.mask(module, name)
-                    if mask is not None:
-                        counterpart = _owner_in(average, qualified)
-                        weight = getattr(counterpart, name)
-                        masked_(weight, mask.to(weight.device))
+    def after_rewrite(self) -> None:
+        """The weights were rewritten (a rewind, a weight average): mask them, and the averaged copies, again."""
+        self.strategy.after_rewrite(self)
 
-    def make_permanent(self) -> None:
-        """Remove the reparametrization of the tensors this selection masks (others' are left alone); in place,
-        zero the weights a last time and stop masking gradients."""
-        if self.inplace is not None:
-            self.apply_in_place()
-            self.inplace.remove_hooks()
-            return
-        for module, name in self.pairs():
-            if name in prune.pruned_names(module):
-                prune.remove(module, name)
-        self.permanent = True
+    def make_permanent(self, remove: bool = True) -> None:
+        """End of fit: remove the reparametrization of the tensors this selection masks when ``remove`` (others' are
+        left alone); in place, whatever ``remove`` says, zero the weights a last time and stop masking gradients."""
+        self.strategy.finish(self, remove)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -542,60 +439,27 @@ class MaskedSelection:
         """The masks by qualified name, for a checkpoint (tensors not pruned yet have none)."""
         targets = self.mask_targets()
         found = {key: self.mask(module, name) for key, (module, name) in targets.items()}
-        if self.sharded:  # each rank's local shard, as a DTensor of the parameter's layout
-            return {
-                key: distributed.as_dtensor(mask, prune.original(*targets[key]))
-                for key, mask in found.items()
-                if mask is not None
-            }
-        return {key: mask for key, mask in found.items() if mask is not None}
+        return {
+            key: self.strategy.saved_mask(mask, prune.original(*targets[key]))
+            for key, mask in found.items()
+            if mask is not None
+        }
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
         """Put a checkpoint's masks back, checked first (``owner`` names the state in messages), all or nothing."""
-        targets = self.mask_targets()
-        if self.sharded:
-            self._restore_sharded(saved, targets, owner)
-            return
-        problems = restore_problems(saved, targets)
-        if problems:
-            raise ValueError(
-                f"{owner}: the checkpoint's masks do not fit the model (nothing was changed):\n  "
-                + "\n  ".join(problems)
-            )
-        with self.reparametrized(), self.all_or_nothing():
-            for key, mask in saved.items():
-                module, name = targets[key]
-                current = mask_of(module, name)
-                if current is not None and torch.equal(current.to(mask.dtype), mask.to(current.device)):
-                    continue
-                if current is not None:
-                    prune.remove(module, name)
-                prune.custom_from_mask(module, name, mask=mask, mask_dtype=mask.dtype)
-            self._share_everywhere()
-
-    def _restore_sharded(
-        self, saved: Mapping[str, Tensor], targets: dict[str, tuple[nn.Module, str]], owner: str
-    ) -> None:
-        """Sharded tensors: each saved mask's local part (checked first: all or nothing) put in place."""
-        assert self.inplace is not None
-        for key, mask in sharded.local_masks(saved, targets, owner).items():
-            module, name = targets[key]
-            self.inplace.put(module, name, mask)
+        self.strategy.restore(self, saved, owner)
 
     def share_with_averages(self, averages: list[nn.Module]) -> None:
-        """Mask these averaged copies of the model too, now and after every event."""
-        if self.sharded and averages:
-            raise ValueError(
-                "PruningCallback does not mask the averaged copies of weight-averaging callbacks (EMA, SWA) of a "
-                "sharded model; remove the weight-averaging callback or train without sharding"
-            )
+        """Mask these averaged copies of the model too, now and after every event (refused for a sharded model)."""
         self.averages = averages
-        self._share_everywhere()
+        self.share_everywhere()
 
 
-def _owner_in(model: nn.Module, qualified: str) -> nn.Module:
-    """The module of ``model`` that owns the tensor named ``qualified`` (``"features.0.weight"`` -> ``features.0``)."""
-    return model.get_submodule(qualified.rsplit(".", 1)[0] if "." in qualified else "")
+def _strategy_for(tensors: list[Tensor], inplace: bool) -> MaskStrategy:
+    """The mask strategy of a selection of ``tensors``: sharded when any is a DTensor, else as ``inplace`` says."""
+    if any(distributed.is_sharded(t) for t in tensors):
+        return ShardedMasks(distributed.group_of(tensors))
+    return InPlaceMasks() if inplace else ReparametrizedMasks()
 
 
 def _prune_bias(module: nn.Module, mask_dtype: torch.dtype | None) -> None:
@@ -604,18 +468,8 @@ def _prune_bias(module: nn.Module, mask_dtype: torch.dtype | None) -> None:
     weight_mask = module._buffers.get("weight_mask")
     if weight_mask is None:
         return
-    keep = torch.count_nonzero(weight_mask, dim=list(range(1, weight_mask.dim()))) > 0
+    keep = bias_keep(weight_mask, prune.original(module, "bias"), type(module).__name__)
     bias_mask = mask_of(module, "bias")
     if bias_mask is not None and torch.equal(bias_mask != 0, keep):
         return
     prune.custom_from_mask(module, "bias", mask=keep, mask_dtype=mask_dtype)
-
-
-def _plain_state_dict_of(module: nn.Module) -> PlainStateDict:
-    """The :class:`PlainStateDict` hook of an averaged copy, registered on first use."""
-    for hook in module._state_dict_hooks.values():
-        if isinstance(hook, PlainStateDict):
-            return hook
-    hook = PlainStateDict([])
-    module.register_state_dict_post_hook(hook)
-    return hook
