@@ -171,3 +171,144 @@ def test_masking_must_be_one_of_the_modes() -> None:
         ValueError, match=r"masking='in_place' is not supported: allowed are \('reparametrize', 'inplace'\)"
     ):
         PruningCallback(0.5, masking="in_place")
+
+
+class PassCounter(L.Callback):
+    """Placed after the PruningCallback: counts the weight passes (``InPlaceMasks.apply``) that run inside each
+    optimizer step, between a step pre-hook and a step post-hook registered after the callback's own, and checks
+    after every step that every pruned weight and its optimizer state are exactly zero."""
+
+    def __init__(self, callback: PruningCallback, counter: list[int], check_state: bool) -> None:
+        self.callback, self.counter, self.check_state = callback, counter, check_state
+        self.passes: list[int] = []
+        self.checked = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.depth = 0  # a subclass's step calling super().step() runs the hooks twice, nested
+        for optimizer in trainer.optimizers:
+            optimizer.register_step_pre_hook(lambda *args: self.before_step())
+            optimizer.register_step_post_hook(lambda optimizer, *args: self.after_step(optimizer))
+
+    def before_step(self) -> None:
+        if self.depth == 0:
+            self.passes.append(-self.counter[0])
+        self.depth += 1
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        self.passes[-1] += self.counter[0]
+        masked = self.callback._masked
+        for _, module, name in masked.selection:
+            mask = masked.mask(module, name)
+            if mask is None:
+                continue
+            parameter = getattr(module, name)
+            assert bool((parameter[~mask] == 0).all())
+            for value in optimizer.state[parameter].values() if self.check_state else ():
+                if isinstance(value, Tensor) and value.shape == parameter.shape:
+                    assert bool((value[~mask] == 0).all()), "the optimizer state of pruned entries stays zero"
+            self.checked += 1
+
+
+ENTRYWISE = {
+    **OPTIMIZERS,
+    "Adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
+    "SGD momentum, dampening": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1),
+}
+
+
+def counted_fit(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    entrywise: bool,
+) -> tuple[TinyNet, PassCounter, int]:
+    """A fit in place whose events come after momentum built up, counting the weight passes inside steps."""
+    from lightprune.callback.inplace import InPlaceMasks
+
+    counter = [0]
+    apply = InPlaceMasks.apply
+
+    def counted(self: InPlaceMasks) -> None:
+        counter[0] += 1
+        apply(self)
+
+    monkeypatch.setattr(InPlaceMasks, "apply", counted)
+
+    class Model(TinyNet):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.parameters())
+
+    callback = PruningCallback(Cubic(final=0.7, start=4, end=20, frequency=4), masking="inplace")
+    probe = PassCounter(callback, counter, check_state=entrywise)
+    model = Model()
+    fit(model, [callback, probe], tmp_path, max_epochs=4)
+    zeros = sum(int((w == 0).sum()) for w in effective(model).values())
+    return model, probe, zeros
+
+
+@pytest.mark.parametrize("optimizer", list(ENTRYWISE))
+def test_entrywise_optimizers_need_no_weight_pass_and_zeros_stay_exact(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, optimizer: str
+) -> None:
+    _, probe, zeros = counted_fit(monkeypatch, tmp_path, ENTRYWISE[optimizer], entrywise=True)
+    assert len(probe.passes) == 32 and set(probe.passes) == {0}, "no weight pass after their steps"
+    assert probe.checked > 50  # pruned weights (momentum present at every event) checked zero after every step
+    assert zeros == round(0.7 * N)
+
+
+class ShiftingAdam(torch.optim.Adam):
+    """An Adam subclass whose step also moves every weight: pruned entries would leave zero without a weight pass."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.add_(1e-3)
+        return loss
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda params: ShiftingAdam(params, lr=1e-2), lambda params: torch.optim.Adamax(params, lr=1e-2)],
+    ids=["Adam subclass", "Adamax"],
+)
+def test_other_optimizers_get_a_weight_pass_after_every_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, make_optimizer: Callable[[Any], torch.optim.Optimizer]
+) -> None:
+    _, probe, zeros = counted_fit(monkeypatch, tmp_path, make_optimizer, entrywise=False)
+    assert len(probe.passes) == 32 and min(probe.passes) >= 1, "a weight pass after each step"
+    assert probe.checked > 50
+    assert zeros >= round(0.7 * N)
+
+
+class ManualClipping(TinyNet):
+    """Manual optimization with the user's own clipping between backward and ``optimizer.step()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        optimizer.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self(x), y))
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:.*under manual optimization.*")
+def test_manual_optimization_clips_masked_gradients_as_the_reparametrization(tmp_path: Path) -> None:
+    results = {}
+    for masking in ("reparametrize", "inplace"):
+        model = ManualClipping()
+        fit(model, [PruningCallback(Cubic(final=0.7, start=2, end=12, frequency=2), masking=masking)], tmp_path)
+        results[masking] = effective(model)
+    assert_same(results["inplace"], results["reparametrize"])
