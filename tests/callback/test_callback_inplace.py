@@ -206,9 +206,10 @@ class PassCounter(L.Callback):
                 continue
             parameter = getattr(module, name)
             assert bool((parameter[~mask] == 0).all())
-            for value in optimizer.state[parameter].values() if self.check_state else ():
-                if isinstance(value, Tensor) and value.shape == parameter.shape:
-                    assert bool((value[~mask] == 0).all()), "the optimizer state of pruned entries stays zero"
+            for key in ("momentum_buffer", "exp_avg", "grad_avg") if self.check_state else ():
+                value = optimizer.state[parameter].get(key)
+                if value is not None:
+                    assert bool((value[~mask] == 0).all()), f"the {key} of pruned entries stays zero"
             self.checked += 1
 
 
@@ -216,6 +217,8 @@ ENTRYWISE = {
     **OPTIMIZERS,
     "Adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
     "SGD momentum, dampening": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1),
+    "Adam AMSGrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "RMSprop centered": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True),
 }
 
 

@@ -12,12 +12,14 @@ most one pass over the pruned gradients, as one call over all of them, and no we
 - Weights: optimizers whose update of an entry depends only on that entry's gradient and state, of these exact
   classes (not subclasses, which may override ``step``): :data:`ENTRYWISE_OPTIMIZERS`, ``torch.optim.SGD``
   (momentum, Nesterov, weight decay), ``Adam``, ``AdamW``, ``RMSprop`` and ``Adagrad``. A pruned entry is zero, its
-  gradient is masked and its optimizer state (momentum, moments) is zeroed whenever masks change, so each step
-  leaves it exactly zero: no weight pass runs after their steps. Every other optimizer (``Adamax``, ``NAdam``,
-  ``RAdam``, ``Adadelta``, ``Rprop``, ``ASGD``, ``SparseAdam``, subclasses, optimizers of other packages) gets a
-  weight pass after each of its steps. Rewinds and weight averages copied back are masked explicitly
-  (:meth:`InPlaceMasks.after_rewrite`), and every training epoch starts with a weight pass; code of your own that
-  writes the weights between steps (adding noise, say) must leave pruned entries at zero.
+  gradient is masked and the state its update is made of (momentum, Adam's first moment) is zeroed whenever masks
+  change, so each step leaves it exactly zero: no weight pass runs after their steps. The second moments, which
+  only divide, are left as they are (a square root of exact zeros is several times slower on CPUs). Every other
+  optimizer (``Adamax``, ``NAdam``, ``RAdam``, ``Adadelta``, ``Rprop``, ``ASGD``, ``SparseAdam``, subclasses,
+  optimizers of other packages) gets a weight pass after each of its steps. Rewinds and weight averages copied
+  back are masked explicitly (:meth:`InPlaceMasks.after_rewrite`), and every training epoch starts with a weight
+  pass; code of your own that writes the weights between steps (adding noise, say) must leave pruned entries at
+  zero.
 
 For the optimizers of :data:`ENTRYWISE_OPTIMIZERS` the effective weights are those of the reparametrized mode, bit
 for bit.
@@ -44,14 +46,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ENTRYWISE_OPTIMIZERS", "InPlaceMasks", "needs_weight_pass"]
 
-ENTRYWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-)
-"""Optimizer classes whose step leaves an entry with zero value, gradient and state exactly zero (exact types)."""
+ENTRYWISE_OPTIMIZERS: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.SGD: ("momentum_buffer",),
+    torch.optim.Adam: ("exp_avg",),
+    torch.optim.AdamW: ("exp_avg",),
+    torch.optim.RMSprop: ("momentum_buffer", "grad_avg"),
+    torch.optim.Adagrad: (),
+}
+"""Optimizer classes (exact types) whose step leaves an entry exactly zero when its value, its gradient and the state
+named here are zero (whatever the other state: it only divides a zero update)."""
 
 
 def needs_weight_pass(optimizer: Any) -> bool:
@@ -138,8 +141,15 @@ class InPlaceMasks(MaskStrategy):
         self._by_parameter[id(parameter)] = (parameter, mask)
         if self.hook_grads:
             self._watch_grad(parameter)
-        if self._optimizers:  # a pruned entry's state stays zero, so its steps leave it zero (no weight pass)
-            zero_optimizer_state(self._optimizers, parameter, ~mask.bool())
+        self._zero_update_state(parameter, mask)
+
+    def _zero_update_state(self, parameter: Tensor, mask: Tensor) -> None:
+        """Zero, where pruned, the optimizer state an entrywise optimizer's update is made of, so its steps leave
+        pruned entries at zero (other optimizers' state is left alone: a weight pass follows their steps)."""
+        for optimizer in self._optimizers:
+            keys = ENTRYWISE_OPTIMIZERS.get(type(getattr(optimizer, "optimizer", optimizer)))
+            if keys:
+                zero_optimizer_state([optimizer], parameter, ~mask.bool(), keys)
 
     def give_back(self) -> list[tuple[nn.Module, str, Tensor]]:
         """Put every mask back under the reparametrization (for an event) and forget them here; returns them."""
@@ -217,7 +227,7 @@ class InPlaceMasks(MaskStrategy):
         else:
             self.remove_hooks()
         for parameter, mask in self._by_parameter.values():
-            zero_optimizer_state(self._optimizers, parameter, ~mask.bool())
+            self._zero_update_state(parameter, mask)
         return neighbours.mask_after_optimizer_steps(trainer, pl_module, lambda: self.after_optimizer_step(masked))
 
     def before_optimizer_step(self) -> None:

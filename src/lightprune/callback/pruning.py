@@ -147,12 +147,12 @@ class PruningCallback(Callback):
             ``"inplace"``: between events the tensors stay plain Parameters; pruned gradient entries are zeroed
             once per optimizer step, before clipping (as they are accumulated under manual optimization). Pruned
             weights stay exactly zero without a pass of their own under ``torch.optim.SGD``, ``Adam``, ``AdamW``,
-            ``RMSprop`` and ``Adagrad`` (exact classes: their optimizer state is zeroed where pruned); under any other
-            optimizer they are zeroed after every step (:mod:`lightprune.callback.inplace`). Faster and leaner; the
-            effective weights are the same for optimizers whose update of an entry depends on that entry alone
-            (SGD, Adam, AdamW, RMSprop...). LBFGS is refused; Adafactor and manual optimization warn. Parameters
-            sharded as DTensor (``ModelParallelStrategy``, FSDP2) are always masked in place, each rank keeping the
-            mask of its own shard (see :mod:`lightprune.prune.distributed`), whatever ``masking`` says.
+            ``RMSprop`` and ``Adagrad`` (exact classes; momentum and first moments are zeroed where pruned); under
+            any other optimizer they are zeroed after every step (:mod:`lightprune.callback.inplace`). Faster and
+            leaner; the effective weights are the same for optimizers whose update of an entry depends on that entry
+            alone (SGD, Adam, AdamW, RMSprop...). LBFGS is refused; Adafactor and manual optimization warn.
+            Parameters sharded as DTensor (``ModelParallelStrategy``, FSDP2) are always masked in place, each rank
+            keeping the mask of its own shard (see :mod:`lightprune.prune.distributed`), whatever ``masking`` says.
         mask_dtype: dtype of new masks; ``torch.bool`` (1 byte per entry) by default, ``None`` for the parameter's.
         log_per_parameter: log ``pruning/sparsity/<qualified name>`` for every pruned tensor (turn off for very
             large selections); the total ``pruning/sparsity/total`` and ``pruning/target`` are always logged.

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -146,9 +146,11 @@ class DenseGradients:
         return taken
 
 
-def zero_optimizer_state(optimizers: Iterable[Any], parameter: Tensor, where: Tensor) -> None:
-    """Zero every optimizer state tensor of ``parameter``'s shape (momentum, Adam's moments) at ``where`` (for a
-    Parameter sharded as DTensor, ``where`` is of its local shard's shape).
+def zero_optimizer_state(
+    optimizers: Iterable[Any], parameter: Tensor, where: Tensor, keys: Collection[str] | None = None
+) -> None:
+    """Zero every optimizer state tensor of ``parameter``'s shape (momentum, Adam's moments), or only those named
+    ``keys``, at ``where`` (for a Parameter sharded as DTensor, ``where`` is of its local shard's shape).
 
     Example:
         >>> weight = nn.Parameter(torch.ones(3))
@@ -164,6 +166,8 @@ def zero_optimizer_state(optimizers: Iterable[Any], parameter: Tensor, where: Te
         state = optimizer.state.get(parameter)
         if not state:
             continue
-        for value in state.values():
+        for key, value in state.items():
+            if keys is not None and key not in keys:
+                continue
             if isinstance(value, Tensor) and value.shape == parameter.shape:  # a DTensor's: its local shard
                 local_of(value).masked_fill_(where.to(value.device), 0)
