@@ -70,7 +70,8 @@ def load_masks(
     path: Any, names: list[str], masked: Any, state_key: str, mask_dtype: torch.dtype | None
 ) -> dict[str, Tensor]:
     """This rank's shard of each mask ``names`` that a distributed checkpoint at ``path`` holds beside the weights,
-    shaped like the shards of ``masked``'s tensors (a :class:`~lightprune.callback.masked.MaskedSelection`)."""
+    shaped like the shards of ``masked``'s tensors (a
+    :class:`~lightprune.callback.masked_selection.MaskedSelection`)."""
     if path is None:
         raise ValueError(f"{state_key}: the checkpoint's masks are in a distributed checkpoint, path unknown")
     import torch.distributed.checkpoint as dcp
