@@ -191,7 +191,8 @@ class MaskStrategy:
     :class:`~lightprune.callback.sharded.ShardedMasks`. The selection calls only these methods; it never asks which
     strategy it has. Events computed by the engine run inside :meth:`editing`, where the masks are under the
     reparametrization; the per-step hooks (:meth:`attach`, :meth:`before_optimizer_step`, :meth:`after_rewrite`)
-    are the training loop's.
+    are the training loop's. The methods' defaults hold the masks under the reparametrization (torch's contract,
+    which needs no per-step work); :class:`ReparametrizedMasks` is that strategy by name.
 
     Example:
         >>> strategy = ReparametrizedMasks()
