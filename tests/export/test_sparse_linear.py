@@ -80,6 +80,8 @@ def test_to_sparse_linear_on_a_single_layer_and_bad_arguments():
         to_sparse_linear(layer, torch.randn(4, 128), min_sparsity=1.5)
     with pytest.raises(ValueError, match=r"margin.*-1"):
         to_sparse_linear(layer, torch.randn(4, 128), margin=-1)
+    with pytest.raises(ValueError, match=r"margin.*nan"):
+        to_sparse_linear(layer, torch.randn(4, 128), margin=float("nan"))
 
 
 def test_latency_helpers():

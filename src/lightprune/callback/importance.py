@@ -1,6 +1,6 @@
 """What ranks the weights at an event: their magnitude, activation-weighted magnitude, movement, or a function.
 
-* ``"magnitude"``: ``|W|`` (the methods' own ranking; no scores are passed, the default and today's behaviour);
+* ``"magnitude"``: ``|W|`` (the methods' own ranking; no scores are passed; the default);
 * ``"activation"``: ``|W_ij| * ||X_j||_2`` (Wanda, Sun et al. 2023), ``X_j`` the layer's input feature ``j`` over
   the training batches of a window before each event (:mod:`.activations`);
 * ``"movement"``: ``-sum_t W * dL/dW`` since the previous event (Sanh et al. 2020), signed, higher kept

@@ -122,13 +122,13 @@ def to_sparse_linear(
             size matters).
         min_sparsity: Layers with fewer zeros are kept dense without timing.
         repeats: Timed calls per layer and variant.
-        margin: Required speed-up: convert when ``dense_s / sparse_s >= margin``.
+        margin: Required speed-up: convert when ``dense_s / sparse_s >= margin``; ``0`` converts every timed layer.
 
     Returns:
         ``(model copy in eval mode, one LayerDecision per nn.Linear or Conv1D)``.
 
     Raises:
-        ValueError: ``min_sparsity`` outside [0, 1] or ``margin`` not positive.
+        ValueError: ``min_sparsity`` outside [0, 1] or ``margin`` negative (or NaN).
 
     Example:
         >>> from lightprune import prune
