@@ -24,6 +24,11 @@ __all__ = [
 ]
 
 
+# Optimizers outside torch (timm, apex, torch-optimizer) whose update reads a whole tensor's norm: no class of theirs
+# can be imported here to test with isinstance, so they are known by class name. torch's own are tested by class.
+_THIRD_PARTY_WHOLE = ("LAMB", "Lamb", "LARS", "Lars")
+
+
 def _weight_averaging() -> tuple[type, ...]:
     try:
         from lightning.pytorch.callbacks import WeightAveraging
@@ -102,7 +107,7 @@ def mask_after_optimizer_steps(trainer: Trainer, pl_module: Any, mask: Any) -> l
     reparametrized mode: warned.
     """
     from lightning.pytorch.utilities import rank_zero_warn
-    from torch.optim import LBFGS
+    from torch.optim import LBFGS, Adafactor
 
     optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
     refused = [type(o).__name__ for o in optimizers if isinstance(o, LBFGS)]
@@ -111,7 +116,7 @@ def mask_after_optimizer_steps(trainer: Trainer, pl_module: Any, mask: Any) -> l
             f"PruningCallback(masking='inplace') cannot mask inside {refused[0]}'s step, which re-evaluates its "
             "closure on the updated weights: use masking='reparametrize'"
         )
-    whole = [type(o).__name__ for o in optimizers if type(o).__name__ in ("Adafactor", "LAMB", "Lamb", "LARS")]
+    whole = [type(o).__name__ for o in optimizers if isinstance(o, Adafactor) or type(o).__name__ in _THIRD_PARTY_WHOLE]
     if whole:
         rank_zero_warn(
             f"PruningCallback(masking='inplace') with {whole[0]}: its update reads whole tensors (norms), which hold "
