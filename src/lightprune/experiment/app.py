@@ -264,27 +264,6 @@ def _set_optimization(cfg: DictConfig, module: Any, phase: str) -> None:
     module.set_optimization(optimizer, scheduler, interval, key=key)
 
 
-class _HoldLearningRate:
-    """Fine-tuning without learning-rate rewinding: each param group trains at the learning rate the previous phase
-    ended with, and the phase's schedulers are dropped (``optim.lr_rewind=false``)."""
-
-    def __new__(cls, lrs: list[list[float]]) -> Any:
-        from lightning.pytorch.callbacks import Callback
-
-        class HoldLearningRate(Callback):
-            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-                for optimizer, groups in zip(trainer.optimizers, lrs, strict=False):
-                    for group, lr in zip(optimizer.param_groups, groups, strict=False):
-                        group["lr"] = lr
-                trainer.strategy.lr_scheduler_configs = []
-
-        return HoldLearningRate()
-
-
-def _final_lrs(trainer: Any) -> list[list[float]]:
-    return [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in trainer.optimizers]
-
-
 def _loggers(output_dir: Path, phase: str) -> list[Any]:
     from lightning.pytorch.loggers import CSVLogger
 
@@ -493,6 +472,7 @@ def _dense_phase(
     """Train and test the dense model, or load both from the cache; returns ``(test accuracy, steps, how, the
     learning rates it ended with)``."""
     from lightprune.experiment.cache import DenseCache, dense_key, rng_state, set_rng_state
+    from lightprune.experiment.learning_rates import final_learning_rates
 
     final_lrs: list[list[float]] | None = None
 
@@ -500,7 +480,7 @@ def _dense_phase(
         nonlocal final_lrs
         dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
         dense.fit(module, datamodule=datamodule)
-        final_lrs = _final_lrs(dense)
+        final_lrs = final_learning_rates(dense)
         return _test_accuracy(dense, module, datamodule), dense.global_step
 
     if not cfg.cache.dense:
@@ -534,6 +514,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import torch
 
     from lightprune.callback import PruningCallback
+    from lightprune.experiment.learning_rates import HoldLearningRate, final_learning_rates
     from lightprune.experiment.plots import (
         has_mask_movement,
         plot_layer_sparsity,
@@ -560,10 +541,10 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     final_acc = dense_acc
     _set_optimization(cfg, module, "prune")
     for phase, target, callback in plan:
-        hold = None if cfg.optim.lr_rewind or lrs is None else _HoldLearningRate(lrs)
+        hold = None if cfg.optim.lr_rewind or lrs is None else HoldLearningRate(lrs)
         trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback, hold])
         trainer.fit(module, datamodule=datamodule)
-        lrs = _final_lrs(trainer)
+        lrs = final_learning_rates(trainer)
         phases.append((phase, trainer.global_step))
         final_acc = _test_accuracy(trainer, module, datamodule)
         if target is not None:
