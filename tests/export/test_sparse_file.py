@@ -13,13 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
 from lightprune import prune
 from lightprune.export import SparseFileError, load_sparse, save_sparse, stored_layouts
-from lightprune.export.sparse_file import _CODES, BITMASK_SUFFIX, VALUES_SUFFIX, pack_bits, unpack_bits
+from lightprune.export.sparse_file import _CODES, pack_bits, unpack_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
 SPARSITIES = [0.0, 0.5, 0.9, 0.999, 1.0]
@@ -218,7 +218,7 @@ def test_a_failed_save_leaves_the_previous_file_whole(tmp_path, monkeypatch):
 
 
 def test_names_of_version_1_entries_are_ordinary_names(tmp_path):
-    state = {"w": torch.zeros(1000), "w" + VALUES_SUFFIX: torch.ones(2), "w" + BITMASK_SUFFIX: torch.zeros(9)}
+    state = {"w": torch.zeros(1000), "w.__values__": torch.ones(2), "w.__bitmask__": torch.zeros(9)}
     save_sparse(state, tmp_path / "x.safetensors")
     out = load_sparse(tmp_path / "x.safetensors")
     assert list(out) == list(state) and all(torch.equal(out[k], state[k]) for k in state)
@@ -312,35 +312,26 @@ def test_header_costs_about_forty_bytes_a_tensor(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 V1_FILE = Path(__file__).parent / "data" / "format_v1.safetensors"
-V1_EXPECTED = Path(__file__).parent / "data" / "format_v1_expected.safetensors"
+"""A file of format version 1 (one safetensors entry per tensor), written by a development version before 0.1.0."""
 
 
-def test_version_1_files_are_still_read():
-    out = load_sparse(V1_FILE)
-    want = load_file(str(V1_EXPECTED))
-    assert list(out) == ["layer.weight", "layer.bias", "half.weight", "codes", "flags", "scalar", "empty"]
-    for name, tensor in want.items():
-        assert_identical(out[name], tensor)
-    assert stored_layouts(V1_FILE) == {
-        "layer.weight": "bitmask",
-        "layer.bias": "dense",
-        "half.weight": "bitmask",
-        "codes": "bitmask",
-        "flags": "bitmask",
-        "scalar": "dense",
-        "empty": "dense",
-    }
+def test_version_1_files_are_refused_naming_the_format():
+    with safe_open(str(V1_FILE), framework="pt") as handle:  # the fixture is what version 1 wrote
+        assert json.loads(handle.metadata()["lightprune.sparse"])["version"] == 1
+        assert "layer.weight.__bitmask__" in set(handle.keys())
+    for read in (load_sparse, stored_layouts):
+        with pytest.raises(
+            SparseFileError, match=r"format_v1\.safetensors: sparse format version 1, .*never released; "
+        ):
+            read(V1_FILE)
 
 
-@pytest.fixture(params=[2, 1])
-def saved(request, tmp_path) -> Path:
-    """A file of each format version holding a dense ``layer.bias`` and a bitmask ``layer.weight``."""
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    """A file holding a dense ``layer.bias`` and a bitmask ``layer.weight``."""
     path = tmp_path / "m.safetensors"
-    if request.param == 1:
-        path.write_bytes(V1_FILE.read_bytes())
-    else:
-        t = random_tensor((64, 64), torch.float32, 0.9, seed=1)
-        save_sparse({"layer.bias": torch.randn(64), "layer.weight": t}, path)
+    t = random_tensor((64, 64), torch.float32, 0.9, seed=1)
+    save_sparse({"layer.bias": torch.randn(64), "layer.weight": t}, path)
     assert {k: v for k, v in stored_layouts(path).items() if k.startswith("layer.")} == {
         "layer.bias": "dense",
         "layer.weight": "bitmask",
@@ -352,22 +343,10 @@ def _data_start(path: Path) -> int:
     return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
 
 
-def _version(path: Path) -> int:
-    return json.loads(_header(path)["__metadata__"]["lightprune.sparse"])["version"]
-
-
 def _runs(path: Path) -> dict[str, tuple[int, int]]:
     """File offsets ``(start, end)`` of each stored run: ``<name>`` (dense), ``<name>.mask`` and ``<name>.values``
-    (bitmask) and ``<name>.crc``, walked the way the format documents it (version 2), or read from the header's
-    entries (version 1)."""
+    (bitmask) and ``<name>.crc``, walked the way the format documents it."""
     header, start, raw = _header(path), _data_start(path), path.read_bytes()
-    if _version(path) == 1:
-        runs = {}
-        for key, entry in header.items():
-            if key != "__metadata__":
-                name = key.replace(BITMASK_SUFFIX, ".mask").replace(VALUES_SUFFIX, ".values")
-                runs[name] = (start + entry["data_offsets"][0], start + entry["data_offsets"][1])
-        return runs
     table = json.loads(header["__metadata__"]["lightprune.sparse"])["tensors"]
     sizes = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I8": 1, "BOOL": 1}
     runs, offset = {}, 4 * len(table)
@@ -396,10 +375,7 @@ def _runs(path: Path) -> dict[str, tuple[int, int]]:
     ],
 )
 def test_one_flipped_bit_is_caught_and_named(saved, run, tensor):
-    runs = _runs(saved)
-    if run not in runs:
-        pytest.skip("version 1 keeps its checksums in the header")
-    start, end = runs[run]
+    start, end = _runs(saved)[run]
     raw = bytearray(saved.read_bytes())
     raw[(start + end) // 2] ^= 0x10
     saved.write_bytes(bytes(raw))
@@ -420,11 +396,8 @@ def _rewrite_table(path: Path, change) -> None:
 
 def test_tampered_layout_metadata_is_caught(saved):
     def reshape(table):  # same count, other shape: only the checksum sees it
-        if table["version"] == 1:
-            table["tensors"]["layer.weight"]["shape"] = [32, 60]
-        else:
-            [record] = [r for r in table["tensors"] if r[0] == "layer.weight"]
-            record[2] = [32, 128]
+        [record] = [r for r in table["tensors"] if r[0] == "layer.weight"]
+        record[2] = [32, 128]
 
     _rewrite_table(saved, reshape)
     with pytest.raises(SparseFileError, match=r"'layer.weight'.*checksum"):
@@ -511,7 +484,7 @@ def test_foreign_files_are_refused(tmp_path):
         load_sparse(empty)
     other_version = tmp_path / "v3.safetensors"
     save_file({"w": torch.ones(3)}, str(other_version), metadata={"lightprune.sparse": '{"version": 3, "tensors": []}'})
-    with pytest.raises(SparseFileError, match=r"version 3; this lightprune reads versions 1, 2"):
+    with pytest.raises(SparseFileError, match=r"version 3; this lightprune reads version 2"):
         load_sparse(other_version)
     with pytest.raises(FileNotFoundError):
         load_sparse(tmp_path / "missing.safetensors")
@@ -519,17 +492,6 @@ def test_foreign_files_are_refused(tmp_path):
 
 def test_stray_entries_are_refused(tmp_path):
     path = tmp_path / "s.safetensors"
-    save_file(
-        {"w": torch.ones(3), "extra": torch.ones(1)},
-        str(path),
-        metadata={
-            "lightprune.sparse": json.dumps(
-                {"version": 1, "tensors": {"w": {"layout": "dense", "dtype": "float32", "shape": [3], "crc32": 0}}}
-            )
-        },
-    )
-    with pytest.raises(SparseFileError, match=r"'w'.*checksum"):
-        load_sparse(path)
     save_file(
         {"data": torch.zeros(4, dtype=torch.uint8), "extra": torch.ones(1)},
         str(path),

@@ -20,9 +20,8 @@ its stored bytes (mask then values; padding excluded), so a tampered or truncate
 the tensor.
 
 One entry and a terse table keep the header to about 40 bytes per tensor: a 0.2 MB checkpoint of six tensors
-stays within 2% of the information limit. Version 1 files (one safetensors entry per dense tensor and two per
-bitmask tensor, ``<name>.__bitmask__`` and ``<name>.__values__``, the table as a JSON object with decimal CRCs) are
-still read.
+stays within 2% of the information limit. Version 1 (one safetensors entry per tensor, a layout of development
+versions before 0.1.0, never released) is refused with a message that says so.
 
 Every tensor is packed, selected, unpacked and scattered by NumPy in chunks of :data:`CHUNK` entries (``packbits``,
 ``flatnonzero`` and an index gather or scatter, intermediates that stay in cache), and written or read with one
@@ -42,7 +41,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from lightprune.export._pruned import effective_state_dict
@@ -51,34 +49,12 @@ __all__ = ["SparseFileError", "load_sparse", "save_sparse", "stored_layouts"]
 
 METADATA_KEY = "lightprune.sparse"
 DATA_KEY = "data"
-"""The one safetensors entry of a version-2 file (a ``uint8`` tensor holding every tensor's bytes)."""
+"""The one safetensors entry of a file (a ``uint8`` tensor holding every tensor's bytes)."""
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
-BITMASK_SUFFIX = ".__bitmask__"
-"""Version 1: the entry holding a bitmask tensor's packed mask."""
-VALUES_SUFFIX = ".__values__"
-"""Version 1: the entry holding a bitmask tensor's kept values."""
 CHUNK = 1 << 16
 """Entries handled at a time (a multiple of 8): the mask, index and scratch of a chunk stay in cache, and a large
 tensor costs no more fresh memory than its own output."""
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")),
-    )
-}
-"""Version 1's dtype names (``"float32"``...)."""
 _CODES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -98,6 +74,7 @@ _CODES: dict[str, torch.dtype] = {
 }
 """Version 2's dtype codes: safetensors' own."""
 _CODE_OF = {dtype: code for code, dtype in _CODES.items()}
+_SUPPORTED = ", ".join(str(dtype).removeprefix("torch.") for dtype in _CODES.values())
 _CODE_SIZES = {code: torch.empty((), dtype=dtype).element_size() for code, dtype in _CODES.items()}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LAYOUT_NAMES = {0: "dense", 1: "bitmask"}
@@ -199,7 +176,7 @@ class _Encoded:
 
     def __init__(self, name: str, tensor: Tensor) -> None:
         if tensor.dtype not in _CODE_OF:
-            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored (supported: {', '.join(_DTYPES)})")
+            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored (supported: {_SUPPORTED})")
         size = tensor.element_size()
         bits = _bits(tensor)
         n = bits.size
@@ -215,7 +192,7 @@ class _Encoded:
 
 
 def _write(path: str | os.PathLike[str], encoded: list[_Encoded]) -> None:
-    """Write a version-2 file: the safetensors header, the CRC table, every run of bytes (zero-padded to align)."""
+    """Write a file: the safetensors header, the CRC table, every run of bytes (zero-padded to align)."""
     offset = 4 * len(encoded)
     placed = []
     for item in encoded:
@@ -331,8 +308,8 @@ def _read_header(path: str | os.PathLike[str]) -> tuple[dict, int, int]:
     return header, 8 + length, size
 
 
-def _table(path: str | os.PathLike[str], header: dict) -> tuple[int, Any]:
-    """The format version and the tensor table of the header's lightprune metadata."""
+def _table(path: str | os.PathLike[str], header: dict) -> list[Any]:
+    """The tensor table of the header's lightprune metadata, refusing any format version but :data:`FORMAT_VERSION`."""
     metadata = header.get("__metadata__")
     if not isinstance(metadata, dict) or METADATA_KEY not in metadata:
         raise SparseFileError(
@@ -344,14 +321,18 @@ def _table(path: str | os.PathLike[str], header: dict) -> tuple[int, Any]:
         version, tensors = table["version"], table["tensors"]
     except (ValueError, KeyError, TypeError) as err:
         raise SparseFileError(f"{path}: the '{METADATA_KEY}' metadata is not valid ({err!r})") from None
-    if version not in READ_VERSIONS:
+    if version == 1:
         raise SparseFileError(
-            f"{path}: sparse format version {version!r}; this lightprune reads versions "
-            f"{', '.join(map(str, READ_VERSIONS))}"
+            f"{path}: sparse format version 1, a layout of lightprune's development versions before 0.1.0 that was "
+            f"never released; this lightprune reads version {FORMAT_VERSION} only"
         )
-    if not isinstance(tensors, dict if version == 1 else list):
+    if version != FORMAT_VERSION:
+        raise SparseFileError(
+            f"{path}: sparse format version {version!r}; this lightprune reads version {FORMAT_VERSION}"
+        )
+    if not isinstance(tensors, list):
         raise SparseFileError(f"{path}: the '{METADATA_KEY}' metadata holds no tensor table")
-    return version, tensors
+    return tensors
 
 
 def _check(cond: bool, path: str | os.PathLike[str], name: str, what: str) -> None:
@@ -371,7 +352,7 @@ def _check_shape(shape: object, path: str | os.PathLike[str], name: str) -> int:
 
 
 class _Reader:
-    """Reads runs of a version-2 file's data section into fresh memory, naming the tensor when bytes are missing.
+    """Reads runs of a file's data section into fresh memory, naming the tensor when bytes are missing.
 
     A run that ends past the end of the file is a truncation when the file is shorter than its header says, and an
     altered bitmask (one that asks for more values than were written) when it is not.
@@ -405,7 +386,7 @@ class _Reader:
             view = view[got:]
 
 
-def _load_v2(path: str | os.PathLike[str], header: dict, start: int, size: int, table: list) -> dict[str, Tensor]:
+def _load(path: str | os.PathLike[str], header: dict, start: int, size: int, table: list) -> dict[str, Tensor]:
     entry = header.get(DATA_KEY)
     stray = sorted(key for key in header if key not in ("__metadata__", DATA_KEY))
     if stray:
@@ -460,96 +441,11 @@ def _load_v2(path: str | os.PathLike[str], header: dict, start: int, size: int, 
     return out
 
 
-def _diagnose_v1(path: str | os.PathLike[str], err: Exception) -> SparseFileError:
-    """A clear error for a version-1 file safetensors refuses: name the first tensor whose bytes are missing."""
-    try:
-        header, start, size = _read_header(path)
-    except SparseFileError as clear:
-        return clear
-    for key, entry in header.items():
-        if key == "__metadata__" or not isinstance(entry, dict):
-            continue
-        end = start + int(entry.get("data_offsets", [0, 0])[1])
-        if end > size:
-            return SparseFileError(
-                f"{path}: truncated: tensor {_owner(key)!r} (stored entry {key!r}) needs bytes up to {end}, the file "
-                f"has {size}"
-            )
-    return SparseFileError(f"{path}: safetensors cannot read it: {err}")
-
-
-def _owner(key: str) -> str:
-    for suffix in (BITMASK_SUFFIX, VALUES_SUFFIX):
-        if key.endswith(suffix):
-            return key[: -len(suffix)]
-    return key
-
-
-def _crc_v1(name: str, dtype: str, shape: list[int], layout: str, parts: list[Tensor]) -> int:
-    crc = zlib.crc32(json.dumps([name, dtype, shape, layout]).encode())
-    for part in parts:
-        crc = zlib.crc32(part.reshape(-1).view(torch.uint8).numpy(), crc)
-    return crc
-
-
-def _decode_v1(path: str | os.PathLike[str], handle, keys: set[str], name: str, record: object) -> Tensor:
-    _check(isinstance(record, dict), path, name, "its layout record is not a JSON object")
-    layout, dtype_name, shape, crc = (record.get(k) for k in ("layout", "dtype", "shape", "crc32"))
-    _check(dtype_name in _DTYPES, path, name, f"unknown dtype {dtype_name!r}")
-    n = _check_shape(shape, path, name)
-    dtype = _DTYPES[dtype_name]
-    if layout == "dense":
-        _check(name in keys, path, name, "its data is missing from the file")
-        tensor = handle.get_tensor(name)
-        _check(tensor.dtype == dtype, path, name, f"stored as {tensor.dtype}, the layout says {dtype_name}")
-        _check(
-            list(tensor.shape) == shape, path, name, f"stored with shape {list(tensor.shape)}, the layout says {shape}"
-        )
-        parts = [tensor]
-    elif layout == "bitmask":
-        mask_key, values_key = name + BITMASK_SUFFIX, name + VALUES_SUFFIX
-        _check(mask_key in keys and values_key in keys, path, name, "its bitmask or values are missing from the file")
-        packed, values = handle.get_tensor(mask_key), handle.get_tensor(values_key)
-        _check(
-            packed.dtype == torch.uint8 and packed.shape == (-(-n // 8),), path, name, "the bitmask has the wrong size"
-        )
-        _check(values.dtype == dtype and values.dim() == 1, path, name, f"the values are not a 1-D {dtype_name} tensor")
-        parts = [packed, values]
-    else:
-        raise SparseFileError(f"{path}: tensor {name!r}: unknown layout {layout!r}")
-    _check(
-        _crc_v1(name, dtype_name, shape, layout, parts) == crc,
-        path,
-        name,
-        "checksum mismatch: the file was altered or damaged after it was written",
-    )
-    if layout == "dense":
-        return tensor
-    _check(popcount(packed) == values.numel(), path, name, "the bitmask and the number of values disagree")
-    out = _empty(n, dtype)
-    _scatter(_bits(out), packed.numpy(), _bits(values))
-    return out.view(shape)
-
-
-def _load_v1(path: str | os.PathLike[str], table: dict) -> dict[str, Tensor]:
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-            out = {name: _decode_v1(path, handle, keys, name, record) for name, record in table.items()}
-            stray = keys - {k for name in table for k in (name, name + BITMASK_SUFFIX, name + VALUES_SUFFIX)}
-            if stray:
-                raise SparseFileError(f"{path}: entries {sorted(stray)} are not in the layout table (file altered?)")
-            return out
-    except SafetensorError as err:
-        raise _diagnose_v1(path, err) from None
-
-
 def load_sparse(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Read a file written by :func:`save_sparse` back into a plain state_dict of dense tensors.
 
     Every tensor comes back exactly as saved: dtype, shape and every bit (zeros where pruned), each in its own
-    memory. The result loads into an unpruned model with ``model.load_state_dict(state)``. Files of format version
-    1 (lightprune before the one-entry layout) are read too.
+    memory. The result loads into an unpruned model with ``model.load_state_dict(state)``.
 
     Args:
         path: The file.
@@ -572,10 +468,7 @@ def load_sparse(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"no such file: {path}")
     header, start, size = _read_header(path)
-    version, table = _table(path, header)
-    if version == 1:
-        return _load_v1(path, table)
-    return _load_v2(path, header, start, size, table)
+    return _load(path, header, start, size, _table(path, header))
 
 
 def stored_layouts(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -589,11 +482,8 @@ def stored_layouts(path: str | os.PathLike[str]) -> dict[str, str]:
         {'zeros': 'bitmask', 'ones': 'dense'}
     """
     header, _, _ = _read_header(path)
-    version, table = _table(path, header)
-    if version == 1:
-        return {name: record.get("layout") if isinstance(record, dict) else None for name, record in table.items()}
     return {
         record[0]: _LAYOUT_NAMES.get(record[3])
-        for record in table
+        for record in _table(path, header)
         if isinstance(record, list) and len(record) == 4 and isinstance(record[0], str)
     }
