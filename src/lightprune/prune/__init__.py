@@ -7,8 +7,25 @@ Beyond torch's API: :func:`mask_dtype` (boolean masks), :func:`prepare_for_state
 reparametrization), :func:`pruned_names` and :func:`original` (which tensors are pruned, and the Parameter behind
 one), :func:`refresh_pruned`, :func:`transaction` (all or nothing over several calls) and :func:`apply_method` (a
 method object, with the new mask's dtype as an argument), ``max_layer_sparsity`` on :func:`global_unstructured` and
-:class:`LayerCollapseWarning` (a parameter left with no weight). The rest of lightprune (the callback, selection,
-export) reaches the engine through these names only.
+:class:`LayerCollapseWarning` (a parameter left with no weight).
+
+Users need only these names. The rest of lightprune (the callback, structure, adapters, export) also imports the
+engine submodules below, its internal API: not for users, free to change between versions, and the only engine
+submodules other packages of lightprune may import (``tests/prune/test_internal_api.py`` checks it):
+
+* ``allocation``: per-layer sparsity allocation (ERK, OWL) and OWL's defaults;
+* ``amount``: amount validation and conversion (torch's underscore helpers);
+* ``collapse``: layer collapse: the cap on a layer's pruned units, its check and the warning's message;
+* ``distributed``: DTensor shards: telling a sharded tensor, its local piece, exact selection across ranks;
+* ``functional``: ``remove_masked`` (:func:`remove` zeroing in place, for in-place masking);
+* ``masking``: applying a boolean mask, in place or into a new tensor;
+* ``obs``: the layer-level pieces of OBS / SparseGPT (matrices, Hessian checks, saliencies, the row update);
+* ``regrow``: one drop-and-grow mask update of dynamic sparse training (RigL, SET);
+* ``rowwise``: per-row ranking to a target sparsity;
+* ``select``: exact k-smallest selection over one or many tensors;
+* ``signed``: signed-score variants of the magnitude methods (movement);
+* ``stale``: pruned tensors a parent reads without calling their module's forward, kept current;
+* ``state_dict``: pruned state_dicts in plain torch terms.
 
 Example:
     >>> import torch
