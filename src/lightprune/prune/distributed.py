@@ -47,7 +47,6 @@ from torch import Tensor
 from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount, validate_amount
 from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps
 from lightprune.prune.select import (
-    RADIX_BITS,
     Cut,
     Keys,
     apply_cut,
@@ -56,6 +55,8 @@ from lightprune.prune.select import (
     chunks,
     common_dtype,
     count_eligible,
+    descend,
+    first_pass,
     histogram,
     select_smallest,
 )
@@ -299,32 +300,14 @@ def find_cuts(
             hist = torch.zeros(nbins, dtype=torch.int64)
         return _all_reduce(hist, group)
 
-    shift = max(0, keys.bits - RADIX_BITS)
-    offset = keys.lo >> shift
-    nbins = (keys.hi >> shift) - offset + 1
+    shift, offset, nbins = first_pass(keys)
     hist = global_histogram(shift, offset, nbins, None)
     total = int(hist.sum())
     if k > total:
         raise ValueError(f"k={k} exceeds the number of eligible entries ({total})")
     if k == 0:
         return [Cut(keys.lo, 0)] * len(pieces)
-    rank = k
-    while True:
-        cum = hist.cumsum(0)
-        j = int(torch.searchsorted(cum, torch.tensor([rank], dtype=cum.dtype))[0])
-        if j > 0:
-            rank -= int(cum[j - 1])
-        count = int(hist[j])
-        prefix = offset + j
-        if shift == 0:
-            key, ties, equal = prefix, rank, count
-            final_bin = j
-            break
-        new_shift = max(0, shift - RADIX_BITS)
-        offset = prefix << (shift - new_shift)
-        nbins = 1 << (shift - new_shift)
-        hist = global_histogram(new_shift, offset, nbins, (shift, prefix))
-        shift = new_shift
+    key, ties, equal, final_bin = descend(hist, shift, offset, k, global_histogram)
     if ties == equal and key < keys.dmax:
         return [Cut(key + 1, 0)] * len(pieces)
     counts = None if local_final is None else [int(h[final_bin]) for h in local_final]

@@ -54,7 +54,7 @@ _T = TypeVar("_T")
 
 __all__ = ["Cut", "apply_cut", "count_eligible", "find_cut", "select_smallest"]
 # Shared with distributed.py, which runs the same passes across ranks (package-internal, hence not in __all__):
-# Keys, common_dtype, chunk_size, check_scores, chunks, histogram and RADIX_BITS.
+# Keys, common_dtype, chunk_size, check_scores, chunks, histogram, first_pass and descend.
 
 #: Elements per chunk on CPU (about L2-sized for 32-bit keys).
 CHUNK_CPU = 1 << 18
@@ -608,15 +608,62 @@ def find_cut(
         if window is not None:
             return _canonical(*window, keys)
 
-    shift = max(0, keys.bits - RADIX_BITS)
-    offset = keys.lo >> shift
-    nbins = (keys.hi >> shift) - offset + 1
+    shift, offset, nbins = first_pass(keys)
     hist = histogram(scores, elig, keys, shift, offset, nbins, None)
     _check_k(k, int(hist.sum()))
     if k == 0:
         return Cut(keys.lo, 0)
 
-    rank = k  # 1-based rank of the last selected key among the keys still in play
+    def refine(shift: int, offset: int, nbins: int, within: tuple[int, int]) -> Tensor:
+        return histogram(scores, elig, keys, shift, offset, nbins, within)
+
+    def settle(count: int, shift: int, prefix: int, rank: int) -> tuple[int, int, int] | None:
+        """A bin small enough is sorted instead of refined."""
+        if count > BIN_LIMIT:
+            return None
+        return _cut_from_sorted(_gather(scores, elig, keys, count, (shift, prefix)), rank)
+
+    key, ties, equal, _ = descend(hist, shift, offset, k, refine, settle)
+    return _canonical(key, ties, equal, keys)
+
+
+def first_pass(keys: Keys) -> tuple[int, int, int]:
+    """``(shift, offset, nbins)`` of the first histogram pass over ``keys``: its top :data:`RADIX_BITS` bits.
+
+    Example:
+        >>> first_pass(Keys(torch.int8, magnitude=False, largest=False))
+        (0, -128, 256)
+    """
+    shift = max(0, keys.bits - RADIX_BITS)
+    offset = keys.lo >> shift
+    return shift, offset, (keys.hi >> shift) - offset + 1
+
+
+def descend(
+    hist: Tensor,
+    shift: int,
+    offset: int,
+    rank: int,
+    refine: Callable[[int, int, int, tuple[int, int]], Tensor],
+    settle: Callable[[int, int, int, int], tuple[int, int, int] | None] | None = None,
+) -> tuple[int, int, int, int]:
+    """Walk the histogram passes down to the ``rank``-th (1-based) smallest key, from the first pass's ``hist``.
+
+    Each pass finds the bin holding that key; ``refine(shift, offset, nbins, within)`` histograms the bin's keys at
+    the next, finer ``shift`` (``within = (shift, prefix)``: the keys with ``key >> shift == prefix``), until the
+    shift is 0 and a bin is one key. ``settle(count, shift, prefix, rank)`` may end the walk earlier with
+    ``(key, ties, equal)`` (e.g. by sorting a small bin), or return ``None`` to go on.
+
+    Returns:
+        ``(key, ties, equal, bin)``: the key, how many entries equal to it are selected (``rank`` among them),
+        how many there are, and its bin in the last histogram (``-1`` when ``settle`` ended the walk).
+
+    Example:
+        >>> keys = torch.tensor([3, 1, 2, 2, 5])
+        >>> hist = torch.bincount(keys, minlength=6)  # one pass at shift 0: offset 0, one bin a key
+        >>> descend(hist, 0, 0, 4, refine=histogram)  # the 4th smallest: 3, the 1st of the one 3 (refines nothing)
+        (3, 1, 1, 3)
+    """
     while True:
         cum = hist.cumsum(0)
         j = int(torch.searchsorted(cum, torch.tensor([rank], dtype=cum.dtype))[0])
@@ -625,18 +672,14 @@ def find_cut(
         count = int(hist[j])
         prefix = offset + j  # keys in this bin satisfy key >> shift == prefix
         if shift == 0:
-            key, ties, equal = prefix, rank, count
-            break
-        if count <= BIN_LIMIT:
-            cand = _gather(scores, elig, keys, count, (shift, prefix))
-            key, ties, equal = _cut_from_sorted(cand, rank)
-            break
+            return prefix, rank, count, j
+        settled = None if settle is None else settle(count, shift, prefix, rank)
+        if settled is not None:
+            return (*settled, -1)
         new_shift = max(0, shift - RADIX_BITS)
         offset = prefix << (shift - new_shift)
-        nbins = 1 << (shift - new_shift)
-        hist = histogram(scores, elig, keys, new_shift, offset, nbins, (shift, prefix))
+        hist = refine(new_shift, offset, 1 << (shift - new_shift), (shift, prefix))
         shift = new_shift
-    return _canonical(key, ties, equal, keys)
 
 
 def _check_k(k: int, total: int) -> None:
