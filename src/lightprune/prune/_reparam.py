@@ -8,9 +8,9 @@ owns everything about that arrangement on a module:
 * looking it up: :func:`pruned_names`, :func:`original` (public), ``find_hook``, ``pruning_hooks``;
 * keeping ``name`` current across ``.to()``, ``.half()``... and ``load_state_dict``: :func:`refresh_pruned`,
   ``install_refresh``, ``uninstall_refresh_if_unpruned``;
-* attaching a new mask all or nothing (``_attach``) and undoing any block of changes exactly: :func:`transaction`,
-  the one rollback every all-or-nothing path of the library goes through (pruning calls, ``remove``, state-dict
-  adaptation, the callback's events and checkpoint restores);
+* attaching a new mask all or nothing (:func:`apply_method`) and undoing any block of changes exactly:
+  :func:`transaction`, the one rollback every all-or-nothing path of the library goes through (pruning calls,
+  ``remove``, state-dict adaptation, the callback's events and checkpoint restores);
 * the dtype of new masks: :func:`set_mask_dtype`/:func:`mask_dtype` (the user's setting) or an explicit
   ``mask_dtype=`` argument (what the library itself passes, so it never changes the user's setting).
 """
@@ -532,7 +532,7 @@ def _commit_all(attachments: list[_Attachment]) -> list[BasePruningMethod]:
         return [attachment.commit() for attachment in attachments]
 
 
-def _attach(
+def apply_method(
     module: nn.Module,
     name: str,
     method: BasePruningMethod,
@@ -540,10 +540,29 @@ def _attach(
     importance_scores: Tensor | None = None,
     mask_dtype: Any = FROM_SETTING,
 ) -> BasePruningMethod:
-    """Prune ``module.<name>`` with ``method`` (on top of any existing pruning) and return the attached hook.
+    """Prune ``module.<name>`` with a method object already built, on top of any existing pruning.
 
-    ``mask_dtype`` is the dtype of the mask of a tensor not pruned yet (``None``: the parameter's); by default the
-    :func:`mask_dtype` setting. A pruned tensor keeps its mask's dtype.
+    ``Method.apply(module, name, **arguments)`` is ``apply_method(module, name, Method(**arguments))``; this form
+    also takes the dtype of a new mask as an argument, for code that must not change the
+    :func:`~lightprune.prune.mask_dtype` setting (a library, a callback). All or nothing, as every pruning call.
+
+    Args:
+        module: the module owning the parameter.
+        name: the parameter's name.
+        method: the pruning method object (not attached to another tensor yet).
+        importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
+        mask_dtype: the stored mask's dtype if ``name`` is not pruned yet (``None``: the parameter's); by default the
+            :func:`~lightprune.prune.mask_dtype` setting. A pruned tensor keeps its mask's dtype.
+
+    Returns:
+        The hook now acting on ``module.<name>``: ``method``, or the tensor's ``PruningContainer``.
+
+    Example:
+        >>> from lightprune.prune import L1Unstructured
+        >>> layer = torch.nn.Linear(4, 2)
+        >>> hook = apply_method(layer, "weight", L1Unstructured(amount=3), mask_dtype=torch.bool)
+        >>> type(hook).__name__, layer.weight_mask.dtype, int((layer.weight == 0).sum())
+        ('L1Unstructured', torch.bool, 3)
     """
     if importance_scores is not None and isinstance(name, str):
         # torch checks the scores' shape first: keep its order of errors (e.g. for a buffer's name)

@@ -157,10 +157,10 @@ class BasePruningMethod(ABC):
             importance_scores: ranking input with the parameter's shape; defaults to the parameter's current value
                 (``orig * mask`` once it is pruned, as in torch).
         """
-        from lightprune.prune._reparam import _attach  # _reparam builds on this module's classes
+        from lightprune.prune._reparam import apply_method  # _reparam builds on this module's classes
 
         method = cls(*args, **kwargs)
-        return _attach(module, name, method, importance_scores=importance_scores)
+        return apply_method(module, name, method, importance_scores=importance_scores)
 
     def prune(self, t: Tensor, default_mask: Tensor | None = None, importance_scores: Tensor | None = None) -> Tensor:
         """Return ``t`` multiplied by the mask this method computes for it (no module involved).

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from lightprune.prune._reparam import (
     FROM_SETTING,
-    _attach,
     _Attachment,
     _commit_all,
+    apply_method,
     find_hook,
     pruning_hooks,
     transaction,
@@ -218,42 +218,8 @@ def custom_from_mask(module: nn.Module, name: str, mask: Tensor, *, mask_dtype: 
         >>> custom_from_mask(layer, "weight", mask=mask, mask_dtype=mask.dtype).weight_mask
         tensor([[ True, False,  True]])
     """
-    _attach(module, name, CustomFromMask(mask=mask), mask_dtype=mask_dtype)
+    apply_method(module, name, CustomFromMask(mask=mask), mask_dtype=mask_dtype)
     return module
-
-
-def apply_method(
-    module: nn.Module,
-    name: str,
-    method: BasePruningMethod,
-    *,
-    importance_scores: Tensor | None = None,
-    mask_dtype: Any = FROM_SETTING,
-) -> BasePruningMethod:
-    """Prune ``module.<name>`` with a method object already built, on top of any existing pruning.
-
-    ``Method.apply(module, name, **arguments)`` is ``apply_method(module, name, Method(**arguments))``; this form
-    also takes the dtype of a new mask as an argument, for code that must not change the
-    :func:`~lightprune.prune.mask_dtype` setting (a library, a callback). All or nothing, as every pruning call.
-
-    Args:
-        module: the module owning the parameter.
-        name: the parameter's name.
-        method: the pruning method object (not attached to another tensor yet).
-        importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
-        mask_dtype: the stored mask's dtype if ``name`` is not pruned yet (``None``: the parameter's); by default the
-            :func:`~lightprune.prune.mask_dtype` setting. A pruned tensor keeps its mask's dtype.
-
-    Returns:
-        The hook now acting on ``module.<name>``: ``method``, or the tensor's ``PruningContainer``.
-
-    Example:
-        >>> layer = torch.nn.Linear(4, 2)
-        >>> hook = apply_method(layer, "weight", L1Unstructured(amount=3), mask_dtype=torch.bool)
-        >>> type(hook).__name__, layer.weight_mask.dtype, int((layer.weight == 0).sum())
-        ('L1Unstructured', torch.bool, 3)
-    """
-    return _attach(module, name, method, importance_scores=importance_scores, mask_dtype=mask_dtype)
 
 
 def global_unstructured(
@@ -611,7 +577,7 @@ def apply_adaptation(plan: list[tuple[str, nn.Module, str, str]], state_dict: Ma
                 dtype = saved_mask.dtype if isinstance(saved_mask, Tensor) else None
                 if dtype is not None and dtype != torch.bool and not dtype.is_floating_point:
                     dtype = None  # an integer mask (an integer parameter's): the parameter's dtype, as saved
-                _attach(submodule, name, Identity(), mask_dtype=dtype)
+                apply_method(submodule, name, Identity(), mask_dtype=dtype)
             else:
                 remove(submodule, name)
     return saved.undo
