@@ -86,7 +86,7 @@ def _one_process_masks(
     """The one-process global selection over full tensors (what ``global_unstructured`` runs), bool masks: by
     magnitude (L1), or by signed value (movement scores)."""
     from lightprune.prune.amount import _compute_nparams_toprune
-    from lightprune.prune.select import apply_cut, count_eligible, find_cut
+    from lightprune.prune.k_smallest import apply_cut, count_eligible, find_cut
 
     available = count_eligible(current, fulls)
     k = _compute_nparams_toprune(amount, available)

@@ -343,7 +343,7 @@ def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightprune.callback.selecting import check_sharded
+    from lightprune.callback.setup_checks import check_sharded
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

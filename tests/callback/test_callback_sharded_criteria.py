@@ -375,7 +375,7 @@ def test_sharded_selections_refuse_a_callable_obs_allocation_regrowth_and_n_m_ac
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightprune.callback.selecting import refuse_sharded_criteria
+    from lightprune.callback.setup_checks import refuse_sharded_criteria
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
-from lightprune.callback.selecting import refuse_strategy
+from lightprune.callback.setup_checks import refuse_strategy
 from lightprune.prune import LayerCollapseWarning
 from lightprune.schedules import Linear
 from tiny_lightning import TinyNet, quiet_trainer

@@ -22,7 +22,7 @@ from torch.torch_version import TorchVersion
 
 from lightprune import prune as lp
 from lightprune.prune import _reparam, base
-from lightprune.prune import select as select_module
+from lightprune.prune import k_smallest as select_module
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 MASK_MODES = [None, torch.bool]
@@ -592,7 +592,7 @@ def no_full_tensor_nonzero(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(torch, name, guard(getattr(torch, name), f"torch.{name}"))
     monkeypatch.setattr(torch.Tensor, "__getitem__", bool_index_guard(torch.Tensor.__getitem__))
     monkeypatch.setattr(torch.Tensor, "__setitem__", bool_index_guard(torch.Tensor.__setitem__))
-    # select.py gathers the candidates of one histogram bin per chunk; keep its chunks below LIMIT
+    # k_smallest.py gathers the candidates of one histogram bin per chunk; keep its chunks below LIMIT
     monkeypatch.setattr(select_module, "CHUNK_CPU", 256)
 
 

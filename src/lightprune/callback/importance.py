@@ -13,7 +13,7 @@
 
 Every input statistic (the activation sums, OBS's ``H``) leaves padded positions out by one rule (:mod:`.tokens`).
 Parameters sharded as DTensor take magnitude, activation and movement (:mod:`.sharded`); a callable and ``"obs"``
-are refused for them at setup, with the reason (:func:`.selecting.refuse_sharded_criteria`).
+are refused for them at setup, with the reason (:func:`.setup_checks.refuse_sharded_criteria`).
 """
 
 from __future__ import annotations

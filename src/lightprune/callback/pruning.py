@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
-from lightprune.callback import clock, neighbours, reporting, rewinding, selecting, sharded
+from lightprune.callback import clock, neighbours, reporting, rewinding, setup_checks, sharded
 from lightprune.callback.calibration import calibrate, first_batch
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
@@ -358,7 +358,7 @@ class PruningCallback(Callback):
             raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
         self.max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
         if self.schedule.is_resolved:  # else checked when the run's length resolves it, before the first step
-            selecting.check_cap(self.max_layer_sparsity, scope, self.schedule.final_sparsity)
+            setup_checks.check_cap(self.max_layer_sparsity, scope, self.schedule.final_sparsity)
         check_choice("unit", unit, UNITS)
         check_choice("masking", masking, MASKING)
         raise_problems(
@@ -458,7 +458,7 @@ class PruningCallback(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            selecting.refuse_strategy(trainer.strategy)
+            setup_checks.refuse_strategy(trainer.strategy)
             self._reset()
             neighbours.run_after_weight_averaging(trainer, self)
 
@@ -487,7 +487,7 @@ class PruningCallback(Callback):
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
         if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
             counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
-            selecting.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
+            setup_checks.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
         windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES or self._importance.activations is not None
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
@@ -698,23 +698,23 @@ class PruningCallback(Callback):
         if self.mask_dtype == torch.bool:
             neighbours.refuse_averaged_bool_buffers(trainer)
         others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
-        selecting.refuse_overlaps(selection, others, self._log_prefix)
-        selecting.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
-        selecting.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
+        setup_checks.refuse_overlaps(selection, others, self._log_prefix)
+        setup_checks.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
+        setup_checks.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
         if self.structured:
-            selecting.check_dims(selection, self.method_kwargs)
+            setup_checks.check_dims(selection, self.method_kwargs)
         if self.scope == "row":
-            selecting.check_rows(selection)
+            setup_checks.check_rows(selection)
         if self._n_m is not None:
-            selecting.check_n_m_layout(selection, self._n_m.name, self.method_kwargs["m"])
+            setup_checks.check_n_m_layout(selection, self._n_m.name, self.method_kwargs["m"])
         owners = parameter_owners(pl_module)
         if self._default_types and self.parameters is None:
-            selecting.warn_small_share(selection, owners)
+            setup_checks.warn_small_share(selection, owners)
         biases = []
         if self.prune_channel_bias:
             biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
-        ties = selecting.find_ties(selection, owners)
-        adapted = selecting.check_adapters(selection, pl_module, self._importance.kind)
+        ties = setup_checks.find_ties(selection, owners)
+        adapted = setup_checks.check_adapters(selection, pl_module, self._importance.kind)
         return MaskedSelection(
             selection,
             ties,

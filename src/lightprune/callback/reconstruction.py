@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.prune.k_smallest import select_smallest
 from lightprune.prune.obs import as_matrix, check_hessian, layer_saliency, obs_layer
-from lightprune.prune.select import select_smallest
 
 __all__ = ["blocks", "obs_counts", "reconstruct"]
 

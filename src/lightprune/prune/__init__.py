@@ -18,11 +18,11 @@ submodules other packages of lightprune may import (``tests/prune/test_internal_
 * ``collapse``: layer collapse: the cap on a layer's pruned units, its check and the warning's message;
 * ``distributed``: DTensor shards: telling a sharded tensor, its local piece, exact selection across ranks;
 * ``functional``: ``remove_masked`` (:func:`remove` zeroing in place, for in-place masking);
+* ``k_smallest``: exact k-smallest selection over one or many tensors;
 * ``masking``: applying a boolean mask, in place or into a new tensor;
 * ``obs``: the layer-level pieces of OBS / SparseGPT (matrices, Hessian checks, saliencies, the row update);
 * ``regrow``: one drop-and-grow mask update of dynamic sparse training (RigL, SET);
 * ``rowwise``: per-row ranking to a target sparsity;
-* ``select``: exact k-smallest selection over one or many tensors;
 * ``signed``: signed-score variants of the magnitude methods (movement);
 * ``stale``: pruned tensors a parent reads without calling their module's forward, kept current;
 * ``state_dict``: pruned state_dicts in plain torch terms.

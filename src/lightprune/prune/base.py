@@ -19,7 +19,7 @@ What differs from torch is behind that contract:
   ``load_state_dict``, so it is never stale;
 * masks may be stored as ``torch.bool`` (1 byte an entry) instead of the parameter's dtype, see
   :func:`~lightprune.prune.mask_dtype`;
-* the built-in methods select with an exact O(n) threshold pass (``select.py``) instead of ``topk`` or boolean
+* the built-in methods select with an exact O(n) threshold pass (``k_smallest.py``) instead of ``topk`` or boolean
   indexing, so tensors of any size work and ties are broken by flat index.
 """
 

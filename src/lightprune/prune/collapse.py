@@ -94,7 +94,7 @@ def fill_under_caps(caps: Sequence[int], k: int, select: Callable[[list[int], in
     """Select the ``k`` smallest entries over many tensors, no more than ``caps[i]`` in tensor ``i``, exactly.
 
     ``select(indices, n)`` must select the ``n`` smallest eligible entries over the tensors ``indices`` with one
-    shared ranking (an exact cut of :mod:`lightprune.prune.select`, or of :mod:`lightprune.prune.distributed`
+    shared ranking (an exact cut of :mod:`lightprune.prune.k_smallest`, or of :mod:`lightprune.prune.distributed`
     across ranks), write their masks, and return how many entries it selected in each of them. The result is the
     greedy one: entries in rank order, a tensor skipped once it holds its cap. A tensor that the shared ranking
     would push past its cap holds its cap in that greedy selection too (it had more than ``caps[i]`` entries before
@@ -107,7 +107,7 @@ def fill_under_caps(caps: Sequence[int], k: int, select: Callable[[list[int], in
 
     Example:
         >>> import torch
-        >>> from lightprune.prune.select import select_smallest
+        >>> from lightprune.prune.k_smallest import select_smallest
         >>> scores = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([5.0, 6.0])]
         >>> chosen = [None, None]
         >>> def select(indices, n):

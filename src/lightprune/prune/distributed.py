@@ -2,7 +2,7 @@
 
 A model sharded with FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``) holds each parameter as a
 :class:`~torch.distributed.tensor.DTensor` whose rows are split across the ranks (``Shard(0)``). The selection of
-:mod:`lightprune.prune.select` is a sequence of histogram passes over the scores' bit patterns, and histograms add:
+:mod:`lightprune.prune.k_smallest` is a sequence of histogram passes over the scores' bit patterns, and histograms add:
 each rank counts its own shard, the counts are summed with one ``all_reduce`` per pass, and every rank finds the same
 exact threshold. The passes refine until the threshold key is known exactly (two passes for 32-bit scores, one for
 16-bit ones, four for 64-bit ones), so the traffic of one event is a few hundred kilobytes whatever the model size.
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount, validate_amount
 from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps
-from lightprune.prune.select import (
+from lightprune.prune.k_smallest import (
     Cut,
     Keys,
     apply_cut,
@@ -236,9 +236,9 @@ def find_cuts(
 ) -> list[Cut]:
     """The cut of each local piece such that, over all ranks, the ``k`` smallest eligible entries are selected.
 
-    The distributed counterpart of :func:`lightprune.prune.select.find_cut` (same arguments, same order, same
+    The distributed counterpart of :func:`lightprune.prune.k_smallest.find_cut` (same arguments, same order, same
     tie rule by global flat index), called on every rank of ``group`` with that rank's pieces. Apply the result
-    with :func:`lightprune.prune.select.apply_cut`, one piece at a time: ``apply_cut([p.local], cuts[i], ...)``.
+    with :func:`lightprune.prune.k_smallest.apply_cut`, one piece at a time: ``apply_cut([p.local], cuts[i], ...)``.
 
     Args:
         pieces: This rank's :class:`Piece` of every tensor, in the same order on every rank.
@@ -249,7 +249,7 @@ def find_cuts(
         group: The process group (``None``: the default one).
 
     Returns:
-        One :class:`~lightprune.prune.select.Cut` per piece.
+        One :class:`~lightprune.prune.k_smallest.Cut` per piece.
 
     Raises:
         ValueError: If ``k`` is negative or exceeds the eligible entries over all ranks.

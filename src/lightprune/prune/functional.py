@@ -24,6 +24,7 @@ from lightprune.prune._reparam import (
 from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount
 from lightprune.prune.base import BasePruningMethod, _check_same_shape, _has_fast_path, _to_mask_dtype, next_mask
 from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps, warn_collapsed
+from lightprune.prune.k_smallest import apply_cut, count_eligible, find_cut, one_thread
 from lightprune.prune.methods import (
     CustomFromMask,
     Identity,
@@ -34,7 +35,6 @@ from lightprune.prune.methods import (
     uniform_draws,
 )
 from lightprune.prune.rowwise import RowwiseL1Unstructured
-from lightprune.prune.select import apply_cut, count_eligible, find_cut, one_thread
 from lightprune.prune.semi_structured import SemiStructured
 
 __all__ = [
@@ -383,7 +383,7 @@ def _global_masks_fast(
     magnitude = not random and method._by_magnitude  # the signed variant of L1Unstructured ranks by value
     if random:
         scores = [uniform_draws(a.orig) for a in attachments]
-    # scores of several dtypes are compared as if promoted, one chunk at a time (select.py): no promoted copies
+    # scores of several dtypes are compared as if promoted, one chunk at a time (k_smallest.py): no promoted copies
     available = count_eligible(current, scores)
     k = _compute_nparams_toprune(method.amount, available)
     _validate_pruning_amount(k, available)

@@ -4,7 +4,7 @@ CustomFromMask.
 Each method offers torch's ``compute_mask(t, default_mask)`` and, privately, ``_next_mask(scores, current, dtype)``:
 the mask after the method is applied on top of ``current`` with a container's semantics (unstructured methods choose
 among entries still equal to 1, structured ones among channels not yet all zero). The engine calls the latter, which
-selects with an exact O(n) threshold pass (:mod:`lightprune.prune.select`): no ``topk``, no sort, no boolean
+selects with an exact O(n) threshold pass (:mod:`lightprune.prune.k_smallest`): no ``topk``, no sort, no boolean
 indexing of the full tensor, and ties broken by flat index so the same input always gives the same mask.
 """
 
@@ -24,7 +24,7 @@ from lightprune.prune.amount import (
     validate_amount,
 )
 from lightprune.prune.base import BasePruningMethod, _check_same_shape, _to_mask_dtype
-from lightprune.prune.select import apply_cut, count_eligible, find_cut, select_smallest
+from lightprune.prune.k_smallest import apply_cut, count_eligible, find_cut, select_smallest
 
 __all__ = [
     "CustomFromMask",

@@ -1,8 +1,8 @@
 """Order of entries inside small groups (a weight's rows, N:M groups): integer sort keys and stable ranks.
 
-The threshold search of :mod:`lightprune.prune.select` finds one cut over whole tensors. Methods that choose a count
+The threshold search of :mod:`lightprune.prune.k_smallest` finds one cut over whole tensors. Methods that choose a count
 per row or per group of ``M`` entries instead rank inside each group: the scores become the integer keys of
-:mod:`~lightprune.prune.select` (the same order: by magnitude or by value, ``-0.0`` equal to ``+0.0``, ``NaN`` above
+:mod:`~lightprune.prune.k_smallest` (the same order: by magnitude or by value, ``-0.0`` equal to ``+0.0``, ``NaN`` above
 ``+inf``), entries that may not be chosen get a key outside that range (for ``int64`` scores, whose keys fill
 the whole range, a second stable sort by eligibility does it), and a stable sort along the group's last dim
 gives each entry its rank. Equal keys keep their index order, so ties are broken by position: lower index first.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightprune.prune.select import Keys
+from lightprune.prune.k_smallest import Keys
 
 __all__ = ["group_ranks"]
 

@@ -3,7 +3,7 @@
 SET (Mocanu et al. 2018) regrows at random; RigL (Evci et al. 2020) where the dense gradient is largest. Either way
 a tensor's count of active weights is unchanged, so its sparsity (and the total) stays at the target.
 
-Ties are broken by flat index, as everywhere in :mod:`lightprune.prune.select`: among active weights of equal
+Ties are broken by flat index, as everywhere in :mod:`lightprune.prune.k_smallest`: among active weights of equal
 magnitude the ones earlier in the tensor are dropped first, among inactive entries of equal gradient magnitude the
 ones earlier in the tensor are regrown first. Entries inactive before the update are the only candidates for
 regrowth, so a weight dropped by an update is not regrown by the same update and exactly ``k`` weights move.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightprune.prune.select import select_smallest
+from lightprune.prune.k_smallest import select_smallest
 
 __all__ = ["drop_and_grow", "moved_count"]
 

@@ -1,4 +1,4 @@
-"""Tests for lightprune.prune.select: exact k-smallest selection, checked against a sorting oracle."""
+"""Tests for lightprune.prune.k_smallest: exact k-smallest selection, checked against a sorting oracle."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lightprune.prune.select import Cut, apply_cut, count_eligible, find_cut, select_smallest
+from lightprune.prune.k_smallest import Cut, apply_cut, count_eligible, find_cut, select_smallest
 
 # the module itself, for its tuning constants and internals (robust to a same-named attribute of the package)
-select = importlib.import_module("lightprune.prune.select")
+select = importlib.import_module("lightprune.prune.k_smallest")
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
