@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from lightprune import registry
 
@@ -37,23 +37,7 @@ __all__ = [
 ]
 
 
-class _ClassNames(Mapping[str, str]):
-    """Method name -> the name of its class, read from :data:`lightprune.registry.METHODS` whenever it is used."""
-
-    def __getitem__(self, name: str) -> str:
-        return registry.METHODS[name].target.rpartition(".")[2]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(registry.METHODS)
-
-    def __len__(self) -> int:
-        return len(registry.METHODS)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-METHOD_CLASSES: Mapping[str, str] = _ClassNames()
+METHOD_CLASSES: Mapping[str, str] = registry.Lookup(lambda entry: entry.target.rpartition(".")[2])
 """Pruning methods by the name configs and the callback give them -> their class's name (a view
 of :data:`lightprune.registry.METHODS`: the classes live in :mod:`lightprune.prune`, or where an entry says)."""
 

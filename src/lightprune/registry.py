@@ -21,9 +21,9 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, overload
+from typing import Any, Generic, TypeVar, overload
 
-__all__ = ["KINDS", "METHODS", "UNIT_METHODS", "Method", "Names", "get", "register"]
+__all__ = ["KINDS", "METHODS", "UNIT_METHODS", "Lookup", "Method", "Names", "get", "register"]
 
 UNIT_METHODS = ("neurons", "heads")
 """The methods that prune whole transformer units found from the model (:mod:`lightprune.structure`): MLP hidden
@@ -183,3 +183,32 @@ def register(entry: Method) -> Method:
         raise ValueError(f"a method named {entry.name!r} exists already: choose another name")
     METHODS[entry.name] = entry
     return entry
+
+
+T = TypeVar("T")
+
+
+class Lookup(Mapping[str, T], Generic[T]):
+    """Method name -> ``read(entry)`` for every registered method: a read-only view that follows :data:`METHODS`,
+    so a method registered later is in it at once.
+
+    Example:
+        >>> class_names = Lookup(lambda entry: entry.target.rpartition(".")[2])
+        >>> class_names["l1_unstructured"], "semi_structured" in class_names
+        ('L1Unstructured', True)
+    """
+
+    def __init__(self, read: Callable[[Method], T]) -> None:
+        self._read = read
+
+    def __getitem__(self, name: str) -> T:
+        return self._read(METHODS[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(METHODS)
+
+    def __len__(self) -> int:
+        return len(METHODS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -36,23 +36,7 @@ __all__ = [
 ]
 
 
-class _MethodClasses(Mapping[str, type[prune.BasePruningMethod]]):
-    """Method name -> class, loaded from :data:`lightprune.registry.METHODS` whenever it is read."""
-
-    def __getitem__(self, name: str) -> type[prune.BasePruningMethod]:
-        return registry.METHODS[name].load()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(registry.METHODS)
-
-    def __len__(self) -> int:
-        return len(registry.METHODS)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-METHODS: Mapping[str, type[prune.BasePruningMethod]] = _MethodClasses()
+METHODS: Mapping[str, type[prune.BasePruningMethod]] = registry.Lookup(lambda entry: entry.load())
 """Pruning methods the callback accepts by name (a view of :data:`lightprune.registry.METHODS`: a method registered
 there is accepted at once); any ``BasePruningMethod`` subclass (or its import path) works too."""
 
