@@ -19,7 +19,7 @@ alternating order, and the report gives the median of the per-round ratios with 
 with the default threads.
 
 Usage:
-    nice -n 10 python benchmarks/structured_minilm_distill.py            # ~5 minutes of CPU per arm
+    nice -n 10 python benchmarks/structured_minilm_distill.py        # ~5 minutes of CPU per arm
     python benchmarks/structured_minilm_distill.py --quick               # a smoke run (numbers mean nothing)
 
 Fits are cached per arm under ``--cache`` (``structured_distill/``; rerunning times the cached compact models
