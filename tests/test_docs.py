@@ -24,6 +24,7 @@ DOCUMENTED = [
     "lightprune.prune",
     "lightprune.export",
     "lightprune.structure",
+    "lightprune.statistics",
     "lightprune.adapters",
     "lightprune.schedules",
     "lightprune.selection",

@@ -9,7 +9,9 @@ totals, so every rank holds the same totals at every moment: the masks agree, an
 
 With ``moments=True`` the same hooks also add, in float64, each feature's sum and the token count and, with
 ``outer=True``, the sum of outer products ``X^T X``: the statistics of the structured units' ranking and refit
-(:class:`lightprune.structure.Moments`), collected, all-reduced and checkpointed by this one mechanism.
+(:class:`lightprune.structure.Moments`). The hooks, the padding rule, the all-reduce and the checkpoint state are
+those of :class:`lightprune.statistics.InputStatistics`, the one collector behind every input statistic (OBS's
+:mod:`.hessians` too).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback.tokens import real_positions
 from lightprune.layouts import feature_layout, feature_of_entries, input_dim
+from lightprune.statistics import InputStatistics, Recorded, feature_sums
 from lightprune.structure.statistics import Moments
 
 __all__ = ["ActivationStats"]
 
 Reduce = Callable[[Tensor], Tensor]
+
+_STATE_KEYS = {"totals": "squares", "sums": "sum", "outers": "outer"}
+"""This class's checkpoint keys -> the collector's statistics (``tokens`` is stored as ints)."""
 
 
 class ActivationStats:
@@ -75,20 +80,58 @@ class ActivationStats:
         self.selection = selection
         self._weight = weight or (lambda qualified, module, name: prune.original(module, name).detach())
         self.with_moments, self.with_outer = moments, moments and outer
-        self.sums: dict[str, Tensor] = {}  # moments: per-feature sums, token counts, X^T X
-        self.tokens: dict[str, int] = {}
-        self.outers: dict[str, Tensor] = {}
-        self.totals: dict[str, Tensor] = {}
-        self.calls: dict[str, int] = {}
-        self._pending: dict[str, Tensor] = {}
-        self._pending_calls: dict[str, int] = {}
-        self._handles: list[Any] = []
-        self._mask: Tensor | None = None
+        self.collector = InputStatistics([self._recorded(*entry) for entry in selection])
 
     def _features(self, module: nn.Module, name: str) -> int:
         if isinstance(module, nn.modules.conv._ConvNd):
             return module.in_channels  # a grouped convolution's weight holds in / groups of them per row
         return prune.original(module, name).shape[input_dim(module)]
+
+    def _recorded(self, qualified: str, module: nn.Module, name: str) -> Recorded:
+        """What is summed of one layer's input: squares per feature (and the moments), on the weight's device."""
+        weight = prune.original(module, name)
+        features = self._features(module, name)
+        if feature_layout(module, name) != "channels":
+            dtype = torch.float64 if self.with_moments else torch.float32
+            return feature_sums(
+                qualified, module, features, moments=self.with_moments, outer=self.with_outer, dtype=dtype,
+                device=weight.device,
+            )  # fmt: skip
+        weight_dims = weight.dim()
+
+        def add(x: Tensor, pending: Mapping[str, Tensor]) -> None:  # convolutions: channels on dim 1 of a sample
+            squares = pending["squares"]
+            x = x.to(squares.dtype)
+            feature = x.dim() - weight_dims + 1
+            dims = [d for d in range(x.dim()) if d != feature]
+            squares += ((x * x).sum(dim=dims) if dims else x * x).to(squares.device)
+
+        return Recorded(qualified, module, {"squares": ((features,), torch.float32)}, add, False, weight.device)
+
+    @property
+    def totals(self) -> dict[str, Tensor]:
+        """Sums of squares per input feature, by qualified name."""
+        return self.collector.by_statistic("squares")
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Forwards collected, by qualified name."""
+        return self.collector.calls
+
+    @property
+    def sums(self) -> dict[str, Tensor]:
+        """``moments``: sums per input feature (float64), by qualified name."""
+        return self.collector.by_statistic("sum")
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        """``moments``: tokens counted, by qualified name."""
+        return {q: round(float(t)) for q, t in self.collector.by_statistic("tokens").items()}
+
+    @property
+    def outers(self) -> dict[str, Tensor]:
+        """``outer``: ``X^T X`` (float64), by qualified name."""
+        return self.collector.by_statistic("outer")
 
     def start(self, mask: Tensor | None = None) -> None:
         """Collect the inputs of the selected layers from now on (until :meth:`finish_batch`).
@@ -97,79 +140,12 @@ class ActivationStats:
             mask: the batch's ``(B, T)`` boolean mask of real tokens (:func:`~lightprune.callback.tokens.
                 find_token_mask`): inputs ``(B, T, ..., d)`` count only where it is true.
         """
-        self._mask = mask
-        if self._handles:
-            return
-        for qualified, module, name in self.selection:
-            weight = prune.original(module, name)
-            features = self._features(module, name)
-            dtype = torch.float64 if self.with_moments else torch.float32
-            self._pending[qualified] = torch.zeros(features, dtype=dtype, device=weight.device)
-            self._pending_calls[qualified] = 0
-            if self.with_moments:
-                self._pending[qualified + "#sum"] = torch.zeros(features, dtype=dtype, device=weight.device)
-                self._pending[qualified + "#tokens"] = torch.zeros(1, dtype=dtype, device=weight.device)
-            if self.with_outer:
-                square = torch.zeros(features, features, dtype=dtype, device=weight.device)
-                self._pending[qualified + "#outer"] = square
-            self._handles.append(module.register_forward_pre_hook(self._hook(qualified, module, name)))
-
-    def _hook(self, qualified: str, module: nn.Module, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        channels = feature_layout(module, name) == "channels"
-        weight_dims = prune.original(module, name).dim()
-
-        def collect(layer: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0] if args else None
-            if not isinstance(x, Tensor):
-                return
-            with torch.no_grad():
-                pending = self._pending[qualified]
-                if not channels:
-                    x = real_positions(x.detach(), self._mask)
-                x = x.detach().to(pending.dtype)
-                feature = x.dim() - weight_dims + 1 if channels else x.dim() - 1
-                dims = [d for d in range(x.dim()) if d != feature]
-                squares = (x * x).sum(dim=dims) if dims else x * x
-                pending += squares.to(pending.device)
-                if self.with_moments:
-                    flat = x.reshape(-1, x.shape[-1]).to(pending.device)
-                    self._pending[qualified + "#sum"] += flat.sum(0)
-                    self._pending[qualified + "#tokens"] += flat.shape[0]
-                    if self.with_outer:
-                        self._pending[qualified + "#outer"] += flat.T @ flat
-            self._pending_calls[qualified] += 1
-
-        return collect
+        self.collector.start(mask)
 
     def finish_batch(self, reduce: Reduce) -> None:
         """Stop collecting; sum this batch's statistics across processes (``reduce``: a sum all-reduce) and add them
         to the totals. Every process must call it at the same batches."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._mask = [], None
-        if not self._pending:
-            return
-        names = [qualified for qualified, _, _ in self.selection]
-        keys = list(self._pending)  # the squares of every layer, then (moments) their sums, token counts, X^T X
-        first = self._pending[names[0]]
-        calls = torch.tensor([float(self._pending_calls[q]) for q in names], dtype=first.dtype, device=first.device)
-        flat = torch.cat([*(self._pending[k].to(first.device).flatten() for k in keys), calls])
-        flat = reduce(flat)
-        start = 0
-        for key in keys:
-            pending = self._pending[key]
-            part = flat[start : start + pending.numel()].to(pending.device).reshape(pending.shape)
-            start += pending.numel()
-            qualified, _, what = key.partition("#")
-            if what == "tokens":
-                self.tokens[qualified] = self.tokens.get(qualified, 0) + round(float(part))
-                continue
-            store = {"": self.totals, "sum": self.sums, "outer": self.outers}[what]
-            total = store.get(qualified)
-            store[qualified] = part.clone() if total is None else total + part
-        for qualified, count in zip(names, flat[start:].tolist(), strict=True):
-            self.calls[qualified] = self.calls.get(qualified, 0) + int(count)
-        self._pending, self._pending_calls = {}, {}
+        self.collector.finish_batch(reduce)
 
     def scores(self) -> dict[str, Tensor]:
         """``|W_ij| * ||X_j||_2`` for every selected weight (float32), the norm broadcast along the input dim.
@@ -186,10 +162,11 @@ class ActivationStats:
             )
         from lightprune.prune.distributed import is_sharded, local_of, local_piece
 
+        totals = self.totals
         found = {}
         for qualified, module, name in self.selection:
             weight = self._weight(qualified, module, name)
-            norms = feature_of_entries(module, self.totals[qualified].sqrt())
+            norms = feature_of_entries(module, totals[qualified].sqrt())
             if is_sharded(weight):  # this rank's shard: its rows, and their norms when they differ row by row
                 piece = local_piece(weight)
                 weight = local_of(weight)
@@ -202,59 +179,36 @@ class ActivationStats:
     def moments(self) -> dict[str, Moments]:
         """The collected moments by consuming module's qualified name (``moments=True``): token count, sums, squares
         and (``outer=True``) ``X^T X``, summed across processes."""
-        found = {}
-        for qualified, _, _ in self.selection:
-            if qualified not in self.totals:
-                continue
-            module_name = qualified.rpartition(".")[0]
-            found[module_name] = Moments(
-                self.tokens.get(qualified, 0),
-                self.sums[qualified].double(),
-                self.totals[qualified].double(),
-                self.outers[qualified].double() if qualified in self.outers else None,
-            )
-        return found
+        totals = self.collector.totals
+        return {q.rpartition(".")[0]: Moments.of(totals[q]) for q, _, _ in self.selection if q in totals}
 
     def stop(self) -> None:
         """Remove the hooks and drop the batch in progress (an exception, the end of fit); the totals stay."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._mask = [], None
-        self._pending, self._pending_calls = {}, {}
+        self.collector.stop()
 
     def reset(self) -> None:
         """Forget the totals (after an event, or when a fit starts)."""
-        self.stop()
-        self.totals, self.calls = {}, {}
-        self.sums, self.tokens, self.outers = {}, {}, {}
+        self.collector.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """The totals and forward counts, for a checkpoint."""
-        state: dict[str, Any] = {"totals": dict(self.totals), "calls": dict(self.calls)}
+        state: dict[str, Any] = {"totals": self.totals, "calls": dict(self.calls)}
         if self.with_moments:
-            state.update(sums=dict(self.sums), tokens=dict(self.tokens), outers=dict(self.outers))
+            state.update(sums=self.sums, tokens=self.tokens, outers=self.outers)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s totals, checked against the selection, onto the weights' devices."""
-        totals, calls = dict(state.get("totals", {})), dict(state.get("calls", {}))
-        expected = {q: (module, name) for q, module, name in self.selection}
-        for qualified, total in totals.items():
-            if qualified not in expected:
-                raise ValueError(f"the checkpoint's activation statistics name {qualified!r}, which is not selected")
-            module, name = expected[qualified]
-            if tuple(total.shape) != (self._features(module, name),):
-                raise ValueError(
-                    f"the checkpoint's activation statistics of {qualified!r} have shape {tuple(total.shape)}, the "
-                    f"layer has {self._features(module, name)} input features"
-                )
-        self.reset()
-        self.totals = {q: t.to(prune.original(*expected[q]).device) for q, t in totals.items()}
-        self.calls = {q: int(c) for q, c in calls.items()}
+        totals: dict[str, dict[str, Tensor]] = {}
+        keys = ("totals", "sums", "outers") if self.with_moments else ("totals",)
+        for key in keys:
+            for qualified, value in dict(state.get(key, {})).items():
+                totals.setdefault(qualified, {})[_STATE_KEYS[key]] = value
         if self.with_moments:
-            for key, store in (("sums", self.sums), ("outers", self.outers)):
-                for qualified, value in dict(state.get(key, {})).items():
-                    if qualified not in expected:
-                        raise ValueError(f"the checkpoint's activation {key} name {qualified!r}, which is not selected")
-                    store[qualified] = value.to(prune.original(*expected[qualified]).device)
-            self.tokens = {q: int(c) for q, c in dict(state.get("tokens", {})).items()}
+            for qualified, count in dict(state.get("tokens", {})).items():
+                totals.setdefault(qualified, {})["tokens"] = torch.tensor([float(count)], dtype=torch.float64)
+
+        def needs(recorded: Recorded, key: str) -> str:
+            return f"has {recorded.sums[key][0][0]} input features"
+
+        self.collector.load(totals, dict(state.get("calls", {})), what="activation", describe=needs)

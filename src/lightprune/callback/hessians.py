@@ -12,6 +12,10 @@ checkpoint holds the totals (a resume mid-window is exact). Layers that receive 
 forward (the query, key and value projections of an attention block: the same tensor object, found the first time
 the layers run) share one matrix: ``H`` costs ``d_in**2`` float32 per distinct input for the totals, and as much
 again for the batch being collected, only between the start of an event's window and the event.
+
+The hooks, the padding rule, the all-reduce, the shared inputs and the checkpoint state are those of
+:class:`lightprune.statistics.InputStatistics`, the one collector behind every input statistic (activation
+importance's :mod:`.activations` too).
 """
 
 from __future__ import annotations
@@ -23,12 +27,24 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.callback.tokens import real_positions
 from lightprune.prune.obs import check_obs_layer, input_second_moment, obs_columns
+from lightprune.statistics import InputStatistics, Recorded
 
 __all__ = ["HessianStats"]
 
 Reduce = Callable[[Tensor], Tensor]
+
+
+def _recorded(qualified: str, module: nn.Module) -> Recorded:
+    """``H`` of one layer's input (float32, on the weight's device; convolutions count every position)."""
+    columns = obs_columns(module)
+
+    def add(x: Tensor, pending: Mapping[str, Tensor]) -> None:
+        pending["H"] += input_second_moment(module, x).to(pending["H"].device)
+
+    conv = isinstance(module, nn.modules.conv._ConvNd)
+    device = prune.original(module, "weight").device
+    return Recorded(qualified, module, {"H": ((columns, columns), torch.float32)}, add, not conv, device)
 
 
 class HessianStats:
@@ -53,14 +69,24 @@ class HessianStats:
         for qualified, module, name in selection:
             check_obs_layer(module, name, qualified)
         self.selection = selection
-        self.totals: dict[str, Tensor] = {}  # by the qualified name of the first layer reading the input
-        self.calls: dict[str, int] = {}
-        self.shares: dict[str, str] = {}  # a layer -> the layer whose matrix it uses (itself when alone)
-        self._pending: dict[str, Tensor] = {}
-        self._pending_calls: dict[str, int] = {}
-        self._handles: list[Any] = []
-        self._inputs: dict[tuple[Any, ...], tuple[str, Tensor]] = {}  # this batch's inputs -> first layer reading
-        self._mask: Tensor | None = None
+        self.collector = InputStatistics(
+            [_recorded(qualified, module) for qualified, module, _ in selection], share_inputs=True, together=False
+        )
+
+    @property
+    def totals(self) -> dict[str, Tensor]:
+        """The summed ``H`` by the qualified name of the first layer reading the input."""
+        return self.collector.by_statistic("H")
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Forwards collected, by the qualified name of the first layer reading the input."""
+        return self.collector.calls
+
+    @property
+    def shares(self) -> dict[str, str]:
+        """A layer -> the layer whose matrix it uses (itself when alone), once found."""
+        return self.collector.shares
 
     def start(self, only: set[str] | None = None, mask: Tensor | None = None) -> None:
         """Collect the inputs of the selected layers (or of those named in ``only``) until :meth:`finish_batch`.
@@ -70,72 +96,12 @@ class HessianStats:
             mask: the batch's ``(B, T)`` boolean mask of real tokens (:func:`~lightprune.callback.tokens.
                 find_token_mask`): inputs ``(B, T, ..., d)`` of non-convolutions count only where it is true.
         """
-        if self._handles:
-            return
-        self._inputs, self._mask = {}, mask
-        for qualified, module, _ in self.selection:
-            if only is not None and qualified not in only:
-                continue
-            if self.shares.get(qualified, qualified) == qualified:  # every rank sums the same matrices
-                columns = obs_columns(module)
-                device = prune.original(module, "weight").device
-                self._pending[qualified] = torch.zeros(columns, columns, dtype=torch.float32, device=device)
-                self._pending_calls[qualified] = 0
-            self._handles.append(module.register_forward_pre_hook(self._hook(qualified, module)))
-
-    def _hook(self, qualified: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        conv = isinstance(module, nn.modules.conv._ConvNd)
-
-        def collect(layer: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0] if args else None
-            if not isinstance(x, Tensor):
-                return
-            owner = self._owner(qualified, module, x)
-            if owner != qualified:
-                return  # the layer that read this very input first sums it for both
-            with torch.no_grad():
-                if not conv:  # the owner was found by the tensor read; the mask only drops rows of X
-                    x = real_positions(x.detach(), self._mask)
-                pending = self._pending[qualified]
-                pending += input_second_moment(module, x).to(pending.device)
-            self._pending_calls[qualified] += 1
-
-        return collect
-
-    def _owner(self, qualified: str, module: nn.Module, x: Tensor) -> str:
-        """Which layer sums this input: the first to read the same tensor the first time both were seen."""
-        known = self.shares.get(qualified)
-        if known is not None:
-            return known
-        conv = module if isinstance(module, (nn.Conv1d, nn.Conv2d)) else None
-        layout = (
-            None if conv is None else (conv.kernel_size, conv.stride, conv.padding, conv.dilation, type(conv).__name__)
-        )
-        key = (id(x), layout)
-        owner, _ = self._inputs.setdefault(key, (qualified, x))  # held, so no other tensor takes its id this batch
-        self.shares[qualified] = owner
-        return owner
+        self.collector.start(mask, only)
 
     def finish_batch(self, reduce: Reduce) -> None:
         """Stop collecting; sum this batch's matrices across processes (``reduce``: a sum all-reduce) into the totals.
         Every process must call it at the same batches."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._inputs, self._mask = [], {}, None
-        names = sorted(q for q in self._pending if self.shares.get(q, q) == q)  # a layer found sharing drops its own
-        if not names:
-            self._pending, self._pending_calls = {}, {}
-            return
-        first = self._pending[names[0]]
-        calls = torch.tensor([float(self._pending_calls[q]) for q in names], dtype=torch.float32, device=first.device)
-        for qualified in names:  # one matrix at a time: no concatenated copy of every H
-            part = reduce(self._pending.pop(qualified))
-            total = self.totals.get(qualified)
-            self.totals[qualified] = part if total is None else total.add_(part)
-            del part
-        for qualified, count in zip(names, reduce(calls).tolist(), strict=True):
-            self.calls[qualified] = self.calls.get(qualified, 0) + int(count)
-        self._pending, self._pending_calls = {}, {}
+        self.collector.finish_batch(reduce)
 
     def hessian(self, qualified: str) -> Tensor:
         """The summed ``H`` of a selected layer (shared with the layers reading the same input).
@@ -143,14 +109,14 @@ class HessianStats:
         Raises:
             RuntimeError: the layer's forward never ran while collecting.
         """
-        owner = self.shares.get(qualified, qualified)
+        owner = self.collector.owner(qualified)
         if self.calls.get(owner, 0) == 0:
             raise RuntimeError(
                 f"importance='obs' has no input statistics for {qualified}: its forward did not run in the window "
                 "before this event (set calibration_batches for an event when training starts, or exclude layers "
                 "that do not run)"
             )
-        return self.totals[owner]
+        return self.collector.totals[owner]["H"]
 
     def check(self, names: list[str] | None = None) -> None:
         """Raise :meth:`hessian`'s error for the first layer (of ``names``, default all) without statistics."""
@@ -159,34 +125,24 @@ class HessianStats:
 
     def stop(self) -> None:
         """Remove the hooks and drop the batch in progress; the totals stay."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._inputs, self._mask = [], {}, None
-        self._pending, self._pending_calls = {}, {}
+        self.collector.stop()
 
     def reset(self) -> None:
         """Forget the totals (after an event, or when a fit starts): their memory is freed until the next window."""
-        self.stop()
-        self.totals, self.calls = {}, {}
+        self.collector.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """The totals, forward counts and shared inputs, for a checkpoint."""
-        return {"totals": dict(self.totals), "calls": dict(self.calls), "shares": dict(self.shares)}
+        return {"totals": self.totals, "calls": dict(self.calls), "shares": dict(self.shares)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s totals, checked against the selection, onto the weights' devices."""
-        totals, calls = dict(state.get("totals", {})), dict(state.get("calls", {}))
-        expected = {q: module for q, module, _ in self.selection}
-        for qualified, total in totals.items():
-            if qualified not in expected:
-                raise ValueError(f"the checkpoint's OBS statistics name {qualified!r}, which is not selected")
-            columns = obs_columns(expected[qualified])
-            if tuple(total.shape) != (columns, columns):
-                raise ValueError(
-                    f"the checkpoint's OBS statistics of {qualified!r} have shape {tuple(total.shape)}, the layer "
-                    f"needs ({columns}, {columns})"
-                )
-        self.reset()
-        self.totals = {q: t.to(prune.original(expected[q], "weight").device) for q, t in totals.items()}
-        self.calls = {q: int(c) for q, c in calls.items()}
-        self.shares = {str(k): str(v) for k, v in dict(state.get("shares", {})).items()}
+        totals = {qualified: {"H": total} for qualified, total in dict(state.get("totals", {})).items()}
+
+        def needs(recorded: Recorded, key: str) -> str:
+            columns = recorded.sums[key][0][0]
+            return f"needs ({columns}, {columns})"
+
+        self.collector.load(
+            totals, dict(state.get("calls", {})), dict(state.get("shares", {})), what="OBS", describe=needs
+        )

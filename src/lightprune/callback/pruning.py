@@ -191,17 +191,26 @@ class PruningCallback(Callback):
             batches of the training dataloader through ``training_step`` under ``torch.no_grad()`` (eval mode,
             ``self.log`` skipped, random generators untouched) and add their statistics, so an event at time 0
             (one-shot Wanda or SparseGPT, then fine-tuning, in one fit) has statistics. Not run when resuming.
-        reconstruct: with ``importance="obs"`` (default on): each event also moves the kept weights of every pruned
-            row by the OBS update (SparseGPT's, block by block: :mod:`lightprune.prune.obs`), from the weights
-            training has reached, so the layer's output on the window's inputs changes as little as possible; the
-            optimizer's state for them is kept. ``False``: rank by the saliency only, as any scores. The counts per
-            layer follow ``scope`` (``"global"``: one ranking of the saliencies before any update across layers;
-            ``"row"``: every output row of the weight as OBS sees it; see
-            :mod:`lightprune.callback.reconstruction`). With ``"neurons"``/``"heads"`` (default off): at every event
-            refit the projections reading the units by least squares on the kept units' inputs (the bias absorbing
-            the removed units' mean contribution), from the moments (sums and ``X^T X``) collected in the
-            ``activation_window`` before the event (summed across DDP ranks, kept in the checkpoint state); an event
-            at time 0 needs ``calibration_batches``.
+        reconstruct: recompute the kept weights at every event so the pruned layer's output on the calibration
+            data (the inputs collected in the ``activation_window`` before the event, or the ``calibration_batches``
+            for an event at time 0) changes as little as possible. One meaning, two mechanisms:
+
+            * weight methods with ``importance="obs"`` (default on): the OBS update (SparseGPT's, block by block:
+              :mod:`lightprune.prune.obs`) moves the kept weights of every pruned row, from the weights training has
+              reached, using ``H = X^T X`` of the layer's inputs; the optimizer's state for them is kept.
+              ``False``: rank by the saliency only, as any scores. The counts per layer follow ``scope``
+              (``"global"``: one ranking of the saliencies before any update across layers; ``"row"``: every output
+              row of the weight as OBS sees it; see :mod:`lightprune.callback.reconstruction`). Other importances
+              of weight methods have no reconstruction (``reconstruct=True`` is refused with them).
+            * ``"neurons"``/``"heads"`` (default off; any ``importance``): the projections reading the units (the
+              MLP's output projection, attention's output projection) are refit by least squares on the kept units'
+              inputs, the bias absorbing the removed units' mean contribution
+              (:func:`lightprune.structure.refit_consumers`), from the sums and ``X^T X`` of those inputs.
+
+            Both read their statistics from the one input-statistics collector
+            (:class:`lightprune.statistics.InputStatistics`: padding left out by ``token_mask``, summed across DDP
+            ranks, kept in the checkpoint state, so a resumed fit is exact); an event at time 0 needs
+            ``calibration_batches``.
         sequential: with ``importance="obs"``, reconstruction and ``calibration_batches``, prune the event at the
             start block by block (transformer blocks: names up to their first number), each block's statistics taken
             from calibration batches run through the blocks already pruned, as SparseGPT does: the calibration

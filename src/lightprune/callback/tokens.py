@@ -2,7 +2,8 @@
 
 Padded batches of text put zero-information positions (the padding tokens' hidden states) into every layer's input;
 summing them into activation statistics (or OBS's ``H = X^T X``) biases the scores towards what padding looks like.
-One rule for every input statistic (:mod:`.activations`, :mod:`.hessians`):
+One rule for every input statistic (:mod:`.activations`, :mod:`.hessians`, the units' moments), applied by their one
+collector :class:`lightprune.statistics.InputStatistics`:
 
 1. **Finding the mask.** ``token_mask="attention_mask"`` (the callback's default) takes ``batch["attention_mask"]``
    when the batch is a mapping (a ``dict``, transformers' ``BatchEncoding``) holding a 2-D tensor under that key;
@@ -12,6 +13,7 @@ One rule for every input statistic (:mod:`.activations`, :mod:`.hessians`):
    counts only the positions ``(b, t)`` where the mask is nonzero, *when its input starts with the mask's shape*
    ``(B, T, ..., d)``. An input of another shape (a classifier's pooled ``(B, d)``, a sequence-first ``(T, B, d)``)
    has no positions to match and counts whole. Convolutions count every position (their channels sit on dim 1).
+   (:func:`real_positions`, defined in :mod:`lightprune.statistics` beside the collector, re-exported here.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
+
+from lightprune.statistics import real_positions  # the rule's second half, applied by the one collector
 
 __all__ = ["TokenMask", "check_token_mask", "find_token_mask", "real_positions"]
 
@@ -72,21 +76,3 @@ def find_token_mask(batch: Any, token_mask: TokenMask) -> Tensor | None:
         if not (isinstance(mask, Tensor) and mask.dim() == 2):
             return None
     return None if mask is None else mask.detach() != 0
-
-
-def real_positions(x: Tensor, mask: Tensor | None) -> Tensor:
-    """``x`` restricted to the real tokens, ``(n, ..., d)``, when ``x`` starts with ``mask``'s ``(B, T)``; else ``x``.
-
-    Example:
-        >>> import torch
-        >>> x = torch.arange(12.0).view(2, 3, 2)
-        >>> real_positions(x, torch.tensor([[True, False, False], [True, True, False]]))
-        tensor([[0., 1.],
-                [6., 7.],
-                [8., 9.]])
-        >>> real_positions(x[:, 0], torch.ones(2, 3, dtype=torch.bool)).shape  # (B, d): nothing to match
-        torch.Size([2, 2])
-    """
-    if mask is None or x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape):
-        return x
-    return x[mask.to(x.device)]

@@ -4,19 +4,23 @@ A unit's output is an input feature of the projection that reads it (an MLP's ou
 output projection), so one forward pre-hook per consuming projection sees every unit. :class:`Moments` holds the
 token count, the sum and the sum of squares of each feature and, for a least-squares refit, the sum of outer
 products ``X^T X``. Moments add: sums from several batches or several processes (an all-reduce of each tensor) are
-the moments of the union.
+the moments of the union. :func:`collect_moments` records them with :class:`lightprune.statistics.InputStatistics`,
+the collector the callback's activation and OBS statistics use (there with the padding rule, the all-reduce and the
+checkpoint state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightprune.layouts import feature_layout
+from lightprune import prune
+from lightprune.layouts import feature_layout, input_dim
+from lightprune.statistics import InputStatistics, feature_sums
 from lightprune.structure.units import UnitError, UnitGroup
 
 __all__ = ["Moments", "collect_moments"]
@@ -61,6 +65,23 @@ class Moments:
         self.squares += x.square().sum(0)
         if self.outer is not None:
             self.outer += x.T @ x
+
+    @classmethod
+    def of(cls, sums: Mapping[str, Tensor]) -> Moments:
+        """The moments of :func:`lightprune.statistics.feature_sums`' statistics (``moments=True``): ``"tokens"``,
+        ``"sum"``, ``"squares"`` and, when collected, ``"outer"``.
+
+        Example:
+            >>> Moments.of({"tokens": torch.tensor([2.0]), "sum": torch.ones(1), "squares": torch.ones(1)}).count
+            2
+        """
+        outer = sums.get("outer")
+        return cls(
+            round(float(sums["tokens"])),
+            sums["sum"].double(),
+            sums["squares"].double(),
+            None if outer is None else outer.double(),
+        )
 
     @property
     def mean(self) -> Tensor:
@@ -120,18 +141,13 @@ def collect_moments(
         (8, True)
     """
     consumers = _consumer_modules(model, groups)
-    moments: dict[str, Moments] = {}
-
-    def hook_for(name: str, module: nn.Module) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0]
-            if name not in moments:
-                moments[name] = Moments.empty(x.shape[-1], outer=outer, device=x.device)
-            moments[name].add(x)
-
-        return hook
-
-    handles = [module.register_forward_pre_hook(hook_for(name, module)) for name, module in consumers.items()]
+    collector = InputStatistics(
+        [
+            feature_sums(name, module, _features(module), moments=True, outer=outer, dtype=torch.float64)
+            for name, module in consumers.items()
+        ]
+    )
+    collector.start()
     try:
         with torch.no_grad():
             for batch in batches:
@@ -143,10 +159,14 @@ def collect_moments(
                     model(*batch)
                 else:
                     model(batch)
+        collector.finish_batch(lambda flat: flat)  # one process: the sums are the totals
     finally:
-        for handle in handles:
-            handle.remove()
-    missing = [name for name in consumers if name not in moments]
+        collector.stop()
+    missing = [name for name in consumers if collector.calls.get(name, 0) == 0]
     if missing:
         raise UnitError(f"no inputs reached {missing!r} during calibration: its forward was never called")
-    return moments
+    return {name: Moments.of(collector.totals[name]) for name in consumers}
+
+
+def _features(module: nn.Module) -> int:
+    return prune.original(module, "weight").shape[input_dim(module)]
