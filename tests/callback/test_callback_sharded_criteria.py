@@ -168,6 +168,16 @@ SCRIPT = textwrap.dedent(
             spy_on_scores(pruning, ranked)
 
         pruning.on_fit_start = on_fit_start
+        if kwargs.get("importance") == "obs":  # what each OBS event was given: its target and the summed H
+            from lightprune.callback.masked import MaskedSelection
+
+            original_reconstruct = MaskedSelection.reconstruct_to
+
+            def reconstruct_to(self, target, hessian_of, only=None):
+                ranked.append((target, {q: hessian_of(q).clone() for q, _, _ in self.selection}))
+                return original_reconstruct(self, target, hessian_of, only)
+
+            MaskedSelection.reconstruct_to = reconstruct_to
         trainer.fit(model, ckpt_path=ckpt_path)
         final = {"weights": {k: full(v) for k, v in model.named_parameters()},
                  "masks": {k: full(v) for k, v in pruning._masked.masks().items()}}
@@ -188,6 +198,11 @@ SCRIPT = textwrap.dedent(
     if "nm" in cases:
         fit("nm", Constant(0.5, at=2), {"method": "semi_structured", "include": r"net\\.0\\.weight",
                                          "importance": "activation"}, 3)
+    if "obs" in cases:  # global OBS with the SparseGPT update, statistics over windows of 2 batches
+        fit("obs", RAMP, {"importance": "obs", "activation_window": 2, "scope": "global"}, 6)
+    if "obs_row" in cases:  # calibrated, an event when training starts, then two more; per row
+        schedule = Linear(initial=0.3, final=0.6, start=0, end=4, frequency=2)
+        fit("obs_row", schedule, {"importance": "obs", "calibration_batches": 2, "scope": "row"}, 5)
     if "adopt" in cases:
         fit("adopt", RAMP, {"adopt_zeros": True}, 6, zeros=True)
     if "resume" in cases:  # events at 3 and 6, a window of 3: the epoch-end checkpoint at step 4 is mid-window
@@ -298,6 +313,34 @@ def check_against_one_process(record: dict, how: str, names: tuple[str, ...] = N
     return checked
 
 
+def check_obs_against_one_process(record: dict, scope: str) -> int:
+    """Every OBS event's masks and updated weights against the callback's one-process event on the gathered
+    weights, from the same target and the same summed ``H``; returns how many events were checked."""
+    from lightprune.callback.reconstruction import reconstruct
+
+    checked = 0
+    for index, (step, masks, previous) in enumerate(events(record)):
+        before, after = record["steps"][step]["before"], record["steps"][step]["after"]
+        target, hessians = record["ranked"][index]
+        modules = {}
+        for k in NAMES:  # Linear layers (OBS checks the layer type) holding the gathered weights and masks
+            weight = before[k]
+            modules[k] = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            modules[k].weight = nn.Parameter(weight.clone())
+            if previous is not None:
+                with prune.mask_dtype(torch.bool):
+                    prune.custom_from_mask(modules[k], "weight", previous[k])
+        triples = [(k, modules[k], "weight") for k in NAMES]
+        with prune.mask_dtype(torch.bool):
+            reconstruct(triples, lambda m, n: getattr(m, n + "_mask", None), target, scope, hessians.__getitem__)
+        for k in NAMES:
+            assert torch.equal(masks[k], modules[k].weight_mask.bool()), (scope, step, k)
+            difference = float((after[k] - modules[k].weight.detach()).abs().max())
+            assert difference == 0.0, (scope, step, k, difference)  # the update itself, bit for bit
+        checked += 1
+    return checked
+
+
 def window_totals(record: dict, world: int, steps: set[int], calibration: int = 0) -> dict:
     """The all-reduced activation totals of the training forwards starting at ``steps`` (and the calibration
     forwards), built from the model's recorded sums as the callback adds them: batch by batch, world times each."""
@@ -342,6 +385,27 @@ def test_two_ranks_activation_movement_and_adopted_zeros(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) -> None:
+    for part in ("two", "three"):
+        (tmp_path / part).mkdir()
+    run(tmp_path / "two", 2, "obs")
+    obs = load(tmp_path / "two", "obs")
+    assert check_obs_against_one_process(obs, "global") == 3  # steps 2, 4 and 6
+    # the event at 4 was given H summed over the batches of steps 2 and 3, world times each: its diagonal is the
+    # world-size sum of the recorded sums of squares (summed in another order: to float32 rounding)
+    want = window_totals(obs, 2, {2, 3})
+    for key in NAMES:
+        torch.testing.assert_close(obs["ranked"][1][1][key].diagonal(), want[key], rtol=1e-5, atol=1e-6)
+    run(tmp_path / "three", 3, "obs_row")
+    row = load(tmp_path / "three", "obs_row")
+    assert check_obs_against_one_process(row, "row") == 3  # steps 0 (on the calibration batches), 2 and 4
+    for key in NAMES:
+        mask = row["final"]["masks"][key]
+        assert (~mask).sum(dim=1).tolist() == [round(0.6 * mask.shape[1])] * mask.shape[0], key
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -> None:
     run(tmp_path, 3, "row,nm,resume")
     row = load(tmp_path, "row")
@@ -367,7 +431,7 @@ def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -
     assert torch.equal(whole["ranked"][-1]["net.2.weight"], resumed["ranked"][-1]["net.2.weight"])
 
 
-def test_sharded_selections_refuse_a_callable_obs_allocation_regrowth_and_n_m_across_the_sharded_dim(
+def test_sharded_selections_refuse_a_callable_obs_across_rows_allocation_regrowth_and_n_m_across_the_sharded_dim(
     tmp_path: Path,
 ) -> None:
     dist = pytest.importorskip("torch.distributed")
@@ -390,8 +454,15 @@ def test_sharded_selections_refuse_a_callable_obs_allocation_regrowth_and_n_m_ac
         refuse_sharded_criteria(selection[:1], "activation", prune.SemiStructured)  # groups inside a row
         with pytest.raises(ValueError, match=r"does not pass parameters sharded as DTensor.*to an importance callable"):
             refuse_sharded_criteria(selection, "callable", prune.L1Unstructured)
-        with pytest.raises(ValueError, match=r"importance='obs' does not prune parameters sharded as DTensor.*Shard"):
-            refuse_sharded_criteria(selection[:1], "obs", prune.L1Unstructured)
+        refuse_sharded_criteria(selection[:1], "obs", prune.L1Unstructured)  # rows are whole on every rank
+        with pytest.raises(ValueError, match=r"importance='obs' cannot prune \['c_attn\.weight'\] as sharded.*Conv1D"):
+            refuse_sharded_criteria(selection, "obs", prune.L1Unstructured)
+        conv = nn.Conv1d(3, 2, 1)  # Shard(1): no rank holds a whole row
+        conv.weight = nn.Parameter(distribute_tensor(conv.weight.detach(), mesh, [Shard(1)]))
+        with pytest.raises(
+            ValueError, match=r"importance='obs' cannot prune \['conv\.weight'\].*got S\(1\).*whole rows"
+        ):
+            refuse_sharded_criteria([("conv.weight", conv, "weight")], "obs", prune.L1Unstructured)
         for scope, regrow in (("erk", None), ("owl", None), ("global", "rigl")):
             with pytest.raises(
                 ValueError, match=r"does not support (scope|regrow)=.*sharded as DTensor.*no distributed"

@@ -12,8 +12,10 @@
   methods rank ``importance_scores`` (by magnitude for the L1 methods).
 
 Every input statistic (the activation sums, OBS's ``H``) leaves padded positions out by one rule (:mod:`.tokens`).
-Parameters sharded as DTensor take magnitude, activation and movement (:mod:`.sharded`); a callable and ``"obs"``
-are refused for them at setup, with the reason (:func:`.setup_checks.refuse_sharded_criteria`).
+Parameters sharded as DTensor take magnitude, activation, movement (:mod:`.sharded`) and ``"obs"``
+(:mod:`lightprune.prune.distributed_obs`: the saliencies of each rank's own rows); a callable, and ``"obs"`` where a
+rank does not hold whole rows, are refused for them at setup, with the reason
+(:func:`.setup_checks.refuse_sharded_criteria`).
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ follow a weight's pruned rows (:func:`bias_keep`) and whether a checkpoint's mas
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.callback import reconstruction
 
 if TYPE_CHECKING:
     from lightprune.callback.masked_selection import MaskedSelection
@@ -236,6 +237,22 @@ class MaskStrategy:
         """An event to ``target``, computed by the engine (see :meth:`MaskedSelection.engine_event`)."""
         with self.editing(masked.pairs()):
             masked.engine_event(target, scores, signed)
+
+    def reconstruct(
+        self,
+        masked: MaskedSelection,
+        triples: list[tuple[str, nn.Module, str]],
+        target: float,
+        hessian_of: Callable[[str], Tensor],
+        n_m: tuple[int, int] | None,
+    ) -> None:
+        """An OBS event on ``triples`` (:func:`~lightprune.callback.reconstruction.reconstruct`: prune to ``target``
+        and update the kept weights from each layer's ``H``), all or nothing."""
+        with self.editing(masked.pairs()):
+            reconstruction.reconstruct(
+                triples, masked.mask, target, masked.scope, hessian_of, n_m=n_m, mask_dtype=masked.mask_dtype
+            )
+            masked.share_everywhere()
 
     def adopt_zeros(self, masked: MaskedSelection) -> None:
         """Mask every entry of the selected tensors that is exactly zero now, on top of any mask: all or nothing."""

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import adapters, prune
-from lightprune.callback import reconstruction
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.mask_strategy import (
     MaskStrategy,
@@ -377,11 +376,7 @@ class MaskedSelection:
         n_m = None
         if self.n_m:
             n_m = (self.method_kwargs["n"], self.method_kwargs["m"])
-        with self.strategy.editing(self.pairs()):
-            reconstruction.reconstruct(
-                triples, self.mask, target, self.scope, hessian_of, n_m=n_m, mask_dtype=self.mask_dtype
-            )
-            self.share_everywhere()
+        self.strategy.reconstruct(self, triples, target, hessian_of, n_m)
 
     def _apply(
         self, module: nn.Module, name: str, method: prune.BasePruningMethod, scores: Any, qualified: str

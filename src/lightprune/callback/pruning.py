@@ -183,8 +183,10 @@ class PruningCallback(Callback):
             ``importance_scores`` (by magnitude for the L1 methods). Statistics are summed across DDP ranks (every
             rank gets the same masks), reset after each event and kept in the checkpoint state (resume is exact).
             Random methods ignore scores and are refused with any importance but magnitude. Parameters sharded as
-            DTensor (``ModelParallelStrategy``) take magnitude, activation and movement (the activation sums
-            all-reduced, movement summed on each rank's shard); a callable and ``"obs"`` are refused for them.
+            DTensor (``ModelParallelStrategy``) take magnitude, activation, movement and ``"obs"`` (the activation
+            sums and ``H`` all-reduced, movement summed on each rank's shard, each rank updating its own rows:
+            :mod:`lightprune.prune.distributed_obs`); a callable is refused for them, and ``"obs"`` where a rank
+            does not hold whole rows (transformers' ``Conv1D`` sharded ``Shard(0)``, placements but ``Shard(0)``).
         activation_window: with ``importance="activation"`` or ``"obs"``, collect the input statistics during this
             many units of time (optimizer steps, or epochs) before each event; outside the window no hook is attached.
         calibration_batches: with ``importance="activation"`` or ``"obs"``, before training starts, run this many

@@ -27,7 +27,7 @@ from lightprune import prune
 from lightprune.prune.k_smallest import select_smallest
 from lightprune.prune.obs import as_matrix, check_hessian, layer_saliency, obs_layer
 
-__all__ = ["blocks", "obs_counts", "reconstruct"]
+__all__ = ["blocks", "obs_counts", "reconstruct", "reconstruct_sharded"]
 
 Triples = list[tuple[str, nn.Module, str]]
 Masks = Callable[[nn.Module, str], Tensor | None]
@@ -104,6 +104,47 @@ def reconstruct(
             module, name, hessian_of(qualified), counts=count, per_row=scope == "row", layer=qualified,
             mask_dtype=mask_dtype,
         )  # fmt: skip
+
+
+def reconstruct_sharded(
+    triples: Triples,
+    masks: Masks,
+    target: float,
+    scope: str,
+    hessian_of: Callable[[str], Tensor],
+    put: Callable[[nn.Module, str, Tensor], None],
+    *,
+    n_m: tuple[int, int] | None = None,
+    group: object = None,
+) -> None:
+    """:func:`reconstruct` on weights sharded by rows (:mod:`lightprune.prune.distributed_obs`), called on every rank
+    alike: each rank updates its own rows in place and hands each layer's new local mask to ``put(module, name,
+    mask)``. Every ``H`` is checked before any weight changes.
+
+    Example:
+        >>> layer, kept = nn.Linear(8, 2), {}
+        >>> reconstruct_sharded([("fc.weight", layer, "weight")], lambda m, n: None, 0.5, "row",
+        ...                     lambda q: torch.eye(8), lambda m, n, mask: kept.update(fc=mask))
+        >>> (~kept["fc"]).sum(dim=1).tolist(), (layer.weight == 0).sum(dim=1).tolist()
+        ([4, 4], [4, 4])
+    """
+    from lightprune.prune.distributed import local_of
+    from lightprune.prune.distributed_obs import sharded_obs_counts, sharded_sparsegpt
+
+    for qualified, _, _ in triples:  # all refusals before any weight moves
+        check_hessian(hessian_of(qualified), qualified)
+    counts = None if n_m is not None else sharded_obs_counts(triples, masks, target, scope, hessian_of, group)
+    for qualified, module, name in triples:
+        count = None if counts is None else counts[qualified]
+        if isinstance(count, int) and count == 0:
+            continue  # (the same on every rank; per-row counts are local, so every rank takes part whatever they say)
+        weight, keep = sharded_sparsegpt(
+            module, name, hessian_of(qualified), masks(module, name), counts=count, per_row=scope == "row",
+            n=None if n_m is None else n_m[0], m=None if n_m is None else n_m[1], layer=qualified, group=group,
+        )  # fmt: skip
+        with torch.no_grad():  # (zero where pruned: the weights are masked in place)
+            local_of(prune.original(module, name)).copy_(weight)
+        put(module, name, keep)
 
 
 def blocks(names: list[str]) -> list[list[str]]:

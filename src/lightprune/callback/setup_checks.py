@@ -166,15 +166,15 @@ def refuse_sharded_criteria(
 ) -> None:
     """What parameters sharded as DTensor cannot be pruned with; refused, naming it and why.
 
-    Magnitude, activation and movement importance, ``scope="row"`` and ``adopt_zeros`` work on sharded parameters
-    (statistics all-reduced, or local: see :mod:`lightprune.callback.sharded`). Refused: an importance callable (it
-    would be handed a DTensor whose values live on several ranks); ``"obs"`` (SparseGPT's selection ranks a block of
-    columns across every row of the OBS matrix and its update walks each row's columns in order, while ``Shard(0)``
-    splits the rows (Linear) or the columns (transformers' ``Conv1D``) across ranks; no distributed version is
-    written); and N:M groups along an input dim that is sharded (transformers' ``Conv1D`` stores its weight
-    ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span two ranks). Per-layer allocation (``scope``
-    ``"erk"`` or ``"owl"``) and dynamic sparse training (``regrow``) would need their own distributed implementations
-    and are refused too.
+    Magnitude, activation, movement and OBS importance, ``scope="row"`` and ``adopt_zeros`` work on sharded
+    parameters (statistics all-reduced, or local: see :mod:`lightprune.callback.sharded` and
+    :mod:`lightprune.prune.distributed_obs`). Refused: an importance callable (it would be handed a DTensor whose
+    values live on several ranks); ``"obs"`` where a rank does not hold whole rows of the OBS matrix (a placement
+    other than ``Shard(0)`` or ``Replicate()``, and transformers' ``Conv1D``, whose ``(in, out)`` weight is split
+    along the columns SparseGPT's update walks in order); and N:M groups along an input dim that is sharded
+    (transformers' ``Conv1D`` stores its weight ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span
+    two ranks). Per-layer allocation (``scope`` ``"erk"`` or ``"owl"``) and dynamic sparse training (``regrow``)
+    would need their own distributed implementations and are refused too.
 
     Example:
         >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "callable", None)  # not sharded
@@ -205,12 +205,15 @@ def refuse_sharded_criteria(
             "'movement', or exclude them"
         )
     if importance == "obs":
-        raise ValueError(
-            f"importance='obs' does not prune parameters sharded as DTensor ({names[:3]}{more}): SparseGPT's "
-            "selection ranks a block of columns across every row and its update walks each row's columns in order, "
-            "while Shard(0) splits the rows (Linear) or the columns (transformers' Conv1D) across ranks; use "
-            "'magnitude', 'activation' or 'movement', or exclude them"
-        )
+        from lightprune.prune.distributed_obs import sharded_obs_problem
+
+        problems = [(q, sharded_obs_problem(module, name)) for q, module, name in sharded]
+        problems = [(q, why) for q, why in problems if why is not None]
+        if problems:
+            raise ValueError(
+                f"importance='obs' cannot prune {[q for q, _ in problems][:3]} as sharded: {problems[0][1]}; "
+                "exclude them, or leave those modules unsharded"
+            )
     entry = method_entry(method) if isinstance(method, type) else None
     if entry is not None and entry.kind == "n:m":
         split = [

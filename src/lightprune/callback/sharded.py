@@ -17,13 +17,14 @@ pruned (:func:`save_masks`, :func:`load_masks`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune.callback import reconstruction
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.mask_strategy import Pairs, bias_keep, check_restored, exact_increment
 from lightprune.callback.options import is_n_m
@@ -217,6 +218,22 @@ class ShardedMasks(InPlaceMasks):
             if module in masked.biases and weight_mask is not None:
                 bias = distributed.local_of(prune.original(module, "bias"))
                 self.put(module, "bias", bias_keep(weight_mask, bias, type(module).__name__).to(dtype))
+
+    def reconstruct(
+        self,
+        masked: MaskedSelection,
+        triples: list[tuple[str, nn.Module, str]],
+        target: float,
+        hessian_of: Callable[[str], Tensor],
+        n_m: tuple[int, int] | None,
+    ) -> None:
+        """An OBS event on local shards: each rank updates its own rows and keeps their masks in place
+        (:func:`~lightprune.callback.reconstruction.reconstruct_sharded`; every ``H`` is checked first)."""
+        dtype = _dtype(masked)
+        reconstruction.reconstruct_sharded(
+            triples, self.mask, target, masked.scope, hessian_of,
+            lambda module, name, keep: self.put(module, name, keep.to(dtype)), n_m=n_m, group=self.group,
+        )  # fmt: skip
 
     def adopt_zeros(self, masked: MaskedSelection) -> None:
         """A zero is a zero wherever it lies, so no traffic. Every tensor gets a mask on every rank (all ones where a

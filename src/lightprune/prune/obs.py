@@ -46,8 +46,9 @@ Example:
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,7 @@ from torch import Tensor, nn
 from lightprune.layouts import is_transformers_conv1d
 from lightprune.prune._reparam import FROM_SETTING, original, pruned_names
 from lightprune.prune.amount import validate_amount
+from lightprune.prune.distributed import local_of
 from lightprune.prune.functional import custom_from_mask
 from lightprune.prune.ranks import group_ranks
 from lightprune.prune.semi_structured import check_n_m
@@ -63,6 +65,8 @@ from lightprune.prune.semi_structured import check_n_m
 __all__ = [
     "BLOCKSIZE",
     "DAMPENING",
+    "LocalRows",
+    "Rows",
     "as_matrix",
     "check_hessian",
     "check_obs_layer",
@@ -123,7 +127,7 @@ def obs_columns(module: nn.Module) -> int:
     weight = original(module, "weight")
     if is_transformers_conv1d(module):
         return weight.shape[0]
-    return int(weight[0].numel())
+    return math.prod(weight.shape[1:])  # (the shape only: a sharded weight is never indexed)
 
 
 def as_matrix(module: nn.Module, weight: Tensor) -> Tensor:
@@ -227,6 +231,41 @@ def _block_counts(counts: Tensor, eligible: Tensor) -> Tensor:
     return torch.minimum(spread, eligible)
 
 
+class Rows(Protocol):
+    """Where the rows of :func:`sparsegpt`'s matrix are: what its unstructured selection (``per_row=False``), which
+    ranks a block of columns across every row, needs when they are split across processes (the rest of the
+    algorithm is row by row, from ``H`` alone). :class:`LocalRows` is the one-process default;
+    :class:`lightprune.prune.distributed_obs.ShardedRows` the rows of a ``Shard(0)`` weight."""
+
+    def total(self, counts: Tensor) -> Tensor:
+        """``counts`` (an ``int64`` vector summed over this part's rows) summed over every part's rows."""
+        ...
+
+    def prune_smallest(self, saliency: Tensor, keep: Tensor, k: int) -> Tensor:
+        """``keep`` (bool, ``saliency``'s shape) with the ``k`` smallest kept entries over every part set to
+        ``False``; ties: the lower row-major index first, rows in global order."""
+        ...
+
+
+class LocalRows:
+    """Every row here: :class:`Rows` in one process.
+
+    Example:
+        >>> LocalRows().prune_smallest(torch.tensor([[3.0, 1.0], [1.0, 0.5]]), torch.ones(2, 2, dtype=torch.bool), 2)
+        tensor([[ True, False],
+                [ True, False]])
+    """
+
+    def total(self, counts: Tensor) -> Tensor:
+        """``counts`` as they are."""
+        return counts
+
+    def prune_smallest(self, saliency: Tensor, keep: Tensor, k: int) -> Tensor:
+        """``keep`` less its ``k`` smallest kept entries (:class:`Rows`)."""
+        ranks = group_ranks(saliency.reshape(1, -1), keep.reshape(1, -1), magnitude=False, ineligible_first=False)
+        return keep & (ranks >= k).view(keep.shape)
+
+
 def obs_saliency(
     weight: Tensor, hessian: Tensor, *, dampening: float = DAMPENING, dtype: torch.dtype = torch.float32
 ) -> Tensor:
@@ -260,7 +299,8 @@ def check_hessian(
 
 def layer_saliency(module: nn.Module, name: str, hessian: Tensor, *, dampening: float = DAMPENING) -> Tensor:
     """:func:`obs_saliency` of ``module.<name>`` (its original values), in the weight's shape, float32: scores to
-    rank by without reconstruction.
+    rank by without reconstruction. A weight sharded by rows (a DTensor placed ``Shard(0)``) gives its local rows'
+    saliencies: each row's depends on that row and ``H`` alone.
 
     Example:
         >>> layer = nn.Linear(2, 1)
@@ -268,6 +308,7 @@ def layer_saliency(module: nn.Module, name: str, hessian: Tensor, *, dampening: 
         torch.Size([1, 2])
     """
     weight = original(module, name).detach()
+    weight = local_of(weight)  # a DTensor: its local rows
     scores = obs_saliency(as_matrix(module, weight), hessian, dampening=dampening)
     return from_matrix(module, scores, weight.shape)
 
@@ -286,6 +327,7 @@ def sparsegpt(
     dampening: float = DAMPENING,
     dtype: torch.dtype = torch.float32,
     layer: str = "the weight",
+    across: Rows | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Prune a ``(out, columns)`` weight matrix by OBS saliency with the SparseGPT update, given ``H``.
 
@@ -303,6 +345,8 @@ def sparsegpt(
         dampening: fraction of ``H``'s mean diagonal added to its diagonal.
         dtype: ``torch.float32`` or ``torch.float64``, the arithmetic's.
         layer: the layer's name, for messages.
+        across: where the matrix's rows are (:class:`Rows`; default :class:`LocalRows`): ``weight``, ``keep`` and
+            ``counts`` are then this part's rows, ``counts`` (an int, without ``per_row``) over all parts.
 
     Returns:
         ``(new weight, new keep mask)``: the weight in ``weight``'s dtype with zeros where pruned, and a bool mask.
@@ -357,7 +401,7 @@ def sparsegpt(
     if not nm:
         eligible = torch.stack([kept[:, s : s + blocksize].sum(dim=1) for s in starts], dim=1)  # (rows, blocks)
         if not per_row:
-            eligible = eligible.sum(dim=0, keepdim=True)
+            eligible = (LocalRows() if across is None else across).total(eligible.sum(dim=0, keepdim=True))
         wanted = torch.as_tensor(counts, dtype=torch.int64, device=w.device).reshape(-1)
         if wanted.numel() not in (1, eligible.shape[0]):
             raise ValueError(f"counts for {layer} must be one int or one per row ({rows}), got {wanted.numel()}")
@@ -380,10 +424,10 @@ def sparsegpt(
             if per_row:
                 ranks = group_ranks(saliency, block_keep, magnitude=False, ineligible_first=False)
                 block_keep &= ranks >= per_block[:, b : b + 1]
-            else:
-                ranks = group_ranks(saliency.reshape(1, -1), block_keep.reshape(1, -1), magnitude=False,
-                                    ineligible_first=False)  # fmt: skip
-                block_keep &= (ranks >= per_block[0, b]).view(block_keep.shape)
+            elif int(per_block[0, b]):  # (the same on every part: all of them select, or none)
+                block_keep &= (LocalRows() if across is None else across).prune_smallest(
+                    saliency, block_keep, int(per_block[0, b])
+                )
         quantized = torch.zeros_like(block)
         errors = torch.zeros_like(block)
         for i in range(i2 - i1):
