@@ -12,7 +12,10 @@ totals, or the gathered movement scores). The test then checks in this process, 
 * the masks are those ``lightprune.prune`` computes in one process on the gathered weights from those statistics,
   bit for bit: global and per-row (``scope="row"``) activation, global movement (signed), 2:4 along the inputs,
   and adopted zeros;
-* a fit resumed from a distributed checkpoint in the middle of an activation window ends bit-identical.
+* a fit resumed from a distributed checkpoint in the middle of an activation window, or between two movement
+  events, ends bit-identical;
+* OBS events (global, and per row from calibration batches): masks and updated weights equal the callback's
+  one-process OBS event on the gathered weights with the same summed ``H``.
 
 Layers have 13, 10 and 4 output rows (uneven shards for 2 and 3 ranks); the last layer stays unsharded.
 """
@@ -210,6 +213,11 @@ SCRIPT = textwrap.dedent(
         kwargs = {"importance": "activation", "activation_window": 3}
         fit("whole", schedule, dict(kwargs), 7, ckpt_dir=out / "ckpt")
         fit("resumed", schedule, dict(kwargs), 7, ckpt_path=out / "ckpt" / "epoch=0-step=4.ckpt")
+    if "resume_movement" in cases:  # the same with movement: each rank's running sums travel beside the weights
+        schedule = Linear(initial=0.3, final=0.6, start=3, end=6, frequency=3)
+        fit("whole_movement", schedule, {"importance": "movement"}, 7, ckpt_dir=out / "ckpt_movement")
+        fit("resumed_movement", schedule, {"importance": "movement"}, 7,
+            ckpt_path=out / "ckpt_movement" / "epoch=0-step=4.ckpt")
     """
 )
 
@@ -407,7 +415,7 @@ def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -> None:
-    run(tmp_path, 3, "row,nm,resume")
+    run(tmp_path, 3, "row,nm,resume,resume_movement")
     row = load(tmp_path, "row")
     assert check_against_one_process(row, "row") == 3  # steps 0 (on the calibration batches), 2 and 4
     want = window_totals(row, 3, set(), calibration=2)
@@ -429,6 +437,14 @@ def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -
         for key, value in whole["final"][part].items():
             assert torch.equal(value, resumed["final"][part][key]), (part, key)
     assert torch.equal(whole["ranked"][-1]["net.2.weight"], resumed["ranked"][-1]["net.2.weight"])
+
+    whole, resumed = load(tmp_path, "whole_movement"), load(tmp_path, "resumed_movement")
+    assert sorted(resumed["steps"])[:2] == [4, 5]  # resumed after step 4, one step after the sums restarted at 3
+    for part in ("weights", "masks"):
+        for key, value in whole["final"][part].items():
+            assert torch.equal(value, resumed["final"][part][key]), (part, key)
+    for key in NAMES:  # the event at 6 ranked by the sums of steps 4 to 6, the first of them from the checkpoint
+        assert torch.equal(whole["ranked"][-1][key], resumed["ranked"][-1][key]), key
 
 
 def test_sharded_selections_refuse_a_callable_obs_across_rows_allocation_regrowth_and_n_m_across_the_sharded_dim(

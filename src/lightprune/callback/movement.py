@@ -38,6 +38,7 @@ class MovementScores:
     def __init__(self, selection: list[tuple[str, nn.Module, str]]) -> None:
         self.selection = selection
         self.totals: dict[str, Tensor] = {}
+        self.pending: list[str] = []  # sums a distributed checkpoint holds beside the weights, not read yet
 
     def accumulate(self, parameters: Iterable[Tensor]) -> None:
         """Add ``-W * grad`` of the selected weights among ``parameters`` (an optimizer's) that have a gradient."""
@@ -75,21 +76,32 @@ class MovementScores:
         self.totals = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """The running sums, for a checkpoint."""
-        return {"totals": dict(self.totals)}
+        """The running sums, for a checkpoint: those of a sharded weight as a DTensor of its layout (each rank's
+        shard; :mod:`.sharded_movement` lays them out for the checkpoint's format)."""
+        from lightprune.prune.distributed import as_dtensor
+
+        weights = {q: prune.original(module, name) for q, module, name in self.selection}
+        return {"totals": {q: as_dtensor(total, weights[q]) for q, total in self.totals.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s sums, checked against the selection, onto the weights' devices."""
+        """Restore :meth:`state_dict`'s sums, checked against the selection, onto the weights' devices. The sums of
+        a sharded weight come back as this rank's shard (from a DTensor, or the rows of a full tensor); those a
+        distributed checkpoint holds beside the weights are named in ``state["sharded"]`` and wait in
+        :attr:`pending` until they are read (:func:`~lightprune.callback.sharded_movement.load_sums`)."""
+        from lightprune.prune.distributed import local_part
+
         expected = {q: prune.original(module, name) for q, module, name in self.selection}
         totals = dict(state.get("totals", {}))
-        sharded = [q for q in totals if q in expected and is_sharded(expected[q])]
-        if sharded:
-            raise ValueError(
-                f"the checkpoint holds movement scores of parameters sharded as DTensor ({sharded[:3]}): each rank "
-                "sums the scores of its own shard and a checkpoint keeps rank zero's state only, so resuming them is "
-                "not supported yet; resume from a checkpoint written at an event, or use importance='activation'"
-            )
         for qualified, total in totals.items():
             if qualified not in expected or tuple(total.shape) != tuple(expected[qualified].shape):
                 raise ValueError(f"the checkpoint's movement scores of {qualified!r} do not fit the selection")
-        self.totals = {q: t.to(expected[q].device) for q, t in totals.items()}
+        self.pending = [str(name) for name in state.get("sharded", [])]
+        restored = {}
+        for qualified, total in totals.items():
+            weight = expected[qualified]
+            if is_sharded(total):
+                total = local_of(total)
+            elif is_sharded(weight):
+                total = local_part(total, weight)
+            restored[qualified] = total.to(local_of(weight).device, torch.float32)
+        self.totals = restored

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
-from lightprune.callback import clock, neighbours, reporting, rewinding, setup_checks, sharded
+from lightprune.callback import clock, neighbours, reporting, rewinding, setup_checks, sharded, sharded_movement
 from lightprune.callback.calibration import calibrate, first_batch
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
@@ -492,6 +492,7 @@ class PruningCallback(Callback):
         if self.units is not None and self._masked is None:
             self._select_units(trainer, pl_module)
         self._load_sharded_masks(trainer)
+        self._load_sharded_sums(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
         if self._masked is not None:
             self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
@@ -615,6 +616,8 @@ class PruningCallback(Callback):
         if self._masked is not None:
             self._masked.plain_state_dict(pl_module, checkpoint["state_dict"], "", None)
             self._masked.strategy.save_checkpoint(checkpoint, self.state_key)
+            if self._masked.strategy.collective:  # sharded: each rank's movement sums, laid out as the masks
+                sharded_movement.save_sums(checkpoint, self.state_key)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -747,6 +750,16 @@ class PruningCallback(Callback):
         if names and self._masked is not None:
             masks = sharded.load_masks(trainer.ckpt_path, names, self._masked, self.state_key, self.mask_dtype)
             self._masked.restore(masks, self.state_key)
+
+    def _load_sharded_sums(self, trainer: Trainer) -> None:
+        """Resuming from a distributed checkpoint: read this rank's shard of the movement sums saved beside the
+        weights (a resume between events is exact)."""
+        movement = self._importance.movement
+        if movement is None or not movement.pending or self._masked is None:
+            return
+        weights = {q: prune.original(module, name) for q, module, name in self._masked.selection}
+        loaded = sharded_movement.load_sums(trainer.ckpt_path, movement.pending, weights, self.state_key)
+        movement.load_state_dict({"totals": {**movement.state_dict()["totals"], **loaded}})
 
     def _after_rewrite(self) -> None:
         """The weights were rewritten (a rewind, a weight average): the strategy masks them again if it must."""
