@@ -123,3 +123,36 @@ def test_fractions_under_manual_optimization_refuse_max_steps() -> None:
 def test_max_steps_beyond_the_batches_keeps_the_batch_count(plain: Counts) -> None:
     counts = _fit(EveryOtherBatch(), max_steps=1000)  # never reached: 20 optimizer steps in 40 batches
     assert counts.pruned == plain.pruned
+
+
+class MaskChanges(L.Callback):
+    """After every batch (placed after the PruningCallback): the batches (1-based) at which some mask changed."""
+
+    def __init__(self) -> None:
+        self.previous: list[torch.Tensor] | None = None
+        self.batches: list[int] = []
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.seen += 1
+        masks = [m.clone() for name, m in pl_module.named_buffers() if name.endswith("weight_mask")]
+        if self.previous is not None and any(not torch.equal(a, b) for a, b in zip(masks, self.previous, strict=True)):
+            self.batches.append(self.seen)
+        self.previous = masks
+
+
+@pytest.mark.parametrize("regrow", ["rigl", "set"])
+def test_regrowth_runs_on_the_batches_under_manual_optimization(regrow: str) -> None:
+    """RigL and SET move masks every ``regrow_every`` units of the run clock until ``regrow_until`` of the run: the
+    same training batches for a GAN-style loop and for one stepping every other batch as for one step a batch."""
+    moved = {}
+    for module in (TinyNet, TwoOptimizers, EveryOtherBatch):
+        changes = MaskChanges()
+        callback = PruningCallback(
+            0.5, regrow=regrow, regrow_every=4, regrow_until=0.5, make_permanent=False, summary=False
+        )  # one-shot at the first batch, then masks move at batches 4, 8, ... before batch 20
+        quiet_trainer([callback, changes], max_epochs=5).fit(module())
+        moved[module.__name__] = changes.batches
+    assert moved["TinyNet"] == [4, 8, 12, 16]
+    assert moved["TwoOptimizers"] == moved["TinyNet"]
+    assert moved["EveryOtherBatch"] == moved["TinyNet"]

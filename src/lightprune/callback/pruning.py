@@ -254,7 +254,8 @@ class PruningCallback(Callback):
             state holds the current ones. Typically with a one-shot schedule at step 0 and ``scope="erk"`` (sparse
             from the start). Unstructured methods, any scope but ``"row"``; sharded selections are refused. Logs
             ``pruning/regrown/<qualified name>`` (the share of the tensor's active weights moved) at each update.
-        regrow_every: optimizer steps between mask updates (RigL and SET use 100).
+        regrow_every: optimizer steps between mask updates (RigL and SET use 100); like the schedules' step times,
+            training batches under manual optimization (:mod:`lightprune.callback.clock`).
         regrow_fraction: the share of each tensor's active weights moved, at step 0; decayed by a cosine,
             ``fraction / 2 * (1 + cos(pi * t / until_step))``, to 0 at ``regrow_until`` (RigL's 0.3).
         regrow_until: the fraction of the run (its optimizer steps) after which masks stay put (RigL's 0.75).
@@ -533,8 +534,8 @@ class PruningCallback(Callback):
         self._collecting = self._importance.collects(self._now(trainer), self._next_event())
         if self._collecting:
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
-        if self._grads is not None and self._plan is not None and self._plan.is_update(trainer.global_step + 1):
-            self._grads.start()  # this batch's backward belongs to the step after which the masks move
+        if self._grads is not None and self._plan is not None and self._plan.is_update(clock.now(trainer, "step") + 1):
+            self._grads.start()  # this batch's backward belongs to the step (batch) after which the masks move
 
     @override
     def on_train_batch_end(
@@ -827,11 +828,11 @@ class PruningCallback(Callback):
         """Dynamic sparse training: fix ``regrow_until`` to the run's length; RigL collects dense gradients."""
         if self._plan is None or self._masked is None:
             return
-        total = trainer.estimated_stepping_batches
+        total = clock.run_length(trainer, "step")  # the run clock: training batches under manual optimization
         if total is None or not 1 <= total < float("inf"):
             raise ValueError(
-                f"regrow_until={self.regrow_until} is a fraction of the run, whose length in optimizer steps is "
-                f"unknown ({total!r}): set max_steps or max_epochs"
+                f"regrow_until={self.regrow_until} is a fraction of the run, whose length in "
+                f"{clock.clock_name(trainer, 'step')} is unknown ({total!r}): set max_steps or max_epochs"
             )
         self._plan.resolve(int(total))
         self._grads = DenseGradients(self._masked.selection) if self.regrow == "rigl" else None
@@ -840,7 +841,7 @@ class PruningCallback(Callback):
         """Dynamic sparse training: after an update step's optimizer step, move every tensor's mask (once)."""
         if self._plan is None or self._masked is None or self._plan.until_step is None:
             return
-        step = trainer.global_step
+        step = clock.now(trainer, "step")  # optimizer steps, or training batches under manual optimization
         if not self._plan.is_update(step) or step <= self._last_regrow:
             return
         grads = None if self._grads is None else self._grads.take(self._reducer(trainer, "mean"))
