@@ -17,7 +17,9 @@ approaches' masks are checked equal. Then the training-step overhead of in-place
 (momentum) over the local shards with and without zeroing the pruned gradient and weight entries (what the callback
 adds to a step; forward and backward, which it does not touch, are left out). Last, ``criteria``: one global event
 to 50% ranked by activation (Wanda) scores and one by movement scores, with what their statistics cost (bytes per
-collected batch, bytes per local weight) and the event's time against rank 0 alone on the gathered scores.
+collected batch, bytes per local weight) and the event's time against rank 0 alone on the gathered scores, and one
+layerwise OBS event to 50% with the SparseGPT update on ``--obs-tensors`` of the weights (each rank its own rows)
+against rank 0 alone running the one-process event on the gathered weights.
 
 Run: ``python benchmarks/sharded.py --out benchmarks/results/sharded_cpu_268M.json`` (defaults: 16 weights of
 4096 x 4096 = 268M, float32, one thread per rank).
@@ -145,6 +147,71 @@ def _criteria_events(rank: int, world: int, weights: list, args: argparse.Namesp
     return rows
 
 
+def _obs_event(rank: int, world: int, weights: list, args: argparse.Namespace) -> dict[str, Any]:
+    """One layerwise OBS event to 50% with the SparseGPT update on ``--obs-tensors`` of the shards, as the callback
+    runs it (:func:`lightprune.callback.reconstruction.reconstruct_sharded`: each rank its own rows, the block
+    selection ranked across ranks): the statistics' cost (one all-reduce of each ``cols x cols`` ``H`` per collected
+    batch, the same ``H`` held on every rank), the event's time, bytes and extra peak, against rank 0 alone running
+    the one-process event (:func:`~lightprune.callback.reconstruction.reconstruct`) on the gathered weights; masks
+    and updated weights compared."""
+    from torch import nn
+
+    from lightprune.callback.reconstruction import reconstruct, reconstruct_sharded
+    from lightprune.prune import distributed as D
+
+    chosen = weights[: args.obs_tensors]
+    local_weights = sum(w.to_local().numel() for w in chosen)
+    generator = torch.Generator().manual_seed(11)  # the same H on every rank, as the all-reduce leaves it
+    hessians = {}
+    for i in range(len(chosen)):
+        x = torch.randn(2 * args.cols, args.cols, generator=generator)
+        hessians[f"w{i}"] = x.t() @ x
+        del x
+    row: dict[str, Any] = {"tensors": len(chosen)}
+    dist.barrier()
+    D.traffic.bytes = D.traffic.calls = 0
+    D._all_reduce(hessians["w0"].clone(), None)  # what one layer's H costs per collected batch
+    row["statistics_bytes_per_batch"] = D.traffic.bytes * len(chosen)
+    row["statistics_bytes_per_local_weight"] = sum(h.numel() * 4 for h in hessians.values()) / local_weights
+    fulls = [w.full_tensor() for w in chosen]  # the weights before the event, for the one-process reference
+
+    def linear(weight: torch.Tensor) -> nn.Module:
+        layer = nn.Linear(args.cols, args.rows, bias=False, device="meta")
+        layer.weight = nn.Parameter(weight)
+        return layer
+
+    modules = {f"w{i}": linear(D.as_dtensor(w.to_local().clone(), w)) for i, w in enumerate(chosen)}
+    triples = [(q, m, "weight") for q, m in modules.items()]
+    masks: dict[Any, torch.Tensor] = {}
+    dist.barrier()
+    D.traffic.bytes = D.traffic.calls = 0
+    with PeakRSS() as mem:
+        start = time.perf_counter()
+        reconstruct_sharded(triples, lambda m, n: masks.get(m), 0.5, "layerwise", hessians.__getitem__,
+                            lambda m, n, keep: masks.__setitem__(m, keep))  # fmt: skip
+        row["seconds"] = time.perf_counter() - start
+    row["event_bytes"] = D.traffic.bytes
+    row["extra_peak_bytes_per_local_weight"] = mem.extra / local_weights
+    got_masks = [D.as_dtensor(masks[m], m.weight).full_tensor() for m in modules.values()]
+    got_weights = [m.weight.full_tensor() for m in modules.values()]
+    dist.barrier()
+    if rank == 0:
+        reference = {q: linear(f.clone()) for q, f in zip(modules, fulls, strict=True)}
+        start = time.perf_counter()
+        reconstruct([(q, m, "weight") for q, m in reference.items()], lambda m, n: getattr(m, n + "_mask", None), 0.5,
+                    "layerwise", hessians.__getitem__)  # fmt: skip
+        row["single_seconds"] = time.perf_counter() - start
+        want = list(reference.values())
+        row["masks_equal"] = all(torch.equal(g, m.weight_mask.bool()) for g, m in zip(got_masks, want, strict=True))
+        differences = [
+            float((g.detach() - m.weight.detach()).abs().max()) for g, m in zip(got_weights, want, strict=True)
+        ]
+        row["weights_equal"] = max(differences) == 0.0
+        row["max_weight_difference"] = max(differences)
+    dist.barrier()
+    return row
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
@@ -251,6 +318,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
         timings[key] = min(timings.get(key, float("inf")), (time.perf_counter() - start) / args.steps)
     report["step_seconds"] = timings
     report["criteria"] = _criteria_events(rank, world, weights, args)
+    if args.obs_tensors:
+        report["criteria"]["obs"] = _obs_event(rank, world, weights, args)
     results[rank] = report
     dist.barrier()
     dist.destroy_process_group()
@@ -264,6 +333,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--obs-tensors", type=int, default=2, help="weights of the OBS event (0: none)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     world = 2
