@@ -258,7 +258,7 @@ class PruningCallback(Callback):
             training batches under manual optimization (:mod:`lightprune.callback.clock`).
         regrow_fraction: the share of each tensor's active weights moved, at step 0; decayed by a cosine,
             ``fraction / 2 * (1 + cos(pi * t / until_step))``, to 0 at ``regrow_until`` (RigL's 0.3).
-        regrow_until: the fraction of the run (its optimizer steps) after which masks stay put (RigL's 0.75).
+        regrow_until: the fraction of the run (on the run clock) after which masks stay put (RigL's 0.75).
 
     Layer collapse is said whatever the cap: when an event leaves a selected tensor with no unpruned weight (no
     channel, for structured methods), a :class:`~lightprune.prune.LayerCollapseWarning` names every such tensor
