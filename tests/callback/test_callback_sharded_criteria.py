@@ -177,7 +177,8 @@ SCRIPT = textwrap.dedent(
             original_reconstruct = MaskedSelection.reconstruct_to
 
             def reconstruct_to(self, target, hessian_of, only=None):
-                ranked.append((target, {q: hessian_of(q).clone() for q, _, _ in self.selection}))
+                names = [q for q, _, _ in self.selection if only is None or q in only]
+                ranked.append((target, {q: hessian_of(q).clone() for q in names}))
                 return original_reconstruct(self, target, hessian_of, only)
 
             MaskedSelection.reconstruct_to = reconstruct_to
@@ -206,6 +207,9 @@ SCRIPT = textwrap.dedent(
     if "obs_row" in cases:  # calibrated, an event when training starts, then two more; per row
         schedule = Linear(initial=0.3, final=0.6, start=0, end=4, frequency=2)
         fit("obs_row", schedule, {"importance": "obs", "calibration_batches": 2, "scope": "row"}, 5)
+    if "obs_sequential" in cases:  # one-shot at the start, block by block (each block's H through the pruned ones)
+        kwargs = {"importance": "obs", "calibration_batches": 2, "sequential": True, "scope": "layerwise"}
+        fit("obs_sequential", 0.5, kwargs, 2)
     if "adopt" in cases:
         fit("adopt", RAMP, {"adopt_zeros": True}, 6, zeros=True)
     if "resume" in cases:  # events at 3 and 6, a window of 3: the epoch-end checkpoint at step 4 is mid-window
@@ -349,6 +353,28 @@ def check_obs_against_one_process(record: dict, scope: str) -> int:
     return checked
 
 
+def check_sequential_obs_against_one_process(record: dict) -> int:
+    """The sequential one-shot event: the callback's one-process OBS event applied block by block on the gathered
+    weights, each block from the ``H`` it was given; returns how many blocks were checked."""
+    from lightprune.callback.reconstruction import reconstruct
+
+    (step, masks, previous), *_ = events(record)
+    assert step == 0 and previous is None
+    before, after = record["steps"][0]["before"], record["steps"][0]["after"]
+    modules = {}
+    for k in NAMES:
+        modules[k] = nn.Linear(before[k].shape[1], before[k].shape[0], bias=False)
+        modules[k].weight = nn.Parameter(before[k].clone())
+    for target, hessians in record["ranked"]:
+        triples = [(k, modules[k], "weight") for k in hessians]
+        with prune.mask_dtype(torch.bool):
+            reconstruct(triples, lambda m, n: getattr(m, n + "_mask", None), target, "layerwise", hessians.__getitem__)
+    for k in NAMES:
+        assert torch.equal(masks[k], modules[k].weight_mask.bool()), k
+        assert torch.equal(after[k], modules[k].weight.detach()), k
+    return len(record["ranked"])
+
+
 def window_totals(record: dict, world: int, steps: set[int], calibration: int = 0) -> dict:
     """The all-reduced activation totals of the training forwards starting at ``steps`` (and the calibration
     forwards), built from the model's recorded sums as the callback adds them: batch by batch, world times each."""
@@ -396,7 +422,7 @@ def test_two_ranks_activation_movement_and_adopted_zeros(tmp_path: Path) -> None
 def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) -> None:
     for part in ("two", "three"):
         (tmp_path / part).mkdir()
-    run(tmp_path / "two", 2, "obs")
+    run(tmp_path / "two", 2, "obs,obs_sequential")
     obs = load(tmp_path / "two", "obs")
     assert check_obs_against_one_process(obs, "global") == 3  # steps 2, 4 and 6
     # the event at 4 was given H summed over the batches of steps 2 and 3, world times each: its diagonal is the
@@ -404,6 +430,8 @@ def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) ->
     want = window_totals(obs, 2, {2, 3})
     for key in NAMES:
         torch.testing.assert_close(obs["ranked"][1][1][key].diagonal(), want[key], rtol=1e-5, atol=1e-6)
+    sequential = load(tmp_path / "two", "obs_sequential")
+    assert check_sequential_obs_against_one_process(sequential) == 3  # net.0, net.2, net.4: one block each
     run(tmp_path / "three", 3, "obs_row")
     row = load(tmp_path / "three", "obs_row")
     assert check_obs_against_one_process(row, "row") == 3  # steps 0 (on the calibration batches), 2 and 4
