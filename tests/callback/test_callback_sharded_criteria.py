@@ -14,8 +14,10 @@ totals, or the gathered movement scores). The test then checks in this process, 
   and adopted zeros;
 * a fit resumed from a distributed checkpoint in the middle of an activation window, or between two movement
   events, ends bit-identical;
-* OBS events (global, and per row from calibration batches): masks and updated weights equal the callback's
-  one-process OBS event on the gathered weights with the same summed ``H``.
+* OBS events (global, per row from calibration batches, and sequential block by block): masks and updated weights
+  equal the callback's one-process OBS event on the gathered weights with the same summed ``H``; without the update
+  (``reconstruct=False``) each rank's saliencies, gathered, are those of the gathered weights and rank as one
+  process ranks them.
 
 Layers have 13, 10 and 4 output rows (uneven shards for 2 and 3 ranks); the last layer stays unsharded.
 """
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from lightprune import prune
+from lightprune.prune.obs import layer_saliency
 from processes import run_script
 
 SCRIPT = textwrap.dedent(
@@ -144,6 +147,8 @@ SCRIPT = textwrap.dedent(
                         gathered[q] = as_dtensor(found[q], weight).full_tensor()
                     else:
                         gathered[q] = found[q].clone()
+                    if importance.hessians is not None:  # OBS saliencies: and the H they came from
+                        gathered["H " + q] = importance.hessians.hessian(q).clone()
                 ranked.append(gathered)
             return found
 
@@ -207,6 +212,9 @@ SCRIPT = textwrap.dedent(
     if "obs_row" in cases:  # calibrated, an event when training starts, then two more; per row
         schedule = Linear(initial=0.3, final=0.6, start=0, end=4, frequency=2)
         fit("obs_row", schedule, {"importance": "obs", "calibration_batches": 2, "scope": "row"}, 5)
+    if "obs_saliency" in cases:  # OBS saliencies ranked as any scores, no update (each rank scores its own rows)
+        fit("obs_saliency", RAMP, {"importance": "obs", "activation_window": 2, "scope": "global",
+                                   "reconstruct": False}, 6)
     if "obs_sequential" in cases:  # one-shot at the start, block by block (each block's H through the pruned ones)
         kwargs = {"importance": "obs", "calibration_batches": 2, "sequential": True, "scope": "layerwise"}
         fit("obs_sequential", 0.5, kwargs, 2)
@@ -289,7 +297,7 @@ def check_against_one_process(record: dict, how: str, names: tuple[str, ...] = N
         before = record["steps"][step]["before"]
         modules = {k: module_with(before[k], None if previous is None else previous[k]) for k in names}
         ranked = record["ranked"][index]
-        scores = ranked if how == "movement" else activation_scores(before, ranked) if ranked else None
+        scores = ranked if how in ("movement", "saliency") else activation_scores(before, ranked) if ranked else None
         pruned = sum(int((~masks[k]).sum()) for k in names)
         already = 0 if previous is None else sum(int((~previous[k]).sum()) for k in names)
         with prune.mask_dtype(torch.bool):
@@ -422,7 +430,7 @@ def test_two_ranks_activation_movement_and_adopted_zeros(tmp_path: Path) -> None
 def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) -> None:
     for part in ("two", "three"):
         (tmp_path / part).mkdir()
-    run(tmp_path / "two", 2, "obs,obs_sequential")
+    run(tmp_path / "two", 2, "obs,obs_sequential,obs_saliency")
     obs = load(tmp_path / "two", "obs")
     assert check_obs_against_one_process(obs, "global") == 3  # steps 2, 4 and 6
     # the event at 4 was given H summed over the batches of steps 2 and 3, world times each: its diagonal is the
@@ -430,6 +438,14 @@ def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) ->
     want = window_totals(obs, 2, {2, 3})
     for key in NAMES:
         torch.testing.assert_close(obs["ranked"][1][1][key].diagonal(), want[key], rtol=1e-5, atol=1e-6)
+    saliency = load(tmp_path / "two", "obs_saliency")  # without the update: masks from the gathered saliencies
+    assert check_against_one_process(saliency, "saliency") == 3
+    for index, (step, _, _) in enumerate(events(saliency)):  # each rank's saliencies of its rows, gathered
+        ranked, before = saliency["ranked"][index], saliency["steps"][step]["before"]
+        for key in NAMES:
+            layer = nn.Linear(before[key].shape[1], before[key].shape[0], bias=False)
+            layer.weight = nn.Parameter(before[key].clone())
+            assert torch.equal(ranked[key], layer_saliency(layer, "weight", ranked["H " + key])), (step, key)
     sequential = load(tmp_path / "two", "obs_sequential")
     assert check_sequential_obs_against_one_process(sequential) == 3  # net.0, net.2, net.4: one block each
     run(tmp_path / "three", 3, "obs_row")
