@@ -177,7 +177,7 @@ SCRIPT = textwrap.dedent(
 
         pruning.on_fit_start = on_fit_start
         if kwargs.get("importance") == "obs":  # what each OBS event was given: its target and the summed H
-            from lightprune.callback.masked import MaskedSelection
+            from lightprune.callback.masked_selection import MaskedSelection
 
             original_reconstruct = MaskedSelection.reconstruct_to
 
