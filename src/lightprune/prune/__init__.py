@@ -17,6 +17,7 @@ submodules other packages of lightprune may import (``tests/prune/test_internal_
 * ``amount``: amount validation and conversion (torch's underscore helpers);
 * ``collapse``: layer collapse: the cap on a layer's pruned units, its check and the warning's message;
 * ``distributed``: DTensor shards: telling a sharded tensor, its local piece, exact selection across ranks;
+* ``distributed_obs``: OBS / SparseGPT on weights sharded by rows (each rank its own rows, selection across ranks);
 * ``functional``: ``remove_masked`` (:func:`remove` zeroing in place, for in-place masking);
 * ``k_smallest``: exact k-smallest selection over one or many tensors;
 * ``masking``: applying a boolean mask, in place or into a new tensor;

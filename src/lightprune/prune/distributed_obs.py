@@ -41,8 +41,8 @@ from lightprune.prune.distributed import (
     pruned_units,
     sharded_unstructured_masks,
 )
+from lightprune.prune.k_smallest import apply_cut
 from lightprune.prune.obs import LocalRows, as_matrix, check_obs_layer, from_matrix, layer_saliency, sparsegpt
-from lightprune.prune.select import apply_cut
 
 __all__ = ["ShardedRows", "rows_of", "sharded_obs_counts", "sharded_obs_problem", "sharded_sparsegpt"]
 
