@@ -188,3 +188,76 @@ def test_masked_in_place_works_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -
     expected = torch.where(keep, values, 0.0)
     masked_(values, keep)
     assert torch.equal(values, expected)
+
+
+@st.composite
+def many_values_and_keeps(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A few tensors of mixed dtypes and shapes (empty ones included), bool or 0/1 floating masks, some transposed."""
+    values, keeps = [], []
+    for _ in range(draw(st.integers(0, 5))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=0, max_size=3)))
+        n = int(torch.tensor(shape, dtype=torch.int64).prod())
+        generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+        flat = torch.randn(n, generator=generator, dtype=torch.float64)
+        for index, special in draw(st.lists(st.tuples(st.integers(0, max(n - 1, 0)), st.sampled_from(SPECIALS)))):
+            if n:
+                flat[index] = special
+        keep = (torch.rand(n, generator=generator) < draw(st.floats(0.0, 1.0))).reshape(shape)
+        value = flat.to(dtype).reshape(shape)
+        if draw(st.booleans()) and value.dim() >= 2:  # non-contiguous operands
+            value, keep = value.transpose(0, 1), keep.transpose(0, 1)
+        mask_dtype = draw(st.sampled_from([torch.bool, torch.bool, torch.float32, dtype]))
+        values.append(value)
+        keeps.append(keep.to(mask_dtype))
+    return values, keeps
+
+
+@settings(max_examples=300, deadline=None)
+@given(many_values_and_keeps(), st.sampled_from([3, 17, masking.MASK_CHUNK]))
+def test_masked_all_equals_torch_where_bit_for_bit(
+    case: tuple[list[torch.Tensor], list[torch.Tensor]], chunk: int
+) -> None:
+    values, keeps = case
+    expected = [_where(value, keep.bool()) for value, keep in zip(values, keeps, strict=True)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking, "MASK_CHUNK", chunk)  # small chunks: tensors cut and packed into many batches
+        masking.masked_all_(values, keeps)
+    for value, keep, want in zip(values, keeps, expected, strict=True):
+        assert _same_bits(value, want)
+        assert not torch.signbit(value[~keep.bool()]).any()  # +0.0 where pruned, even over -0.0, inf and NaN
+
+
+def test_masked_all_takes_parameters_and_gradients_in_one_call() -> None:
+    layers = [nn.Linear(40, 30), nn.Linear(30, 2)]
+    keeps = [torch.rand(layer.weight.shape) < 0.2 for layer in layers]
+    sum(layer(torch.randn(5, 40 if i == 0 else 30)).sum() for i, layer in enumerate(layers)).backward()
+    grads = [layer.weight.grad.clone() for layer in layers]
+    weights = [layer.weight.detach().clone() for layer in layers]
+    masking.masked_all_([layer.weight.grad for layer in layers] + [layer.weight for layer in layers], keeps * 2)
+    for layer, keep, grad, weight in zip(layers, keeps, grads, weights, strict=True):
+        assert torch.equal(layer.weight.grad, torch.where(keep, grad, 0.0))
+        assert torch.equal(layer.weight.detach(), torch.where(keep, weight, 0.0))
+        assert layer.weight.grad_fn is None and layer.weight.requires_grad  # still a leaf Parameter
+
+
+def test_masked_all_refuses_mismatched_arguments() -> None:
+    with pytest.raises(ValueError, match="one mask per tensor: got 2 tensors and 1 masks"):
+        masking.masked_all_([torch.ones(3), torch.ones(3)], [torch.ones(3, dtype=torch.bool)])
+    with pytest.raises(ValueError, match=r"a mask of shape \(3,\) for a tensor of shape \(1, 3\)"):
+        masking.masked_all_([torch.ones(1, 3)], [torch.ones(3, dtype=torch.bool)])
+
+
+def test_masked_all_allocates_nothing_after_its_first_call() -> None:
+    values = [torch.randn(700, 900), torch.randn(50, 60), torch.randn(100, dtype=torch.float64)]
+    keeps = [torch.rand(v.shape) < 0.1 for v in values]
+    masking.masked_all_(values, keeps)  # the thread's scratch buffers are made once, here
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        masking.masked_all_(values, keeps)
+        masking.masked_(values[0], keeps[0])
+    allocated = [(event.name, event.cpu_memory_usage) for event in profile.events() if event.cpu_memory_usage > 0]
+    assert allocated == []
+    # the same profiler does see an allocating mask (the check can fail)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        values[0].masked_fill_(~keeps[0], 0)
+    assert sum(event.cpu_memory_usage for event in profile.events() if event.cpu_memory_usage > 0) >= keeps[0].numel()

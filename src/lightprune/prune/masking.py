@@ -13,16 +13,25 @@ three vectorized passes that cost about what one float multiplication does; the 
 Elsewhere (CUDA, where ``torch.where`` is one fused kernel), for small tensors (where a Python autograd function
 costs more than it saves), under ``torch.func`` transforms, while ``torch.jit.trace``, ``torch.compile`` or
 ``torch.export`` trace, or for dtypes without a same-width integer type, it is ``torch.where``.
+
+:func:`masked_all_` zeroes many tensors in place at once (the in-place mode's gradients and weights, every step):
+on the CPU each mask is widened to ``0`` / ``1`` in the value's integer width through one small scratch buffer kept
+per thread and reused by every call, and the value's bits are multiplied by it (an integer multiplication by ``0`` or
+``1`` keeps the bits or gives ``+0``, whatever they encode). Tensors are cut into, and small ones packed together
+into, scratch-sized batches, and each batch is two multi-tensor (``torch._foreach_*``) calls, whatever the number of
+tensors. Nothing weight-sized is allocated: the memory beside the model stays the bool mask's byte a weight.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["masked", "masked_"]
+__all__ = ["masked", "masked_", "masked_all_"]
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of the same width as a floating dtype of that many bytes."""
@@ -31,15 +40,17 @@ MIN_NUMEL_FOR_BITS = 1 << 14
 """Below this many entries ``torch.where`` is faster than the autograd function's Python overhead."""
 
 MASK_CHUNK = 1 << 18
-"""Entries :func:`masked_` widens at a time (1 MB of int32 scratch: stays in cache, allocates nothing weight-sized)."""
+"""Entries :func:`masked_all_` widens at a time (1 MB of int32 scratch: stays in cache, nothing weight-sized)."""
+
+_scratch = threading.local()
+"""Per thread, ``{integer dtype: MASK_CHUNK-entry tensor}``: the widened masks' buffer, reused by every call."""
 
 
 def _select_bits(values: Tensor, keep: Tensor) -> Tensor:
     """``where(keep, values, +0)`` by bit operations, without autograd (``values``: floating, a ``_BITS`` width)."""
     bits = _BITS[values.element_size()]
     out = keep.view(torch.uint8).to(bits)  # 0 or 1
-    out.neg_()  # 0 or all ones
-    out.bitwise_and_(values.view(bits))
+    out.mul_(values.view(bits))  # the value's bits, or +0
     return out.view(values.dtype)
 
 
@@ -106,35 +117,109 @@ def masked(values: Tensor, keep: Tensor) -> Tensor:
 def masked_(values: Tensor, keep: Tensor) -> Tensor:
     """Zero ``values`` in place where ``keep`` is false (``keep``: a bool or 0/1 floating mask); returns ``values``.
 
-    With a ``torch.bool`` mask on the CPU, a floating ``values`` is ANDed with the mask widened to its bit width
-    (0 or all ones), about 2.5x a float multiplication where multiplying by the bool mask takes about 9x; pruned
-    entries become ``+0`` even where they held ``inf`` or ``NaN``. Otherwise it multiplies in place.
+    With a ``torch.bool`` mask this is :func:`masked_all_` on one tensor: pruned entries become ``+0`` even where they
+    held ``inf`` or ``NaN``. A floating mask multiplies in place, as torch's reparametrization does with its float
+    masks (``inf * 0`` is ``NaN``, ``-1 * 0`` is ``-0``).
 
     Example:
         >>> values = torch.tensor([1.5, -2.0, float("nan"), 4.0])
         >>> masked_(values, torch.tensor([True, False, False, True]))
         tensor([1.5000, 0.0000, 0.0000, 4.0000])
     """
-    if (
-        keep.dtype == torch.bool
-        and values.is_floating_point()
-        and values.element_size() in _BITS
-        and values.device.type == "cpu"
-        and values.is_contiguous()
-        and keep.is_contiguous()
-        and keep.shape == values.shape
-    ):
-        bits = _BITS[values.element_size()]
-        flat_values, flat_keep = values.view(-1).view(bits), keep.view(-1).view(torch.uint8)
-        # in chunks through one small scratch: a weight-sized widened copy would cost more in page faults than work
-        scratch = torch.empty(min(flat_values.numel(), MASK_CHUNK), dtype=bits)
-        for start in range(0, flat_values.numel(), MASK_CHUNK):
-            part = flat_keep[start : start + MASK_CHUNK]
-            widened = scratch[: part.numel()]
-            widened.copy_(part)
-            widened.neg_()  # 0 or all ones
-            flat_values[start : start + MASK_CHUNK].bitwise_and_(widened)
-        return values
     if keep.dtype == torch.bool:
-        return values.masked_fill_(~keep, 0)
+        masked_all_([values], [keep])
+        return values
     return values.mul_(keep.to(values.dtype) if keep.dtype != values.dtype else keep)
+
+
+def masked_all_(values: Sequence[Tensor], keeps: Sequence[Tensor]) -> None:
+    """Zero every ``values[i]`` in place where ``keeps[i]`` is false: an exact ``+0``, even over ``inf`` or ``NaN``.
+
+    ``keeps[i]`` is a ``torch.bool`` or a ``0`` / ``1`` floating tensor of ``values[i]``'s shape, on its device. The
+    result is ``torch.where(keeps[i], values[i], 0)`` bit for bit, written into ``values[i]``; autograd does not record
+    it (gradients and weights between steps are what it is for). On the CPU, contiguous floating tensors of 2, 4 or 8
+    bytes an entry go through the batched multi-tensor path of the module docstring, which allocates nothing
+    weight-sized; any other tensor gets ``torch.where(keep, value, 0, out=value)`` on its own (one fused kernel on
+    CUDA; a floating mask is compared with ``0`` first there, a mask-sized temporary).
+
+    Args:
+        values: the tensors to mask, e.g. the pruned parameters or their gradients.
+        keeps: one mask per tensor, true (or ``1``) for the entries kept.
+
+    Raises:
+        ValueError: if the two sequences differ in length, or a mask's shape differs from its tensor's.
+
+    Example:
+        >>> weights = [torch.tensor([1.5, float("inf"), -2.0]), torch.tensor([[float("nan"), 3.0]])]
+        >>> masked_all_(weights, [torch.tensor([True, False, True]), torch.tensor([[0.0, 1.0]])])
+        >>> weights
+        [tensor([ 1.5000,  0.0000, -2.0000]), tensor([[0., 3.]])]
+    """
+    if len(values) != len(keeps):
+        raise ValueError(f"masked_all_ needs one mask per tensor: got {len(values)} tensors and {len(keeps)} masks")
+    batched: dict[torch.dtype, list[tuple[Tensor, Tensor]]] = {}
+    with torch.no_grad():
+        for value, keep in zip(values, keeps, strict=True):
+            if keep.shape != value.shape:
+                raise ValueError(f"a mask of shape {tuple(keep.shape)} for a tensor of shape {tuple(value.shape)}")
+            if _batchable(value, keep):
+                bits = _BITS[value.element_size()]
+                flat_keep = keep.view(-1).view(torch.uint8) if keep.dtype == torch.bool else keep.view(-1)
+                batched.setdefault(bits, []).append((value.view(-1).view(bits), flat_keep))
+            elif value.numel():
+                condition = keep if keep.dtype == torch.bool else keep != 0
+                torch.where(condition, value, torch.zeros((), dtype=value.dtype, device=value.device), out=value)
+        for bits, pairs in batched.items():
+            _multiply_in_batches(pairs, _scratch_of(bits))
+
+
+def _batchable(value: Tensor, keep: Tensor) -> bool:
+    """Whether :func:`masked_all_` can take ``value`` through the CPU's batched integer path."""
+    return (
+        value.device.type == "cpu"
+        and keep.device.type == "cpu"
+        and value.is_floating_point()
+        and value.element_size() in _BITS
+        and (keep.dtype == torch.bool or keep.is_floating_point())
+        and value.is_contiguous()
+        and keep.is_contiguous()
+        and type(value) in (Tensor, torch.nn.Parameter)  # subclasses' __torch_function__ must see the op
+    )
+
+
+def _scratch_of(bits: torch.dtype) -> Tensor:
+    """This thread's reusable ``MASK_CHUNK``-entry buffer of integer dtype ``bits``."""
+    buffers: dict[torch.dtype, Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(bits)
+    if buffer is None or buffer.numel() != MASK_CHUNK:
+        buffer = buffers[bits] = torch.empty(MASK_CHUNK, dtype=bits)
+    return buffer
+
+
+def _multiply_in_batches(pairs: list[tuple[Tensor, Tensor]], scratch: Tensor) -> None:
+    """Multiply each flat integer view by its flat mask (``0`` / ``1``), widened through ``scratch`` in batches."""
+    chunk = scratch.numel()
+    targets: list[Tensor] = []
+    masks: list[Tensor] = []
+    used = 0
+    for bits, keep in pairs:
+        for start in range(0, bits.numel(), chunk):
+            size = min(chunk, bits.numel() - start)
+            if used + size > chunk:
+                _multiply_batch(targets, masks, scratch)
+                targets, masks, used = [], [], 0
+            targets.append(bits[start : start + size])
+            masks.append(keep[start : start + size])
+            used += size
+    if targets:
+        _multiply_batch(targets, masks, scratch)
+
+
+def _multiply_batch(targets: list[Tensor], masks: list[Tensor], scratch: Tensor) -> None:
+    """``targets[i] *= masks[i]`` in the targets' integer dtype, the masks widened into consecutive scratch slices."""
+    widened, offset = [], 0
+    for mask in masks:
+        widened.append(scratch[offset : offset + mask.numel()])
+        offset += mask.numel()
+    torch._foreach_copy_(widened, masks)  # 0 or 1, in the value's width
+    torch._foreach_mul_(targets, widened)  # the bits kept, or +0
