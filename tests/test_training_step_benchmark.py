@@ -26,8 +26,36 @@ def test_quick_training_step_benchmark(tmp_path: Path) -> None:
         "lightprune, float masks",
         "lightprune, bool masks",
         "lightprune, in place (bool masks)",
+        "in place, one gradient pass (bool masks)",
     }
     for row in rows:
         assert abs(row["sparsity"] - 0.9) < 1e-3, row  # every arm trains the 90% pruned model
         assert row["ratio_median"] > 0
     assert "| lightprune, in place (bool masks) |" in done.stdout
+
+
+PROFILE = SCRIPT.with_name("step_profile.py")
+
+
+@pytest.mark.slow  # a fresh process training four models a few steps
+def test_quick_step_profile(tmp_path: Path) -> None:
+    out = tmp_path / "step_profile.json"
+    done = subprocess.run(
+        [sys.executable, str(PROFILE), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ms = json.loads(out.read_text())["ms_per_step"]
+    assert set(ms) == {
+        "dense",
+        "lightprune, bool masks",
+        "lightprune, in place (bool masks)",
+        "in place, one gradient pass (bool masks)",
+    }
+    # each arm's own passes are where the profile says: the masked copy in the forward, the gradient hooks in the
+    # backward, the one gradient pass before the step, the weight pass after it; dense has none of them
+    assert ms["lightprune, bool masks"]["masking in forward"] > 0 == ms["dense"]["masking in forward"]
+    assert ms["lightprune, in place (bool masks)"]["masking in backward"] > 0
+    assert ms["lightprune, in place (bool masks)"]["weight pass"] > ms["dense"]["weight pass"]
+    assert ms["in place, one gradient pass (bool masks)"]["gradient pass"] > ms["dense"]["gradient pass"]
+    assert ms["in place, one gradient pass (bool masks)"]["masking in backward"] == 0
+    assert "| (of which masking in forward) |" in done.stdout
