@@ -14,8 +14,9 @@ Arms:
 
 * ``torch.nn.utils.prune``: torch's reparametrization (float masks);
 * ``lightprune, float masks`` / ``lightprune, bool masks``: lightprune.prune's reparametrization;
-* ``lightprune, in place (bool masks)``: the callback's ``masking="inplace"`` machinery (plain Parameters, gradients
-  masked as they are accumulated, weights zeroed after each optimizer step);
+* ``lightprune, in place (bool masks)``: the callback's ``masking="inplace"`` strategy, driven as the callback drives
+  it (before the masking strategies: gradients masked as they are accumulated, weights zeroed after every step; with
+  them: the strategy's own per-step passes);
 * ``in place, one gradient pass (bool masks)``: the per-step work that in-place masking needs with these optimizers,
   and nothing else: one ``prune.masking.masked_all_`` call over every pruned gradient before each optimizer step, no
   weight pass (the optimizer state of the pruned entries is zeroed at the event, so they stay exactly zero: the
@@ -40,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -126,12 +128,24 @@ def pruned_trainee(arm: str, model_name: str, optimizer: str) -> Trainee:
     with prune.mask_dtype(dtype):
         prune.global_unstructured(pairs, prune.L1Unstructured, amount=0.9)
     if arm == "lightprune, in place (bool masks)":
-        masks = InPlaceMasks()
-        masks.take(pairs)
-        trainee.optimizer.register_step_post_hook(lambda *args, **kwargs: masks.apply())
+        in_place_strategy(trainee, pairs)
     elif arm == "in place, one gradient pass (bool masks)":
         one_gradient_pass(trainee, pairs)
     return trainee
+
+
+def in_place_strategy(trainee: Trainee, pairs: list[tuple[nn.Module, str]]) -> None:
+    """The callback's in-place masks, driven per step as ``PruningCallback`` drives them under automatic optimization:
+    ``attach`` (its optimizer-state zeroing and step hooks), then ``before_optimizer_step`` before every step."""
+    masks = InPlaceMasks()
+    masks.take(pairs)
+    if not hasattr(masks, "attach"):  # versions before the masking strategies: hooks on gradients, a weight pass
+        trainee.optimizer.register_step_post_hook(lambda *args, **kwargs: masks.apply())
+        return
+    trainer = SimpleNamespace(optimizers=[trainee.optimizer])
+    selection = SimpleNamespace(averages=[], named_pairs=lambda: [])
+    masks.attach(trainer, SimpleNamespace(automatic_optimization=True), selection)  # type: ignore[arg-type]
+    trainee.optimizer.register_step_pre_hook(lambda *args, **kwargs: masks.before_optimizer_step())
 
 
 def one_gradient_pass(trainee: Trainee, pairs: list[tuple[nn.Module, str]]) -> None:
