@@ -162,8 +162,8 @@ def masked_all_(values: Sequence[Tensor], keeps: Sequence[Tensor]) -> None:
         for value, keep in zip(values, keeps, strict=True):
             if keep.shape != value.shape:
                 raise ValueError(f"a mask of shape {tuple(keep.shape)} for a tensor of shape {tuple(value.shape)}")
-            if _batchable(value, keep):
-                bits = _BITS[value.element_size()]
+            bits = _batchable_bits(value, keep)
+            if bits is not None:
                 flat_keep = keep.view(-1).view(torch.uint8) if keep.dtype == torch.bool else keep.view(-1)
                 batched.setdefault(bits, []).append((value.view(-1).view(bits), flat_keep))
             elif value.numel():
@@ -173,18 +173,27 @@ def masked_all_(values: Sequence[Tensor], keeps: Sequence[Tensor]) -> None:
             _multiply_in_batches(pairs, _scratch_of(bits))
 
 
-def _batchable(value: Tensor, keep: Tensor) -> bool:
-    """Whether :func:`masked_all_` can take ``value`` through the CPU's batched integer path."""
-    return (
-        value.device.type == "cpu"
-        and keep.device.type == "cpu"
-        and value.is_floating_point()
-        and value.element_size() in _BITS
+_BATCHED_BITS = {
+    dtype: _BITS[torch.finfo(dtype).bits // 8]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+"""The floating dtypes :func:`masked_all_` batches, and the integer dtype of their width."""
+
+
+def _batchable_bits(value: Tensor, keep: Tensor) -> torch.dtype | None:
+    """The integer dtype :func:`masked_all_` multiplies ``value``'s bits in on the CPU, or ``None`` (torch.where)."""
+    bits = _BATCHED_BITS.get(value.dtype)
+    if (
+        bits is not None
+        and value.is_cpu
+        and keep.is_cpu
         and (keep.dtype == torch.bool or keep.is_floating_point())
         and value.is_contiguous()
         and keep.is_contiguous()
         and type(value) in (Tensor, torch.nn.Parameter)  # subclasses' __torch_function__ must see the op
-    )
+    ):
+        return bits
+    return None
 
 
 def _scratch_of(bits: torch.dtype) -> Tensor:
@@ -203,13 +212,15 @@ def _multiply_in_batches(pairs: list[tuple[Tensor, Tensor]], scratch: Tensor) ->
     masks: list[Tensor] = []
     used = 0
     for bits, keep in pairs:
-        for start in range(0, bits.numel(), chunk):
-            size = min(chunk, bits.numel() - start)
+        numel = bits.numel()
+        for start in range(0, numel, chunk):
+            size = min(chunk, numel - start)
             if used + size > chunk:
                 _multiply_batch(targets, masks, scratch)
                 targets, masks, used = [], [], 0
-            targets.append(bits[start : start + size])
-            masks.append(keep[start : start + size])
+            whole = size == numel  # the usual case: no slicing
+            targets.append(bits if whole else bits[start : start + size])
+            masks.append(keep if whole else keep[start : start + size])
             used += size
     if targets:
         _multiply_batch(targets, masks, scratch)
