@@ -59,3 +59,18 @@ def test_quick_step_profile(tmp_path: Path) -> None:
     assert ms["in place, one gradient pass (bool masks)"]["gradient pass"] > ms["dense"]["gradient pass"]
     assert ms["in place, one gradient pass (bool masks)"]["masking in backward"] == 0
     assert "| (of which masking in forward) |" in done.stdout
+
+
+@pytest.mark.slow  # a fresh process
+def test_quick_adam_state_comparison(tmp_path: Path) -> None:
+    out = tmp_path / "adam.json"
+    done = subprocess.run(
+        [sys.executable, str(PROFILE), "--quick", "--adam-state", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # the script checks that pruned weights stay zero in each variant
+    ms = json.loads(out.read_text())["adam_step_ms"]
+    assert set(ms) == {"dense", "all state zeroed", "first moment zeroed", "first moment zeroed, second set to 1"}
+    assert all(value > 0 for value in ms.values())
