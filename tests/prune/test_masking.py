@@ -213,7 +213,7 @@ def many_values_and_keeps(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[tor
     return values, keeps
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(many_values_and_keeps(), st.sampled_from([3, 17, masking.MASK_CHUNK]))
 def test_masked_all_equals_torch_where_bit_for_bit(
     case: tuple[list[torch.Tensor], list[torch.Tensor]], chunk: int
