@@ -28,7 +28,7 @@ for bit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +39,7 @@ from lightprune.callback.mask_strategy import MaskStrategy, Pairs, mask_of, owne
 from lightprune.callback.regrowth import zero_optimizer_state
 from lightprune.prune.distributed import local_of
 from lightprune.prune.functional import remove_masked
-from lightprune.prune.masking import masked_
+from lightprune.prune.masking import masked_, masked_all_
 
 if TYPE_CHECKING:
     from lightprune.callback.masked_selection import MaskedSelection
@@ -70,12 +70,6 @@ def needs_weight_pass(optimizer: Any) -> bool:
         True
     """
     return type(getattr(optimizer, "optimizer", optimizer)) not in ENTRYWISE_OPTIMIZERS
-
-
-def _masked_all_(values: Sequence[Tensor], keeps: Sequence[Tensor]) -> None:
-    """Zero every ``values[i]`` where ``keeps[i]`` is false: one call over all pruned tensors."""
-    for value, keep in zip(values, keeps, strict=True):
-        masked_(value, keep)
 
 
 class InPlaceMasks(MaskStrategy):
@@ -180,12 +174,12 @@ class InPlaceMasks(MaskStrategy):
     def apply(self) -> None:
         """Zero the pruned entries of every masked Parameter: one weight pass."""
         with torch.no_grad():
-            _masked_all_(*self._locals(parameter for parameter, _ in self._by_parameter.values()))
+            masked_all_(*self._locals(parameter for parameter, _ in self._by_parameter.values()))
 
     def mask_grads(self) -> None:
         """Zero the pruned entries of every gradient: one pass, one call over all pruned gradients."""
         grads = (p.grad for p, _ in self._by_parameter.values())
-        _masked_all_(*self._locals(grads))
+        masked_all_(*self._locals(grads))
 
     def _locals(self, tensors: Iterable[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
         """The local tensors and their masks, skipping missing ones (a Parameter without a gradient)."""
