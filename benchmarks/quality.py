@@ -35,7 +35,9 @@ Arms (``--arms``; see :data:`ARMS`):
 * ``lp_rigl_erk``, ``lp_set_erk`` (run only when named): dynamic sparse training, sparse from the first step: ERK
   amounts at step 0 from the initial weights, then every 100 steps each layer drops 30% of its active weights
   (cosine-decayed to 0 at 75% of the run) and regrows as many where the dense gradient is largest (RigL) or at random
-  (SET). ``--epochs 60`` gives the 3x-epochs runs.
+  (SET); ``--regrow EVERY,FRACTION,UNTIL`` changes these three settings (of these arms only).
+* ``lp_rigl_erk_3x``, ``lp_set_erk_3x`` (run only when named): the same in 3x the protocol's epochs (60), the
+  regrow schedule scaled with the run.
 * ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
   (Renda et al. 2020): the 10 retraining epochs replay the cosine from its start (1.2e-3 -> 1.2e-5), weights not
   rewound. Under the protocol's constant learning rate, rewinding the learning rate changes nothing
@@ -54,6 +56,12 @@ after a short dense phase, end with a long enough recovery phase, prune every fe
 on the test set. ``--val-size N`` holds N training images out and reports accuracy on them instead, for tuning;
 with ``--gradual START,END,FREQUENCY`` five schedules were compared that way, and this one was best (BENCHMARKS.md).
 
+Training FLOPs: every run counts the multiply-adds of the three Linear weights step by step, as the masks were at
+each step (:class:`TrainingFlops`: forward ``n``, backward ``2n`` per sample with ``n`` the unpruned entries; a dense
+weight gradient at RigL's update steps), and the report gives them relative to the dense model's training in the
+protocol's epochs (dense = 1). The count depends on the arm, sparsity and settings only, not on the seed (every
+event's total is exact); runs cached from before the count have none, and the report averages the runs that have it.
+
 Epoch time: after the accuracy runs (alone on the machine), three-epoch fits of the dense model, of lightprune's
 callback (bool masks, its default, and float masks) and of ModelPruning, each pruning to 90% after epoch 0, run
 interleaved ``--timing-repeats`` times; the table gives the median time of the last epoch (reparametrized weights,
@@ -69,8 +77,9 @@ Usage:
     python benchmarks/quality.py --quick                # a smoke run of every arm: a few minutes
     python benchmarks/quality.py --seeds 0 --sparsities 0.98 --arms modelpruning lp_gradual
 
-Writes ``OUT/quality.md`` (the tables), ``OUT/quality.png`` (accuracy against sparsity, both tools) and
-``OUT/quality.json``; OUT defaults to ``benchmarks/results/quality``.
+Writes ``OUT/quality.md`` (the tables), ``OUT/quality.png`` (accuracy against sparsity, both tools),
+``OUT/quality_flops.png`` (accuracy against training FLOPs, where counted) and ``OUT/quality.json``; OUT defaults
+to ``benchmarks/results/quality``.
 """
 
 from __future__ import annotations
@@ -120,6 +129,8 @@ ARMS = {
     "lp_gradual_erk": "lightprune, gradual cubic in steps, ERK per-layer amounts",
     "lp_rigl_erk": "lightprune, RigL from step 0 with ERK amounts (sparse from the start)",
     "lp_set_erk": "lightprune, SET from step 0 with ERK amounts (sparse from the start)",
+    "lp_rigl_erk_3x": "lightprune, RigL-ERK from step 0 in 3x the epochs",
+    "lp_set_erk_3x": "lightprune, SET-ERK from step 0 in 3x the epochs",
 }
 """Arm name -> what it does."""
 
@@ -130,13 +141,22 @@ OPT_IN_ARMS = (
     "lp_gradual_erk",
     "lp_rigl_erk",
     "lp_set_erk",
+    "lp_rigl_erk_3x",
+    "lp_set_erk_3x",
 )
 DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in OPT_IN_ARMS)
 """The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair, 2:4, ERK and dynamic
 sparse training are asked for by name."""
 
-REGROW = {"regrow_every": 100, "regrow_fraction": 0.3, "regrow_until": 0.75}
-"""RigL's published settings (Evci et al. 2020), for the dynamic sparse training arms."""
+REGROW = (100, 0.3, 0.75)
+"""RigL's published settings (Evci et al. 2020) for the dynamic sparse training arms: update every 100 optimizer
+steps, regrow fraction 0.3 cosine-decayed to 0 at 75% of the run (``--regrow EVERY,FRACTION,UNTIL`` changes them)."""
+
+DST_ARMS = ("lp_rigl_erk", "lp_set_erk", "lp_rigl_erk_3x", "lp_set_erk_3x")
+"""The dynamic sparse training arms: the ones ``--regrow`` changes."""
+
+EPOCH_MULTIPLIER = {"lp_rigl_erk_3x": 3, "lp_set_erk_3x": 3}
+"""Arms that train for a multiple of the protocol's epochs (their schedules scale with the run)."""
 
 IMPORTANCES = ("magnitude", "activation", "movement", "obs")
 """The criteria of ``--importance`` (PruningCallback's ``importance=``)."""
@@ -159,6 +179,7 @@ class Settings:
     limit_test: int | None = None
     val_size: int = 0
     gradual: tuple[float, float, float] = GRADUAL
+    regrow: tuple[int, float, float] = REGROW
     data_root: str = FASHION_MNIST_ROOT
     threads: int = 1
     masking: str = "reparametrize"  # the lightprune arms' PruningCallback(masking=...)
@@ -333,6 +354,56 @@ class EpochCosineLR(Callback):
                 group["lr"] = self.lr_at(trainer.current_epoch)
 
 
+class TrainingFlops(Callback):
+    """Counts the training multiply-adds of the pruned weights, step by step, as the masks were at each step.
+
+    Counting rule (RigL's, Evci et al. 2020, Appendix H): a Linear weight with ``n`` unpruned entries costs ``n``
+    multiply-adds per sample in the forward pass and ``2 n`` in the backward pass (the input's gradient and the
+    weight's); a step of ``b`` samples costs ``3 n b``. A dense step has ``n`` = the weight's size. At a RigL update
+    step the weight's gradient is dense: ``2 n + size`` per sample. SET draws regrown weights at random: no dense
+    gradient. Biases, activations, the loss and the optimizer are not counted (a few per cent of a dense step here).
+    The masks are read before each backward pass (the ones the forward used): ``weight_mask`` under the
+    reparametrization (lightprune, ModelPruning), the weight's non-zeros otherwise.
+
+    Example:
+        >>> layer = nn.Linear(4, 3)
+        >>> counter = TrainingFlops([(layer, "weight")])
+        >>> counter.active()  # dense: every entry counts
+        12
+    """
+
+    def __init__(self, weights: list[tuple[nn.Module, str]]) -> None:
+        self.weights = weights
+        self.macs = 0
+        self._plan: Any = None
+        self._samples = 0
+
+    def active(self) -> int:
+        """Unpruned entries of the counted weights now."""
+        total = 0
+        for module, name in self.weights:
+            mask = getattr(module, f"{name}_mask", None)
+            total += int(torch.count_nonzero(mask if mask is not None else getattr(module, name)))
+        return total
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightprune.callback.regrowth import RegrowPlan
+
+        for callback in trainer.callbacks:  # RigL's update steps, from the callback's own public settings
+            if isinstance(callback, PruningCallback) and callback.regrow == "rigl":
+                self._plan = RegrowPlan("rigl", callback.regrow_every, callback.regrow_fraction, callback.regrow_until)
+                self._plan.resolve(int(trainer.estimated_stepping_batches))
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        active = self.active()
+        dense_grad = self._plan is not None and self._plan.is_update(trainer.global_step + 1)
+        weight_grad = sum(getattr(module, name).numel() for module, name in self.weights) if dense_grad else active
+        self.macs += self._samples * (2 * active + weight_grad)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._samples = len(batch[1])
+
+
 def make_trainer(epochs: int, callbacks: list[Any]) -> Any:
     """A quiet CPU Trainer: no logger, checkpoints, progress bar or validation."""
     return pl.Trainer(
@@ -372,6 +443,7 @@ def arm_callbacks(
     gradual: tuple[float, float, float] = GRADUAL,
     masking: str = "reparametrize",
     importance: str = "magnitude",
+    regrow: tuple[int, float, float] = REGROW,
 ) -> list[Any]:
     """The pruning callback(s) of an arm (scaled to ``epochs``; the protocol's 20 give the epochs in the docs).
 
@@ -413,12 +485,13 @@ def arm_callbacks(
         schedule = Cubic(final=sparsity, start=start, end=end, frequency=frequency)
         scope = {"lp_gradual": "global", "lp_gradual_layerwise": "layerwise", "lp_gradual_erk": "erk"}[arm]
         return [PruningCallback(schedule, parameters=params, unit="step", scope=scope, **masking_kwargs)]
-    if arm in ("lp_rigl_erk", "lp_set_erk"):
-        regrow = "rigl" if arm == "lp_rigl_erk" else "set"
+    if arm in DST_ARMS:
+        every, fraction, until = regrow
         return [
             PruningCallback(
-                Constant(sparsity, at=0), parameters=params, unit="step", scope="erk", regrow=regrow, **REGROW,
-                **masking_kwargs,
+                Constant(sparsity, at=0), parameters=params, unit="step", scope="erk",
+                regrow="rigl" if arm.startswith("lp_rigl") else "set", regrow_every=int(every),
+                regrow_fraction=fraction, regrow_until=until, **masking_kwargs,
             )
         ]  # fmt: skip
     if arm == "lp_one_shot":
@@ -462,10 +535,12 @@ def run_one(run: Run) -> dict[str, Any]:
     pl.seed_everything(run.seed, verbose=False)
     module = LeNetModule(settings.lr)
     timer = EpochTimer()
+    epochs = settings.epochs * EPOCH_MULTIPLIER.get(run.arm, 1)
     callbacks = arm_callbacks(
-        run.arm, run.sparsity, module, settings.epochs, settings.gradual, settings.masking, settings.importance
+        run.arm, run.sparsity, module, epochs, settings.gradual, settings.masking, settings.importance, settings.regrow
     )
-    trainer = make_trainer(settings.epochs, [timer, *callbacks])
+    flops = TrainingFlops(pruned_weights(module))
+    trainer = make_trainer(epochs, [timer, flops, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
@@ -479,6 +554,8 @@ def run_one(run: Run) -> dict[str, Any]:
         "sizes": sizes,
         "sparsity_counted": sum(zeros.values()) / sum(sizes.values()),
         "steps": trainer.global_step,
+        "train_macs": flops.macs,
+        "dense_macs": 3 * sum(sizes.values()) * len(data["train"][1]) * settings.epochs,
         "epoch_seconds": timer.times,
         "fit_seconds": fit_seconds,
     }
@@ -615,8 +692,24 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[float, dict[str, 
                 "sparsity_counted": statistics.fmean(r["sparsity_counted"] for r in group),
                 "epoch_seconds": statistics.median(t for r in group for t in r["epoch_seconds"]),
                 "fit_seconds": statistics.fmean(r["fit_seconds"] for r in group),
+                "training_flops": _training_flops(group),
             }
     return summary
+
+
+def _training_flops(group: Sequence[dict[str, Any]]) -> float | None:
+    """Mean training multiply-adds relative to the dense model's in the protocol's epochs; ``None`` if not counted.
+
+    Example:
+        >>> _training_flops([{"train_macs": 30, "dense_macs": 100}, {"train_macs": 50, "dense_macs": 100}])
+        0.4
+        >>> _training_flops([{"accuracy": 90.0}]) is None  # a run from before the count
+        True
+        >>> _training_flops([{"accuracy": 90.0}, {"train_macs": 30, "dense_macs": 100}])  # seed-independent count
+        0.3
+    """
+    counted = [r["train_macs"] / r["dense_macs"] for r in group if "train_macs" in r]
+    return statistics.fmean(counted) if counted else None
 
 
 def _arm_order(summary: dict[str, Any]) -> list[str]:
@@ -660,6 +753,16 @@ def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: st
             _sparsity_cell,
             dense=False,
         )
+        if any(entry["training_flops"] is not None for by_s in summary.values() for entry in by_s.values()):
+            lines += _arm_table(
+                "Training FLOPs relative to the dense model's training in the protocol's epochs (dense = 1; counted "
+                "step by step: multiply-adds of the three Linear weights per sample, forward n and backward 2n with n "
+                "the weight's unpruned entries in that step, so dense steps before pruning and sparse ones after; at "
+                "RigL's update steps the weight gradient is dense, 2n + size; SET regrows at random, no dense "
+                "gradient; biases, activations and the optimizer not counted):",
+                summary,
+                lambda entry: "-" if entry["training_flops"] is None else f"{entry['training_flops']:.3f}",
+            )
         lines += _arm_table(
             "Median epoch time within the accuracy runs (s; the runs shared the machine, so only indicative):",
             summary,
@@ -694,16 +797,25 @@ ZOOMED_ARMS = ("dense", "modelpruning", "lp_control", "lp_gradual")
 """The arms of the plot's right panel, on an axis that separates them."""
 
 
+STYLES: dict[str, dict[str, Any]] = {
+    "modelpruning": {"color": "black", "marker": "s", "linestyle": "--"},
+    "lp_control": {"color": "tab:gray", "marker": "x", "linestyle": ":"},
+    "lp_gradual": {"color": "tab:blue", "marker": "o"},
+    "lp_gradual_layerwise": {"color": "tab:cyan", "marker": "^"},
+    "lp_one_shot": {"color": "tab:orange", "marker": "v"},
+    "lp_one_shot_rewind": {"color": "tab:red", "marker": "D"},
+    "lp_2_4": {"color": "tab:olive", "marker": "s"},
+    "lp_gradual_erk": {"color": "tab:purple", "marker": "o", "linestyle": "-."},
+    "lp_rigl_erk": {"color": "tab:brown", "marker": "*", "markersize": 9},
+    "lp_rigl_erk_3x": {"color": "tab:brown", "marker": "*", "markersize": 9, "linestyle": "--"},
+    "lp_set_erk": {"color": "tab:pink", "marker": "d"},
+    "lp_set_erk_3x": {"color": "tab:pink", "marker": "d", "linestyle": "--"},
+}
+"""Each arm's line and marker in the plots (a 3x-epochs arm: its arm's colour and marker, dashed)."""
+
+
 def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions: dict[float, int]) -> None:
-    styles = {
-        "modelpruning": {"color": "black", "marker": "s", "linestyle": "--"},
-        "lp_control": {"color": "tab:gray", "marker": "x", "linestyle": ":"},
-        "lp_gradual": {"color": "tab:blue", "marker": "o"},
-        "lp_gradual_layerwise": {"color": "tab:cyan", "marker": "^"},
-        "lp_one_shot": {"color": "tab:orange", "marker": "v"},
-        "lp_one_shot_rewind": {"color": "tab:red", "marker": "D"},
-        "lp_2_4": {"color": "tab:olive", "marker": "s"},
-    }
+    styles = STYLES
     criteria = {  # a criterion keeps its arm's colour, with its own line and marker
         "activation": {"linestyle": "--", "marker": "*", "markersize": 9},
         "movement": {"linestyle": ":", "marker": "P"},
@@ -757,6 +869,49 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_flops(summary: dict[str, Any], path: Path) -> Any:
+    """Accuracy (mean ± std) against training FLOPs (dense = 1, log scale), one panel per sparsity.
+
+    Only arms whose runs counted their FLOPs are drawn; the dense model is the green band and point at 1. Returns
+    the (closed) figure, whose artists say what was drawn.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparsities = sorted({s for by_s in summary.values() for s, e in by_s.items() if s > 0 and e["training_flops"]})
+    fig, axes = plt.subplots(1, len(sparsities), figsize=(3.6 * len(sparsities) + 2.4, 4.2), squeeze=False)
+    dense = next(iter(summary["dense"].values())) if "dense" in summary else None
+    for ax, sparsity in zip(axes[0], sparsities, strict=True):
+        if dense is not None:
+            mean, std, _ = dense["accuracy"]
+            ax.axhspan(mean - std, mean + std, color="tab:green", alpha=0.15)
+            ax.errorbar([dense["training_flops"]], [mean], yerr=[std], color="tab:green", marker="o", label="dense")
+        for arm in _arm_order(summary):
+            entry = summary[arm].get(sparsity)
+            if arm == "dense" or entry is None or entry["training_flops"] is None:
+                continue
+            mean, std, _ = entry["accuracy"]
+            style = {key: value for key, value in STYLES.get(arm, {}).items() if key != "linestyle"}
+            ax.errorbar([entry["training_flops"]], [mean], yerr=[std], capsize=3, label=arm, **style)
+        ax.set_xscale("log")
+        ax.set_title(f"sparsity {sparsity:g}")
+        ax.set_xlabel("training FLOPs (dense 20 epochs = 1)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("test accuracy (%)")
+    handles: dict[str, Any] = {}  # one legend entry per arm, whichever panels it appears in
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=8)
+    fig.suptitle("LeNet-300-100 on Fashion-MNIST: accuracy against training cost")
+    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Driver
 # ------------------------------------------------------------------------------------------------------------------
@@ -783,9 +938,10 @@ def plan(
         for arm in arms:
             arm_sparsities = [0.0] if arm == "dense" else [FIXED_SPARSITY[arm]] if arm in FIXED_SPARSITY else sparsities
             criteria = importances if arm.startswith("lp_") else ("magnitude",)
+            regrow = settings.regrow if arm in DST_ARMS else REGROW  # other arms: cached runs stay valid
             for importance in criteria:
                 for sparsity in arm_sparsities:
-                    runs.append(Run(arm, sparsity, seed, replace(settings, importance=importance)))
+                    runs.append(Run(arm, sparsity, seed, replace(settings, importance=importance, regrow=regrow)))
     return runs
 
 
@@ -852,6 +1008,12 @@ def main(argv: list[str] | None = None) -> int:
         default=GRADUAL,
         help="start,end,frequency of the gradual arms' cubic schedule, fractions of the run (default %(default)s)",
     )
+    parser.add_argument(
+        "--regrow",
+        type=lambda text: tuple(float(part) if i else int(part) for i, part in enumerate(text.split(","))),
+        default=REGROW,
+        help="every,fraction,until of the dynamic sparse training arms (default %(default)s)",
+    )
     parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
     parser.add_argument("--masking", default="reparametrize", choices=("reparametrize", "inplace"),
                         help="PruningCallback(masking=...) of the lightprune arms")  # fmt: skip
@@ -871,6 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs,
         val_size=args.val_size,
         gradual=args.gradual,
+        regrow=args.regrow,
         data_root=args.data_root,
         threads=args.threads,
         masking=args.masking,
@@ -897,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(report)
     plot(summary, args.out / "quality.png")
+    if any(entry["training_flops"] for by_s in summary.values() for entry in by_s.values()):
+        plot_flops(summary, args.out / "quality_flops.png")
     serializable = {arm: {str(s): entry for s, entry in by_s.items()} for arm, by_s in summary.items()}
     payload = {"settings": asdict(settings), "summary": serializable, "timing": timing, "results": results}
     (args.out / "quality.json").write_text(json.dumps(payload, indent=1))

@@ -119,3 +119,76 @@ def test_importance_flag_plans_one_run_set_per_criterion_and_reaches_the_callbac
     assert callback.method.__name__ == "SemiStructured" and callback.importance == "magnitude"
     with pytest.raises(ValueError, match="no pruning criterion"):
         quality.arm_callbacks("modelpruning", 0.9, module, epochs=20, importance="activation")
+
+
+def _fit_counting(quality, arm: str, sparsity: float, samples: int, batch: int, epochs: int, regrow=(2, 0.3, 0.75)):
+    """A short fit of one arm on random data with the benchmark's FLOP counter; returns the counter, callbacks."""
+    torch.manual_seed(0)
+    module = quality.LeNetModule(1e-3)
+    callbacks = quality.arm_callbacks(arm, sparsity, module, epochs, regrow=regrow)
+    counter = quality.TrainingFlops(quality.pruned_weights(module))
+    loader = quality.ShuffledBatches(torch.rand(samples, 784), torch.randint(0, 10, (samples,)), batch, seed=0)
+    trainer = quality.make_trainer(epochs, [counter, *callbacks])
+    trainer.fit(module, train_dataloaders=loader)
+    return counter, callbacks
+
+
+@pytest.mark.parametrize("arm", ["dense", "lp_rigl_erk", "lp_set_erk"])
+def test_training_flops_count_against_the_counting_rule(arm: str) -> None:
+    quality = _quality_module()
+    samples, batch, epochs, sparsity = 200, 64, 3, 0.9  # batches of 64, 64, 64, 8: 4 steps an epoch, 12 in all
+    counter, _ = _fit_counting(quality, arm, sparsity, samples, batch, epochs)
+    sizes = [64, 64, 64, 8] * epochs
+    active = WEIGHTS if arm == "dense" else WEIGHTS - round(sparsity * WEIGHTS)  # ERK keeps the total exact
+    # Independent of the counter: regrow every 2 steps until round(0.75 * 12) = 9 moves the masks after steps
+    # 2, 4, 6, 8; RigL's backward of those steps takes the dense weight gradient.
+    dense_grad_steps = {2, 4, 6, 8} if arm == "lp_rigl_erk" else set()
+    expected = sum(
+        b * (2 * active + (WEIGHTS if step in dense_grad_steps else active)) for step, b in enumerate(sizes, 1)
+    )
+    assert counter.macs == expected
+    if arm == "dense":
+        assert counter.macs == 3 * WEIGHTS * samples * epochs  # the run's dense_macs: dense = 1
+
+
+def test_3x_arms_train_three_times_longer_and_regrow_settings_reach_only_dst_arms() -> None:
+    quality = _quality_module()
+    settings = quality.Settings(regrow=(300, 0.1, 0.5))
+    runs = {run.arm: run for run in quality.plan(["lp_gradual", "lp_rigl_erk_3x"], [0.99], [0], settings)}
+    assert runs["lp_rigl_erk_3x"].settings.regrow == (300, 0.1, 0.5)
+    assert runs["lp_gradual"].settings.regrow == quality.REGROW  # its cached runs stay valid
+    (callback,) = quality.arm_callbacks("lp_set_erk_3x", 0.99, quality.LeNetModule(1e-3), 60, regrow=(300, 0.1, 0.5))
+    settings_seen = (callback.regrow, callback.regrow_every, callback.regrow_fraction, callback.regrow_until)
+    assert settings_seen == ("set", 300, 0.1, 0.5)
+    assert quality.EPOCH_MULTIPLIER["lp_rigl_erk_3x"] == 3 and callback.scope == "erk"
+
+
+def _entry(accuracy: float, flops: float | None) -> dict:
+    return {"accuracy": (accuracy, 0.5, 3), "training_flops": flops, "layer_sparsity": {}, "sparsity_counted": 0.0}
+
+
+def test_flops_plot_draws_one_point_per_counted_arm_and_sparsity(tmp_path: Path) -> None:
+    quality = _quality_module()
+    summary = {
+        "dense": {0.0: _entry(89.0, 1.0)},
+        "lp_gradual": {0.98: _entry(87.0, 0.3), 0.99: _entry(86.0, 0.29)},
+        "lp_rigl_erk_3x": {0.98: _entry(86.5, 0.07), 0.99: _entry(85.5, 0.04)},
+        "modelpruning": {0.99: _entry(80.0, None)},  # not counted: left out
+    }
+    fig = quality.plot_flops(summary, tmp_path / "flops.png")
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["sparsity 0.98", "sparsity 0.99"]
+    for ax, sparsity in zip(axes, (0.98, 0.99), strict=True):
+        assert ax.get_xscale() == "log"
+        points = {
+            label: (line.get_xdata()[0], line.get_ydata()[0])
+            for line, label in zip(*ax.get_legend_handles_labels(), strict=True)
+            for line in [line.lines[0]]
+        }
+        assert set(points) == {"dense", "lp_gradual", "lp_rigl_erk_3x"}
+        for arm in ("lp_gradual", "lp_rigl_erk_3x"):
+            entry = summary[arm][sparsity]
+            assert points[arm] == (entry["training_flops"], entry["accuracy"][0])
+    legend = fig.legends[0]
+    assert [text.get_text() for text in legend.get_texts()] == ["dense", "lp_gradual", "lp_rigl_erk_3x"]
+    assert (tmp_path / "flops.png").read_bytes()[:4] == b"\x89PNG"
