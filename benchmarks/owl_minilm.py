@@ -6,11 +6,14 @@ evaluation lines against the dense embeddings), one-shot, no training. All three
 
 * ``row``: every output row of every layer to 70% (Wanda's own ranking);
 * ``layerwise``: every layer to 70%, ranked over the whole layer;
-* ``owl``: each layer ranked over itself, its share from OWL's outlier ratio (``scope="owl"``; M and lambda given).
+* ``owl``: each layer ranked over itself, its share from OWL's outlier ratio of its transformer block
+  (``scope="owl"``: the six Linears of one encoder layer pool their scores into one ratio and share one sparsity;
+  M and lambda given).
 
 Usage:
     python benchmarks/owl_minilm.py                       # ~2 minutes of CPU
     python benchmarks/owl_minilm.py --lam 0.08 0.2 --threshold 5 7
+    python benchmarks/owl_minilm.py --arms owl --out benchmarks/results/owl_minilm_blocks   # OWL alone
 
 Prints one line per arm and writes ``OUT/owl_minilm.json``.
 """
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=Path("~/.cache/lightprune/minilm"))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "owl_minilm")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--arms", nargs="+", default=["row", "layerwise", "owl"], choices=["row", "layerwise", "owl"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = Settings()
@@ -76,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     cache = args.cache.expanduser() / "dense_eval_full.pt"
     dense = dense_embeddings(dense_model, tokenizer, parts["evaluation"], settings, cache)
     norms = input_norms(dense_model, tokenizer, parts["calibration"], settings)
-    arms: list[tuple[str, Any]] = [("row", None), ("layerwise", None)]
-    arms += [("owl", (m, lam)) for m in args.threshold for lam in args.lam]
+    arms: list[tuple[str, Any]] = [(arm, None) for arm in ("row", "layerwise") if arm in args.arms]
+    arms += [("owl", (m, lam)) for m in args.threshold for lam in args.lam if "owl" in args.arms]
     results = {}
     for arm, owl in arms:
         model = copy.deepcopy(dense_model)

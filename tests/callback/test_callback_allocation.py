@@ -137,3 +137,74 @@ def test_erk_with_a_random_method_is_a_static_random_erk_mask() -> None:
     callback = PruningCallback(0.8, scope="erk", method="random_unstructured", make_permanent=False)
     quiet_trainer([callback], max_steps=1).fit(TinyNet())
     assert [pruned for _, pruned in callback._masked.counts()] == layer_counts(SHAPES, 0.8, erk_weights(SHAPES))
+
+
+def test_owl_on_bert_takes_one_outlier_ratio_per_transformer_block() -> None:
+    """OWL's layer is a transformer block: its tensors' scores pooled into one ratio, and one sparsity for all."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class TinyBert(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.BertConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=12, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            )  # fmt: skip
+            self.model = transformers.BertForSequenceClassification(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids[:, 0] % 2).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self) -> DataLoader:
+            ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+            return DataLoader(TensorDataset(ids), batch_size=8)
+
+    target, threshold, lam = 0.6, 2.0, 0.1
+    reference = TinyBert()
+    linears = {name: m for name, m in reference.named_modules() if isinstance(m, nn.Linear)}
+    sums: dict[str, torch.Tensor] = {}
+
+    def add(module: nn.Module, args: Any, name: str) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+        sums[name] = sums.get(name, 0) + (x**2).sum(0)
+
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: add(m, a, n)) for n, m in linears.items()]
+    with torch.no_grad():
+        for batch in reference.train_dataloader():
+            reference.model(input_ids=batch[0])
+    for hook in hooks:
+        hook.remove()
+    # blocks by hand: each encoder layer's six Linears pool their Wanda scores; pooler and classifier stand alone
+    block_of = {name: name.split(".layer.")[0] + ".layer." + name.split(".layer.")[1].split(".")[0] if ".layer." in name
+                else name for name in linears}  # fmt: skip
+    assert len(set(block_of.values())) == 3 + 2
+    scores = {name: (m.weight.detach().double().abs() * sums[name].sqrt()) for name, m in linears.items()}
+    ratio = {}
+    for block in set(block_of.values()):
+        pooled = torch.cat([scores[name].flatten() for name in linears if block_of[name] == block])
+        ratio[block] = float((pooled > threshold * pooled.mean()).double().mean())
+    assert len(set(ratio.values())) > 1, "the example should have blocks with different outlier ratios"
+    shapes = [tuple(m.weight.shape) for m in linears.values()]
+    expected = layer_counts(shapes, target, owl_offsets([ratio[block_of[n]] for n in linears], lam), rule="owl")
+
+    callback = PruningCallback(
+        target, scope="owl", importance="activation", calibration_batches=2, owl_threshold=threshold, owl_lambda=lam,
+        make_permanent=False,
+    )  # fmt: skip
+    model = TinyBert()
+    quiet_trainer([callback], max_steps=1).fit(model)
+    names = [qualified.removesuffix(".weight") for qualified, _, _ in callback._masked.selection]
+    assert names == list(linears)
+    counts = [pruned for _, pruned in callback._masked.counts()]
+    assert counts == expected and sum(counts) == round(target * sum(r * c for r, c in shapes))
+    for block in set(block_of.values()):  # one sparsity per block, up to rounding of each tensor's count
+        shares = [
+            n / (r * c) for n, (r, c), name in zip(counts, shapes, linears, strict=True) if block_of[name] == block
+        ]
+        assert max(shares) - min(shares) <= 1 / (32 * 32), (block, shares)

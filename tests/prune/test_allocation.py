@@ -9,7 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightprune.prune.allocation import apportion, erk_weights, layer_counts, outlier_ratio, owl_offsets
+from lightprune.prune.allocation import (
+    apportion,
+    block_outlier_ratios,
+    erk_weights,
+    layer_counts,
+    outlier_ratio,
+    owl_blocks,
+    owl_offsets,
+)
 
 SHAPES = [(2, 2), (20, 20), (20, 10)]  # 4 + 400 + 200 = 604 weights
 
@@ -52,6 +60,32 @@ def test_owl_hand_computed() -> None:
     offsets = owl_offsets(ratios, lam=0.1)
     assert offsets == pytest.approx([0.2, 0.0, 0.1])
     assert layer_counts([(10,), (10,), (20,)], 0.5, offsets, rule="owl") == [4, 6, 10]
+
+
+def test_owl_blocks_pool_their_tensors_scores_hand_computed() -> None:
+    names = ["h.0.attn.weight", "h.0.mlp.weight", "h.1.attn.weight", "h.1.mlp.weight", "head.weight"]
+    blocks = owl_blocks(names)
+    assert blocks == ["h.0", "h.0", "h.1", "h.1", "head.weight"]
+    # h.0 pools [1]*9 + [100] and [1]*10: mean 119 / 20 = 5.95, M = 5: one of 20 above 29.75 -> 0.05 (each tensor
+    # alone: 0.1 and 0.0). h.1: [1]*4 + [100] and [1]*5, of which the 100 and two 1s already pruned (keep False):
+    # 7 unpruned ones, mean 1, none above 5 -> 0.0. head: [1, 1, 1, 20]: mean 5.75, none above 28.75 -> 0.0.
+    scores = [
+        torch.tensor([1.0] * 9 + [100.0]),
+        torch.ones(10),
+        torch.tensor([1.0] * 4 + [100.0]),
+        torch.ones(5),
+        torch.tensor([1.0, 1.0, 1.0, 20.0]),
+    ]
+    keeps = [
+        None,
+        None,
+        torch.tensor([True, True, True, True, False]),
+        torch.tensor([True, True, True, False, False]),
+        None,
+    ]
+    assert block_outlier_ratios(scores, keeps, blocks) == [pytest.approx(0.05)] * 2 + [0.0, 0.0, 0.0]
+    # the same scores with every tensor its own block are the per-tensor ratios
+    assert block_outlier_ratios(scores, [None] * 5, names) == [outlier_ratio(s) for s in scores]
 
 
 def test_owl_equals_its_published_formula_on_layers_of_one_size() -> None:

@@ -269,8 +269,8 @@ class MaskedSelection:
         """ERK or OWL: how many weights each selected tensor has pruned in all after an event to ``target``.
 
         The total is exactly ``round(target * total)``; a tensor keeps at least what it has pruned already and gives
-        at most its ``max_layer_sparsity`` share. OWL's outlier ratios come from ``scores`` (``|W| * ||X||``), over
-        each tensor's unpruned entries.
+        at most its ``max_layer_sparsity`` share. OWL's outlier ratios come from ``scores`` (``|W| * ||X||``), one per
+        block (:func:`~lightprune.prune.allocation.owl_blocks`), over the block's unpruned entries.
 
         Example:
             >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(20, 20), nn.Linear(10, 20))
@@ -285,10 +285,13 @@ class MaskedSelection:
         else:
             if scores is None:
                 raise ValueError("scope='owl' allocates by the outliers of activation scores, and none were given")
-            ratios = [
-                allocation.outlier_ratio(scores[qualified], self.mask(module, name), self.owl_threshold)
-                for qualified, module, name in self.selection
-            ]
+            names = [qualified for qualified, _, _ in self.selection]
+            ratios = allocation.block_outlier_ratios(
+                [scores[qualified] for qualified in names],
+                [self.mask(module, name) for _, module, name in self.selection],
+                allocation.owl_blocks(names),
+                self.owl_threshold,
+            )
             weights = allocation.owl_offsets(ratios, self.owl_lambda)
         return allocation.layer_counts(
             shapes,

@@ -121,11 +121,13 @@ class PruningCallback(Callback):
             ``l1_unstructured`` only), ``"erk"`` or ``"owl"``: each tensor ranked alone, with its own share of the
             event's exact total (:mod:`lightprune.prune.allocation`). ERK (Erdős–Rényi-Kernel) keeps a density
             proportional to ``sum(shape) / prod(shape)``, tensors that would pass density 1 kept dense; OWL keeps
-            more of the tensors with more outliers of ``|W| * ||X||`` (``importance="activation"`` only; see
-            ``owl_threshold`` and ``owl_lambda``). Both take unstructured methods and any importance they accept
-            (magnitude, activation, movement, a callable; random methods draw each tensor's share at random: a
-            static random ERK mask); every event's total is exact and ``max_layer_sparsity`` caps a tensor's share,
-            the others taking the rest. Default: global for unstructured methods, layerwise for the others.
+            more of the blocks with more outliers of ``|W| * ||X||``, every tensor of a block at the block's
+            sparsity (a block: the tensors named alike up to their first numeric part, a transformer block such
+            as ``encoder.layer.3``; ``importance="activation"`` only; see ``owl_threshold`` and ``owl_lambda``).
+            Both take unstructured methods and any importance they accept (magnitude, activation, movement, a
+            callable; random methods draw each tensor's share at random: a static random ERK mask); every event's
+            total is exact and ``max_layer_sparsity`` caps a tensor's share, the others taking the rest. Default:
+            global for unstructured methods, layerwise for the others.
         unit: ``"step"`` (optimizer steps; training batches under manual optimization) or ``"epoch"``; the
             schedule's times, ``rewind`` and ``activation_window`` are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
@@ -240,8 +242,8 @@ class PruningCallback(Callback):
             every position. A layer whose input starts with the mask's ``(B, T)`` (``(B, T, d)`` in a transformer)
             counts only the positions where the mask is nonzero; other inputs count whole, and convolutions count
             every position (see :mod:`lightprune.callback.tokens`).
-        owl_threshold: with ``scope="owl"``, OWL's ``M``: a score above ``M`` times its tensor's mean (over the
-            unpruned entries) is an outlier (default 5).
+        owl_threshold: with ``scope="owl"``, OWL's ``M``: a score above ``M`` times its block's mean (over the
+            unpruned entries of the block's tensors) is an outlier (default 5).
         owl_lambda: with ``scope="owl"``, OWL's ``lambda``: the outlier ratios are mapped linearly onto densities
             spanning ``2 * lambda`` whose mean (weighted by size) is the target's (default 0.08), before the caps.
         regrow: dynamic sparse training (:mod:`lightprune.callback.regrowth`): ``None`` (masks only grow, the

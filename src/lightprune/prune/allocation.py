@@ -7,12 +7,16 @@ integer counts that add up to the requested total.
   ``(out, in)`` Linear weight ``(out + in) / (out * in)``, for a convolution the kernel dims count too), scaled so
   the total is met; a tensor whose density would pass 1 is kept dense and the scale is solved again for the rest.
   Small tensors (the first and last layers) keep more, large ones give more.
-* **OWL** (outlier-weighted layerwise sparsity, Yin et al. 2024): each tensor's *outlier ratio* ``D`` is the share of
-  its scores (Wanda's ``|W| * ||X||``) above ``threshold`` times their mean (OWL's ``M``, 5 by default); the ratios
-  are mapped linearly onto ``[0, 2 * lam]`` (``lam``: OWL's ``lambda``, 0.08 by default) and shifted so the mean
-  density is the target's: the tensors' sparsities span ``2 * lam`` around the target, more outliers keep more.
-  OWL's layers (transformer blocks) are of one size, so its plain mean is the weighted one; here the shift is
-  solved with each tensor weighted by its size, so the total is exact whatever the sizes.
+* **OWL** (outlier-weighted layerwise sparsity, Yin et al. 2024): each *block*'s outlier ratio ``D`` is the share of
+  its scores (Wanda's ``|W| * ||X||``, of all its tensors together) above ``threshold`` times their mean (OWL's
+  ``M``, 5 by default); the ratios are mapped linearly onto ``[0, 2 * lam]`` (``lam``: OWL's ``lambda``, 0.08 by
+  default) and shifted so the mean density is the target's: the blocks' sparsities span ``2 * lam`` around the
+  target, more outliers keep more, and every tensor of a block has the block's sparsity. A block is what OWL calls
+  a layer, a transformer block: the tensors whose qualified names share the prefix up to the first all-digit part
+  (a ``ModuleList`` index: ``encoder.layer.3`` for ``encoder.layer.3.attention.self.query.weight``,
+  :func:`owl_blocks`); a tensor with no such part is a block of its own. OWL's blocks are of one size, so its plain
+  mean is the weighted one; here the shift is solved with each tensor weighted by its size, so the total is exact
+  whatever the sizes.
 
 Both rules also respect per-tensor bounds: a cap on the share of a tensor that may be pruned (``max_layer_sparsity``)
 and what a tensor already has pruned (masks only grow). The density level (ERK's scale, OWL's shift) is solved by
@@ -33,7 +37,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["apportion", "erk_weights", "layer_counts", "outlier_ratio", "owl_offsets"]
+__all__ = [
+    "apportion",
+    "block_outlier_ratios",
+    "erk_weights",
+    "layer_counts",
+    "outlier_ratio",
+    "owl_blocks",
+    "owl_offsets",
+]
 
 OWL_THRESHOLD = 5.0
 """OWL's ``M``: a score is an outlier when it exceeds ``M`` times its tensor's mean score (the paper's default)."""
@@ -72,6 +84,51 @@ def outlier_ratio(scores: Tensor, keep: Tensor | None = None, threshold: float =
     if values.numel() == 0:
         return 0.0
     return float((values > threshold * values.mean()).double().mean())
+
+
+def owl_blocks(names: Sequence[str]) -> list[str]:
+    """OWL's block of each qualified tensor name: the name up to its first all-digit part, or the name itself.
+
+    Example:
+        >>> owl_blocks(["encoder.layer.3.attention.self.query.weight", "encoder.layer.3.output.dense.weight",
+        ...             "encoder.layer.10.intermediate.dense.weight", "pooler.dense.weight"])
+        ['encoder.layer.3', 'encoder.layer.3', 'encoder.layer.10', 'pooler.dense.weight']
+    """
+    blocks = []
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        blocks.append(name if index is None else ".".join(parts[: index + 1]))
+    return blocks
+
+
+def block_outlier_ratios(
+    scores: Sequence[Tensor],
+    keeps: Sequence[Tensor | None],
+    blocks: Sequence[str],
+    threshold: float = OWL_THRESHOLD,
+) -> list[float]:
+    """Each tensor's OWL ratio: :func:`outlier_ratio` of its block's scores together (one mean for the block).
+
+    Args:
+        scores: per tensor, its scores (``|W| * ||X||``).
+        keeps: per tensor, its unpruned entries (``None``: all), the only ones that count.
+        blocks: per tensor, its block (:func:`owl_blocks`); tensors of one block get one ratio.
+        threshold: OWL's ``M``.
+
+    Example:
+        >>> scores = [torch.tensor([1.0, 1.0]), torch.tensor([1.0, 9.0]), torch.tensor([1.0, 9.0])]
+        >>> block_outlier_ratios(scores, [None] * 3, ["a", "a", "b"], threshold=2.0)  # block a: mean 3, one of 4
+        [0.25, 0.25, 0.0]
+    """
+    ratio = {}
+    for block in dict.fromkeys(blocks):
+        members = [i for i, of in enumerate(blocks) if of == block]
+        values = torch.cat([scores[i].detach().reshape(-1).double() for i in members])
+        kept = [torch.ones_like(scores[i], dtype=torch.bool) if keeps[i] is None else keeps[i] for i in members]
+        keep = torch.cat([k.reshape(-1).to(device=values.device, dtype=torch.bool) for k in kept])
+        ratio[block] = outlier_ratio(values, keep, threshold)
+    return [ratio[block] for block in blocks]
 
 
 def owl_offsets(ratios: Sequence[float], lam: float = OWL_LAMBDA) -> list[float]:
