@@ -953,8 +953,9 @@ def _same_run(cached: dict[str, Any], run: Run) -> bool:
     return completed == expected
 
 
-def execute(runs: list[Run], out: Path, jobs: int, fresh: bool) -> list[dict[str, Any]]:
-    """Run what is not cached under ``out/runs`` (``jobs`` processes at a time) and return every result."""
+def execute(runs: list[Run], out: Path, jobs: int, fresh: bool, cached_only: bool = False) -> list[dict[str, Any]]:
+    """Run what is not cached under ``out/runs`` (``jobs`` processes at a time) and return every result; with
+    ``cached_only``, run nothing and return the cached results alone."""
     run_dir = out / "runs"
     run_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -967,6 +968,9 @@ def execute(runs: list[Run], out: Path, jobs: int, fresh: bool) -> list[dict[str
                 results[run.key] = cached
                 continue
         todo.append(run)
+    if cached_only:
+        print(f"{len(runs)} runs: {len(results)} cached, {len(todo)} not run (--report-only)", flush=True)
+        return [results[run.key] for run in runs if run.key in results]
     print(f"{len(runs)} runs: {len(results)} cached, {len(todo)} to do with {jobs} processes", flush=True)
     context = get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
@@ -1026,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a few minutes: subsets, 4 epochs, one seed")
     parser.add_argument("--fresh", action="store_true", help="ignore cached runs")
+    parser.add_argument("--report-only", action="store_true", help="run nothing: the report of the cached runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quality")
     args = parser.parse_args(argv)
 
@@ -1053,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report)
         return 0
     runs = plan(args.arms, sparsities, seeds, settings, args.importance)
-    results = execute(runs, args.out, args.jobs, args.fresh)
+    results = execute(runs, args.out, args.jobs, args.fresh, cached_only=args.report_only)
     summary = summarize(results)
     timing = time_epochs(settings, repeats, arms=args.timing_arms, clock=args.timing_clock) if repeats > 0 else None
     report = markdown(summary, timing, describe("lightning"), command.strip())

@@ -192,3 +192,14 @@ def test_flops_plot_draws_one_point_per_counted_arm_and_sparsity(tmp_path: Path)
     legend = fig.legends[0]
     assert [text.get_text() for text in legend.get_texts()] == ["dense", "lp_gradual", "lp_rigl_erk_3x"]
     assert (tmp_path / "flops.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_only_returns_the_cached_runs_and_runs_nothing(tmp_path: Path) -> None:
+    quality = _quality_module()
+    runs = quality.plan(["dense", "lp_gradual"], [0.99], [0, 1], quality.Settings())
+    (tmp_path / "runs").mkdir()
+    cached = {"run": json.loads(json.dumps(quality.asdict(runs[1]))), "accuracy": 86.0}
+    (tmp_path / "runs" / f"{runs[1].key}.json").write_text(json.dumps(cached))
+    stale = {"run": {**cached["run"], "seed": 5}, "accuracy": 1.0}  # another run's settings under this key
+    (tmp_path / "runs" / f"{runs[3].key}.json").write_text(json.dumps(stale))
+    assert quality.execute(runs, tmp_path, jobs=1, fresh=False, cached_only=True) == [cached]
