@@ -807,11 +807,11 @@ STYLES: dict[str, dict[str, Any]] = {
     "lp_2_4": {"color": "tab:olive", "marker": "s"},
     "lp_gradual_erk": {"color": "tab:purple", "marker": "o", "linestyle": "-."},
     "lp_rigl_erk": {"color": "tab:brown", "marker": "*", "markersize": 9},
-    "lp_rigl_erk_3x": {"color": "tab:brown", "marker": "*", "markersize": 9, "linestyle": "--"},
+    "lp_rigl_erk_3x": {"color": "tab:brown", "marker": "*", "markersize": 9, "linestyle": "--", "mfc": "none"},
     "lp_set_erk": {"color": "tab:pink", "marker": "d"},
-    "lp_set_erk_3x": {"color": "tab:pink", "marker": "d", "linestyle": "--"},
+    "lp_set_erk_3x": {"color": "tab:pink", "marker": "d", "linestyle": "--", "mfc": "none"},
 }
-"""Each arm's line and marker in the plots (a 3x-epochs arm: its arm's colour and marker, dashed)."""
+"""Each arm's line and marker in the plots (a 3x-epochs arm: its arm's colour and marker, hollow and dashed)."""
 
 
 def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions: dict[float, int]) -> None:
@@ -904,9 +904,10 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
-    fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=8)
+    order = [arm for arm in _arm_order(summary) if arm in handles]
+    fig.legend([handles[arm] for arm in order], order, loc="center right", fontsize=8)
     fig.suptitle("LeNet-300-100 on Fashion-MNIST: accuracy against training cost")
-    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 1.7 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return fig
