@@ -73,7 +73,7 @@ def wrapped_masking(clock: Clock) -> Iterator[None]:
     patches = [
         (base, "masked", clock.wrap("masking in forward", base.masked)),  # the reparametrization's pre-hook
         (masking._KeepWhere, "backward", staticmethod(clock.wrap("masking in backward", masking._KeepWhere.backward))),
-        (inplace, "masked_", clock.wrap("masking in backward", inplace.masked_)),  # gradient hooks (and apply)
+        (inplace, "masked_", clock.wrap("masking in backward", inplace.masked_)),  # gradient hooks, manual optimization
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:
