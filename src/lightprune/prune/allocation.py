@@ -125,7 +125,10 @@ def block_outlier_ratios(
     for block in dict.fromkeys(blocks):
         members = [i for i, of in enumerate(blocks) if of == block]
         values = torch.cat([scores[i].detach().reshape(-1).double() for i in members])
-        kept = [torch.ones_like(scores[i], dtype=torch.bool) if keeps[i] is None else keeps[i] for i in members]
+        kept: list[Tensor] = []
+        for i in members:
+            given = keeps[i]
+            kept.append(torch.ones_like(scores[i], dtype=torch.bool) if given is None else given)
         keep = torch.cat([k.reshape(-1).to(device=values.device, dtype=torch.bool) for k in kept])
         ratio[block] = outlier_ratio(values, keep, threshold)
     return [ratio[block] for block in blocks]
