@@ -44,7 +44,18 @@ def mask_prefix(state_key: str) -> str:
         >>> mask_prefix("PruningCallback{'name': 'encoder'}")
         'lightprune.masks.965c2f35f38c.'
     """
-    return f"lightprune.masks.{hashlib.sha1(state_key.encode()).hexdigest()[:12]}."
+    return state_prefix("masks", state_key)
+
+
+def state_prefix(kind: str, state_key: str) -> str:
+    """``lightprune.<kind>.<12 hex digits of the callback's state key>.``: where a callback's per-rank tensors of
+    ``kind`` go in a distributed checkpoint's model state (one prefix per callback, stable across runs).
+
+    Example:
+        >>> state_prefix("masks", "PruningCallback{'name': 'encoder'}")
+        'lightprune.masks.965c2f35f38c.'
+    """
+    return f"lightprune.{kind}.{hashlib.sha1(state_key.encode()).hexdigest()[:12]}."
 
 
 def save_masks(checkpoint: dict[str, Any], state_key: str) -> None:

@@ -10,12 +10,13 @@ full sums in the callback's state, gathered at save time; a resume takes each ra
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightprune.callback.sharded import state_prefix
 
 __all__ = ["load_sums", "save_sums", "sums_prefix"]
 
@@ -27,7 +28,7 @@ def sums_prefix(state_key: str) -> str:
         >>> sums_prefix("PruningCallback{'name': 'encoder'}")
         'lightprune.movement.965c2f35f38c.'
     """
-    return f"lightprune.movement.{hashlib.sha1(state_key.encode()).hexdigest()[:12]}."
+    return state_prefix("movement", state_key)
 
 
 def save_sums(checkpoint: dict[str, Any], state_key: str) -> None:
