@@ -834,11 +834,28 @@ def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions:
     ax.set_xticks(range(len(positions)), [f"{s:g}" for s in positions])
     ax.set_xlabel("sparsity of the three Linear weights (266,200)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")  # the left panel holds arms at chance (10%) as well as near dense
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    """Accuracy (mean ± std) against sparsity: every arm (left), the gradual arm against ModelPruning (right)."""
+def _figure_legend(fig: Any, axes: Sequence[Any], summary: dict[str, Any]) -> None:
+    """One legend for the whole figure, right of the panels: an entry per arm, whichever panels draw it.
+
+    Inside a panel the legend would cover data (the dense band at the top, arms near chance at the bottom).
+    """
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    order = [arm for arm in _arm_order(summary) if arm in handles]
+    fig.legend([handles[arm] for arm in order], order, loc="center right", fontsize=8)
+    width = max(len(label) for label in order) * 0.065 + 0.6  # inches: the longest label and its marker
+    fig.tight_layout(rect=(0, 0, 1 - width / fig.get_figwidth(), 1))
+
+
+def plot(summary: dict[str, Any], path: Path) -> Any:
+    """Accuracy (mean ± std) against sparsity: every arm (left), the gradual arm against ModelPruning (right).
+
+    Returns the (closed) figure, whose artists say what was drawn.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -864,9 +881,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         "LeNet-300-100 on Fashion-MNIST, 20 epochs" + (": lightprune vs lightning ModelPruning" if versus else "")
     )
-    fig.tight_layout()
+    _figure_legend(fig, (left, right), summary)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def plot_flops(summary: dict[str, Any], path: Path) -> Any:
@@ -900,14 +918,8 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
         ax.set_xlabel("training FLOPs (dense 20 epochs = 1)")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("test accuracy (%)")
-    handles: dict[str, Any] = {}  # one legend entry per arm, whichever panels it appears in
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, handle)
-    order = [arm for arm in _arm_order(summary) if arm in handles]
-    fig.legend([handles[arm] for arm in order], order, loc="center right", fontsize=8)
     fig.suptitle("LeNet-300-100 on Fashion-MNIST: accuracy against training cost")
-    fig.tight_layout(rect=(0, 0, 1 - 1.7 / fig.get_figwidth(), 1))
+    _figure_legend(fig, axes[0], summary)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return fig

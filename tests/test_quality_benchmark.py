@@ -194,6 +194,29 @@ def test_flops_plot_draws_one_point_per_counted_arm_and_sparsity(tmp_path: Path)
     assert (tmp_path / "flops.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_accuracy_plot_has_one_legend_outside_both_panels(tmp_path: Path) -> None:
+    quality = _quality_module()
+    summary = {
+        "dense": {0.0: _entry(89.0, 1.0)},
+        "modelpruning": {0.98: _entry(87.4, None), 0.99: _entry(86.1, None)},
+        "lp_gradual": {0.98: _entry(88.0, 0.3), 0.99: _entry(86.9, 0.29)},
+        "lp_rigl_erk_3x": {0.98: _entry(87.9, 0.07), 0.99: _entry(86.4, 0.04)},
+    }
+    fig = quality.plot(summary, tmp_path / "quality.png")
+    left, right = fig.axes
+    assert left.get_legend() is None and right.get_legend() is None  # inside, it covered the dense band
+    (legend,) = fig.legends
+    assert [text.get_text() for text in legend.get_texts()] == ["dense", "modelpruning", "lp_gradual", "lp_rigl_erk_3x"]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # the figure came back closed
+    box = legend.get_window_extent(renderer)
+    for ax in (left, right):
+        assert not box.overlaps(ax.get_window_extent(renderer))
+    drawn = {label for ax in (left, right) for label in ax.get_legend_handles_labels()[1]}
+    assert drawn == {"dense", "modelpruning", "lp_gradual", "lp_rigl_erk_3x"}
+
+
 def test_report_only_returns_the_cached_runs_and_runs_nothing(tmp_path: Path) -> None:
     quality = _quality_module()
     runs = quality.plan(["dense", "lp_gradual"], [0.99], [0, 1], quality.Settings())
