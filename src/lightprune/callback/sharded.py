@@ -34,7 +34,7 @@ from lightprune.prune import distributed
 if TYPE_CHECKING:
     from lightprune.callback.masked_selection import MaskedSelection
 
-__all__ = ["ShardedMasks", "load_masks", "mask_prefix", "new_masks", "save_masks"]
+__all__ = ["ShardedMasks", "load_masks", "load_shards", "mask_prefix", "new_masks", "save_masks"]
 
 
 def mask_prefix(state_key: str) -> str:
@@ -84,24 +84,44 @@ def load_masks(
     """This rank's shard of each mask ``names`` that a distributed checkpoint at ``path`` holds beside the weights,
     shaped like the shards of ``masked``'s tensors (a
     :class:`~lightprune.callback.masked_selection.MaskedSelection`)."""
+    like = {key: prune.original(*target) for key, target in masked.mask_targets().items()}
+    return load_shards(path, mask_prefix(state_key), names, like, mask_dtype or torch.bool, "masks", state_key)
+
+
+def load_shards(
+    path: Any,
+    prefix: str,
+    names: list[str],
+    like: Mapping[str, Tensor],
+    dtype: torch.dtype,
+    what: str,
+    state_key: str,
+) -> dict[str, Tensor]:
+    """This rank's shard of each tensor ``names`` that a distributed checkpoint at ``path`` holds in its model state
+    under ``prefix + name``, as DTensors laid out like ``like[name]`` (the sharded weight it belongs to), in ``dtype``.
+
+    ``what`` names the tensors in the errors: a checkpoint whose ``path`` is unknown, or that holds ``what`` of a
+    tensor this callback did not select (not in ``like``), is refused.
+
+    Example:
+        >>> load_shards(None, "lightprune.masks.0.", ["fc.weight"], {}, torch.bool, "masks", "cb")
+        Traceback (most recent call last):
+        ...
+        ValueError: cb: the checkpoint's masks are in a distributed checkpoint, path unknown
+    """
     if path is None:
-        raise ValueError(f"{state_key}: the checkpoint's masks are in a distributed checkpoint, path unknown")
+        raise ValueError(f"{state_key}: the checkpoint's {what} are in a distributed checkpoint, path unknown")
     import torch.distributed.checkpoint as dcp
 
     from lightprune.prune.distributed import as_dtensor, local_of
 
-    targets = masked.mask_targets()
-    missing = [name for name in names if name not in targets]
+    missing = [name for name in names if name not in like]
     if missing:
-        raise ValueError(f"{state_key}: the checkpoint holds masks of {missing}, not selected by this callback")
-    prefix = mask_prefix(state_key)
+        raise ValueError(f"{state_key}: the checkpoint holds {what} of {missing}, not selected by this callback")
     holders = {}
     for key in names:
-        tensor = prune.original(*targets[key])
-        local = local_of(tensor)
-        holders[prefix + key] = as_dtensor(
-            torch.empty(local.shape, dtype=mask_dtype or torch.bool, device=local.device), tensor
-        )
+        local = local_of(like[key])
+        holders[prefix + key] = as_dtensor(torch.empty(local.shape, dtype=dtype, device=local.device), like[key])
     loaded = {"state_dict": holders}
     dcp.load(loaded, checkpoint_id=path)
     return {key: loaded["state_dict"][prefix + key] for key in names}

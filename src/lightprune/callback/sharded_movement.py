@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightprune.callback.sharded import state_prefix
+from lightprune.callback.sharded import load_shards, state_prefix
 
 __all__ = ["load_sums", "save_sums", "sums_prefix"]
 
@@ -63,21 +63,4 @@ def save_sums(checkpoint: dict[str, Any], state_key: str) -> None:
 def load_sums(path: Any, names: list[str], weights: Mapping[str, Tensor], state_key: str) -> dict[str, Tensor]:
     """This rank's shard of the movement sums ``names`` that a distributed checkpoint at ``path`` holds beside the
     weights, as DTensors laid out like ``weights`` (by qualified name)."""
-    if path is None:
-        raise ValueError(f"{state_key}: the checkpoint's movement sums are in a distributed checkpoint, path unknown")
-    import torch.distributed.checkpoint as dcp
-
-    from lightprune.prune.distributed import as_dtensor, local_of
-
-    missing = [name for name in names if name not in weights]
-    if missing:
-        raise ValueError(f"{state_key}: the checkpoint holds movement sums of {missing}, not selected by this callback")
-    prefix = sums_prefix(state_key)
-    holders = {}
-    for key in names:
-        local = local_of(weights[key])
-        holders[prefix + key] = as_dtensor(torch.empty(local.shape, dtype=torch.float32, device=local.device),
-                                           weights[key])  # fmt: skip
-    loaded = {"state_dict": holders}
-    dcp.load(loaded, checkpoint_id=path)
-    return {key: loaded["state_dict"][prefix + key] for key in names}
+    return load_shards(path, sums_prefix(state_key), names, weights, torch.float32, "movement sums", state_key)
