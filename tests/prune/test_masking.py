@@ -261,3 +261,59 @@ def test_masked_all_allocates_nothing_after_its_first_call() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         values[0].masked_fill_(~keeps[0], 0)
     assert sum(event.cpu_memory_usage for event in profile.events() if event.cpu_memory_usage > 0) >= keeps[0].numel()
+
+
+@st.composite
+def plan_case(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype], list[bool]]:
+    """Contiguous tensors, their masks and dtypes for a plan; some tensors missing, and sometimes one that the plan
+    was not made for (another dtype, or transposed)."""
+    values, keeps = draw(many_values_and_keeps())
+    values = [value.contiguous() for value in values]
+    keeps = [keep.contiguous() for keep in keeps]
+    dtypes = [value.dtype for value in values]
+    present = [draw(st.booleans()) or not values for _ in values]
+    if values and draw(st.integers(0, 4)) == 0:  # a tensor the plan does not fit: masked_all_ takes the call
+        index = draw(st.integers(0, len(values) - 1))
+        other = torch.float64 if values[index].dtype != torch.float64 else torch.float32
+        values[index] = values[index].to(other)
+    return values, keeps, dtypes, present
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan_case(), st.sampled_from([3, 17, masking.MASK_CHUNK]), st.integers(1, 3))
+def test_mask_plan_equals_torch_where_bit_for_bit(case: tuple, chunk: int, calls: int) -> None:
+    values, keeps, dtypes, present = case
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking, "MASK_CHUNK", chunk)  # small chunks: tensors cut and packed into many batches
+        plan = masking.MaskPlan(keeps, dtypes)
+        for _ in range(calls):  # the prepared batches are reused
+            fresh = [value.clone() for value in values]
+            expected = [_where(value, keep.bool()) for value, keep in zip(fresh, keeps, strict=True)]
+            plan.apply_([value if here else None for value, here in zip(fresh, present, strict=True)])
+            for value, original, want, here in zip(fresh, values, expected, present, strict=True):
+                assert _same_bits(value, want if here else original)
+
+
+def test_mask_plan_reads_the_masks_at_every_call_and_refuses_a_wrong_count() -> None:
+    keep = torch.tensor([True, False, True, True])
+    plan = masking.MaskPlan([keep], [torch.float32])
+    values = torch.tensor([1.0, 2.0, 3.0, float("nan")])
+    plan.apply_([values])
+    assert values[:3].tolist() == [1.0, 0.0, 3.0] and bool(values[3].isnan())
+    keep[0] = False  # changed in place: seen by the next call
+    plan.apply_([values])
+    assert values[:3].tolist() == [0.0, 0.0, 3.0] and bool(values[3].isnan())
+    with pytest.raises(ValueError, match="a plan of 1 masks applied to 2 tensors"):
+        plan.apply_([values, values])
+    with pytest.raises(ValueError, match="one dtype per mask: got 1 masks and 0 dtypes"):
+        masking.MaskPlan([keep], [])
+
+
+def test_mask_plan_allocates_nothing_after_its_first_call() -> None:
+    values = [torch.randn(700, 900), torch.randn(50, 60), torch.randn(100, dtype=torch.float64)]
+    keeps = [torch.rand(v.shape) < 0.1 for v in values]
+    plan = masking.MaskPlan(keeps, [v.dtype for v in values])
+    plan.apply_(values)  # the thread's scratch buffers and the plan's batches are made once, here
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        plan.apply_(values)
+    assert [(event.name, event.cpu_memory_usage) for event in profile.events() if event.cpu_memory_usage > 0] == []

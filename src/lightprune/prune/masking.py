@@ -20,6 +20,9 @@ per thread and reused by every call, and the value's bits are multiplied by it (
 ``1`` keeps the bits or gives ``+0``, whatever they encode). Tensors are cut into, and small ones packed together
 into, scratch-sized batches, and each batch is two multi-tensor (``torch._foreach_*``) calls, whatever the number of
 tensors. Nothing weight-sized is allocated: the memory beside the model stays the bool mask's byte a weight.
+:class:`MaskPlan` is :func:`masked_all_` for masks that stay the same from one call to the next (the in-place mode's
+per-step passes): the batches, views and scratch slices are worked out once, so a call is little more than its two
+multi-tensor calls per batch.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["masked", "masked_", "masked_all_"]
+__all__ = ["MaskPlan", "masked", "masked_", "masked_all_"]
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of the same width as a floating dtype of that many bytes."""
+
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+"""Tensor types the bit paths take (subclasses' ``__torch_function__`` must see the ops: they get torch.where)."""
 
 MIN_NUMEL_FOR_BITS = 1 << 14
 """Below this many entries ``torch.where`` is faster than the autograd function's Python overhead."""
@@ -71,19 +77,19 @@ class _KeepWhere(torch.autograd.Function):
 
 
 def _bits_apply(values: Tensor, keep: Tensor) -> bool:
-    return (
+    return (  # cheapest checks first: a small tensor or a float mask is decided by the first two or three
+        keep.dtype == torch.bool
+        and values.is_cpu
+        and values.numel() >= MIN_NUMEL_FOR_BITS
+        and type(values) in _PLAIN_TYPES  # subclasses' __torch_function__ must see the op
+        and values.is_floating_point()
+        and values.element_size() in _BITS
+        and keep.shape == values.shape
         # torch.jit.trace records the ops run, not the autograd function: a traced bit selection would have no
         # gradient, and its shape checks would be traced as values (TracerWarning). torch.compile and torch.export
         # get torch.where, which their compilers fuse (torch 2.5's cannot trace the in-place bit operations).
-        not torch.jit.is_tracing()
+        and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
-        and values.device.type == "cpu"
-        and values.is_floating_point()
-        and values.element_size() in _BITS
-        and keep.dtype == torch.bool
-        and keep.shape == values.shape
-        and values.numel() >= MIN_NUMEL_FOR_BITS
-        and type(values) in (Tensor, torch.nn.Parameter)  # subclasses' __torch_function__ must see the op
         and not torch._C._are_functorch_transforms_active()
     )
 
@@ -182,17 +188,8 @@ _BATCHED_BITS = {
 
 def _batchable_bits(value: Tensor, keep: Tensor) -> torch.dtype | None:
     """The integer dtype :func:`masked_all_` multiplies ``value``'s bits in on the CPU, or ``None`` (torch.where)."""
-    bits = _BATCHED_BITS.get(value.dtype)
-    if (
-        bits is not None
-        and value.is_cpu
-        and keep.is_cpu
-        and (keep.dtype == torch.bool or keep.is_floating_point())
-        and value.is_contiguous()
-        and keep.is_contiguous()
-        and type(value) in (Tensor, torch.nn.Parameter)  # subclasses' __torch_function__ must see the op
-    ):
-        return bits
+    if value.is_cpu and value.is_contiguous() and type(value) in _PLAIN_TYPES and _batchable_mask(keep, value.dtype):
+        return _BATCHED_BITS[value.dtype]
     return None
 
 
@@ -205,24 +202,34 @@ def _scratch_of(bits: torch.dtype) -> Tensor:
     return buffer
 
 
-def _multiply_in_batches(pairs: list[tuple[Tensor, Tensor]], scratch: Tensor) -> None:
-    """Multiply each flat integer view by its flat mask (``0`` / ``1``), widened through ``scratch`` in batches."""
-    chunk = scratch.numel()
-    targets: list[Tensor] = []
-    masks: list[Tensor] = []
+def _cut(numels: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+    """Batches of at most ``chunk`` entries: ``(tensor index, start, size)`` pieces, small tensors packed together,
+    large ones cut (empty tensors take no piece)."""
+    batches: list[list[tuple[int, int, int]]] = []
+    batch: list[tuple[int, int, int]] = []
     used = 0
-    for bits, keep in pairs:
-        numel = bits.numel()
+    for index, numel in enumerate(numels):
         for start in range(0, numel, chunk):
             size = min(chunk, numel - start)
             if used + size > chunk:
-                _multiply_batch(targets, masks, scratch)
-                targets, masks, used = [], [], 0
-            whole = size == numel  # the usual case: no slicing
+                batches.append(batch)
+                batch, used = [], 0
+            batch.append((index, start, size))
+            used += size
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _multiply_in_batches(pairs: list[tuple[Tensor, Tensor]], scratch: Tensor) -> None:
+    """Multiply each flat integer view by its flat mask (``0`` / ``1``), widened through ``scratch`` in batches."""
+    for batch in _cut([bits.numel() for bits, _ in pairs], scratch.numel()):
+        targets, masks = [], []
+        for index, start, size in batch:
+            bits, keep = pairs[index]
+            whole = size == bits.numel()  # the usual case: no slicing
             targets.append(bits if whole else bits[start : start + size])
             masks.append(keep if whole else keep[start : start + size])
-            used += size
-    if targets:
         _multiply_batch(targets, masks, scratch)
 
 
@@ -234,3 +241,119 @@ def _multiply_batch(targets: list[Tensor], masks: list[Tensor], scratch: Tensor)
         offset += mask.numel()
     torch._foreach_copy_(widened, masks)  # 0 or 1, in the value's width
     torch._foreach_mul_(targets, widened)  # the bits kept, or +0
+
+
+class MaskPlan:
+    """:func:`masked_all_` with fixed masks, prepared once: for tensors zeroed at every step by the same masks.
+
+    :func:`masked_all_` works out, at every call, which tensors it can batch, their flat integer views, how they are
+    cut and packed into scratch-sized batches and the scratch slices their masks are widened into: Python work
+    that costs about as much as the passes themselves on a small model. A plan does it once for ``keeps`` and tensors
+    of ``dtypes``; :meth:`apply_` then checks each tensor cheaply and runs the two multi-tensor calls per batch. The
+    result is :func:`masked_all_`'s, bit for bit; tensors the plan does not fit (another dtype, shape or layout, a
+    mask that cannot be batched) go through :func:`masked_all_` itself. The masks are read at every call, so
+    changing their values in place is seen; replacing a mask tensor needs a new plan.
+
+    Args:
+        keeps: one mask per tensor, as :func:`masked_all_` takes them.
+        dtypes: the dtype of the tensors each mask will be applied to.
+
+    Example:
+        >>> keeps = [torch.tensor([True, False, True]), torch.tensor([[False, True]])]
+        >>> plan = MaskPlan(keeps, [torch.float32, torch.float32])
+        >>> grads = [torch.tensor([1.5, float("nan"), -2.0]), torch.tensor([[float("inf"), 3.0]])]
+        >>> plan.apply_(grads)
+        >>> grads
+        [tensor([ 1.5000,  0.0000, -2.0000]), tensor([[0., 3.]])]
+        >>> plan.apply_([None, torch.ones(1, 2)])  # a missing tensor (a Parameter without a gradient) is skipped
+    """
+
+    def __init__(self, keeps: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> None:
+        if len(keeps) != len(dtypes):
+            raise ValueError(f"MaskPlan needs one dtype per mask: got {len(keeps)} masks and {len(dtypes)} dtypes")
+        self.keeps = list(keeps)
+        self.dtypes = list(dtypes)
+        self._batchable = all(_batchable_mask(keep, dtype) for keep, dtype in zip(self.keeps, self.dtypes, strict=True))
+        self._scratches: dict[torch.dtype, Tensor] = {}
+        self._batches: list[tuple[torch.dtype, list[tuple[int, int, int, Tensor]], list[Tensor]]] = []
+
+    def apply_(self, values: Sequence[Tensor | None]) -> None:
+        """Zero every ``values[i]`` in place where ``keeps[i]`` is false, as :func:`masked_all_` does; ``None``
+        entries are skipped.
+
+        Raises:
+            ValueError: if ``values`` and the plan's masks differ in length.
+        """
+        if len(values) != len(self.keeps):
+            raise ValueError(f"a plan of {len(self.keeps)} masks applied to {len(values)} tensors")
+        if not (self._batchable and self._fits(values)):
+            present = [i for i, value in enumerate(values) if value is not None]
+            masked_all_([values[i] for i in present], [self.keeps[i] for i in present])  # type: ignore[misc]
+            return
+        with torch.no_grad():
+            for bits, pieces, widened in self._prepared():
+                targets, masks = [], []
+                for (index, start, size, keep), wide in zip(pieces, widened, strict=True):
+                    value = values[index]
+                    if value is None:
+                        continue
+                    target = value.view(bits)
+                    if size != value.numel():  # a piece of a tensor larger than the scratch
+                        target = target.view(-1)[start : start + size]
+                    targets.append(target)
+                    masks.append((keep, wide))
+                if targets:
+                    torch._foreach_copy_([wide for _, wide in masks], [keep for keep, _ in masks])
+                    torch._foreach_mul_(targets, [wide for _, wide in masks])
+
+    def _fits(self, values: Sequence[Tensor | None]) -> bool:
+        """Whether every present tensor is one the plan was made for: a plain contiguous CPU tensor of its dtype and
+        its mask's shape."""
+        for value, keep, dtype in zip(values, self.keeps, self.dtypes, strict=True):
+            if value is not None and not (
+                type(value) in _PLAIN_TYPES
+                and value.dtype == dtype
+                and value.is_cpu
+                and value.is_contiguous()
+                and value.shape == keep.shape
+            ):
+                return False
+        return True
+
+    def _prepared(self) -> list[tuple[torch.dtype, list[tuple[int, int, int, Tensor]], list[Tensor]]]:
+        """The batches: integer dtype, ``(index, start, size, flat or shaped mask piece)`` and their scratch slices
+        (made again when this thread's scratch buffers are not those they were cut from)."""
+        scratches = {bits: _scratch_of(bits) for bits in self._scratches} if self._batches else {}
+        if self._batches and all(scratches[bits] is buffer for bits, buffer in self._scratches.items()):
+            return self._batches
+        by_bits: dict[torch.dtype, list[int]] = {}
+        for index, dtype in enumerate(self.dtypes):
+            by_bits.setdefault(_BATCHED_BITS[dtype], []).append(index)
+        self._scratches, self._batches = {}, []
+        for bits, indices in by_bits.items():
+            scratch = self._scratches[bits] = _scratch_of(bits)
+            for batch in _cut([self.keeps[i].numel() for i in indices], scratch.numel()):
+                pieces, widened, offset = [], [], 0
+                for position, start, size in batch:
+                    index = indices[position]
+                    keep = self.keeps[index]
+                    flat = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+                    if size == keep.numel():  # whole: shaped like the tensor, no slicing at apply time
+                        pieces.append((index, start, size, flat))
+                        widened.append(scratch[offset : offset + size].view(keep.shape))
+                    else:
+                        pieces.append((index, start, size, flat.reshape(-1)[start : start + size]))
+                        widened.append(scratch[offset : offset + size])
+                    offset += size
+                self._batches.append((bits, pieces, widened))
+        return self._batches
+
+
+def _batchable_mask(keep: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a :class:`MaskPlan` batches ``keep`` for tensors of ``dtype`` (as :func:`_batchable_bits` would)."""
+    return (
+        dtype in _BATCHED_BITS
+        and keep.is_cpu
+        and (keep.dtype == torch.bool or keep.is_floating_point())
+        and keep.is_contiguous()
+    )
