@@ -315,3 +315,33 @@ def test_manual_optimization_clips_masked_gradients_as_the_reparametrization(tmp
         fit(model, [PruningCallback(Cubic(final=0.7, start=2, end=12, frequency=2), masking=masking)], tmp_path)
         results[masking] = effective(model)
     assert_same(results["inplace"], results["reparametrize"])
+
+
+def test_per_step_passes_follow_every_change_of_masks() -> None:
+    """The strategy prepares its per-step passes once per change of masks: a mask put later (an event, a restore)
+    replaces the prepared one, for the gradients and for the weights, and a Parameter without a gradient is skipped."""
+    from lightprune.callback.inplace import InPlaceMasks
+
+    generator = torch.Generator().manual_seed(0)
+    layers = [nn.Linear(30, 20), nn.Linear(20, 4)]
+    masks = InPlaceMasks()
+    masks.hook_grads = False  # automatic optimization: one pass before each optimizer step
+    for round_ in range(3):
+        keeps = [torch.rand(layer.weight.shape, generator=generator) < 0.3 + 0.2 * round_ for layer in layers]
+        for layer, keep in zip(layers, keeps, strict=True):
+            masks.put(layer, "weight", keep)
+        layers[0].weight.grad = torch.randn(layers[0].weight.shape, generator=generator)
+        layers[1].weight.grad = None if round_ == 1 else torch.randn(layers[1].weight.shape, generator=generator)
+        grads = [None if layer.weight.grad is None else layer.weight.grad.clone() for layer in layers]
+        masks.mask_grads()
+        for layer, keep, grad in zip(layers, keeps, grads, strict=True):
+            assert (layer.weight.grad is None) == (grad is None)
+            if grad is not None:
+                assert torch.equal(layer.weight.grad, torch.where(keep, grad, 0.0))
+        with torch.no_grad():
+            for layer in layers:
+                layer.weight.add_(1.0)  # an optimizer that moves pruned entries: the weight pass zeroes them
+        weights = [layer.weight.detach().clone() for layer in layers]
+        masks.apply()
+        for layer, keep, weight in zip(layers, keeps, weights, strict=True):
+            assert torch.equal(layer.weight.detach(), torch.where(keep, weight, 0.0))

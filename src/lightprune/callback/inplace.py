@@ -37,9 +37,9 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback.mask_strategy import MaskStrategy, Pairs, mask_of, owner_in
 from lightprune.callback.regrowth import zero_optimizer_state
-from lightprune.prune.distributed import local_of
+from lightprune.prune.distributed import is_sharded, local_of
 from lightprune.prune.functional import remove_masked
-from lightprune.prune.masking import masked_, masked_all_
+from lightprune.prune.masking import MaskPlan, masked_
 
 if TYPE_CHECKING:
     from lightprune.callback.masked_selection import MaskedSelection
@@ -96,6 +96,9 @@ class InPlaceMasks(MaskStrategy):
         self._by_parameter: dict[int, tuple[nn.Parameter, Tensor]] = {}
         self._handles: dict[int, Any] = {}
         self._optimizers: list[Any] = []  # whose state of pruned entries is zeroed when masks change
+        self._plan: MaskPlan | None = None  # the masks prepared for the per-step passes, made again when they change
+        self._parameters: list[nn.Parameter] = []  # the masked Parameters, in the plan's order
+        self._sharded = False  # some of them are DTensors: mask their local shards
         self.hook_grads = True  # mask each gradient as it is accumulated (standalone, manual optimization)
         self.weight_pass = True  # zero the pruned weights after every optimizer step
 
@@ -133,6 +136,7 @@ class InPlaceMasks(MaskStrategy):
     def _keep(self, module: nn.Module, name: str, parameter: nn.Parameter, mask: Tensor) -> None:
         self._entries[(id(module), name)] = (module, name, mask)
         self._by_parameter[id(parameter)] = (parameter, mask)
+        self._plan = None
         if self.hook_grads:
             self._watch_grad(parameter)
         self._zero_update_state(parameter, mask)
@@ -152,6 +156,7 @@ class InPlaceMasks(MaskStrategy):
             prune.custom_from_mask(module, name, mask=mask, mask_dtype=mask.dtype)
         self._entries.clear()
         self._by_parameter.clear()
+        self._plan = None
         return entries
 
     @contextlib.contextmanager
@@ -173,22 +178,27 @@ class InPlaceMasks(MaskStrategy):
 
     def apply(self) -> None:
         """Zero the pruned entries of every masked Parameter: one weight pass."""
+        plan = self._prepared()
         with torch.no_grad():
-            masked_all_(*self._locals(parameter for parameter, _ in self._by_parameter.values()))
+            plan.apply_([local_of(p) for p in self._parameters] if self._sharded else self._parameters)
 
     def mask_grads(self) -> None:
         """Zero the pruned entries of every gradient: one pass, one call over all pruned gradients."""
-        grads = (p.grad for p, _ in self._by_parameter.values())
-        masked_all_(*self._locals(grads))
+        plan = self._prepared()
+        if self._sharded:
+            plan.apply_([None if p.grad is None else local_of(p.grad) for p in self._parameters])
+        else:
+            plan.apply_([p.grad for p in self._parameters])
 
-    def _locals(self, tensors: Iterable[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
-        """The local tensors and their masks, skipping missing ones (a Parameter without a gradient)."""
-        values, keeps = [], []
-        for tensor, (_, mask) in zip(tensors, self._by_parameter.values(), strict=True):
-            if tensor is not None:
-                values.append(local_of(tensor))
-                keeps.append(mask)
-        return values, keeps
+    def _prepared(self) -> MaskPlan:
+        """The masks and Parameters in a fixed order, prepared for the per-step passes (once per change of masks)."""
+        if self._plan is None:
+            self._parameters = [parameter for parameter, _ in self._by_parameter.values()]
+            self._sharded = any(is_sharded(parameter) for parameter in self._parameters)
+            locals_ = [local_of(parameter) for parameter in self._parameters]
+            masks = [mask for _, mask in self._by_parameter.values()]
+            self._plan = MaskPlan(masks, [local.dtype for local in locals_])
+        return self._plan
 
     def _watch_grad(self, parameter: Tensor) -> None:
         """Mask the gradient of ``parameter`` as soon as it is accumulated (a frozen Parameter, such as the base
