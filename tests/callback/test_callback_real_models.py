@@ -496,6 +496,8 @@ def test_state_key_comes_from_constructor_arguments_and_name() -> None:
     assert PruningCallback(0.5).state_key == PruningCallback(0.9).state_key  # the schedule is not part of it
     assert PruningCallback(0.5, include="a.*").state_key != PruningCallback(0.5, include="b.*").state_key
     assert PruningCallback(0.5, name="enc", include="a.*").state_key == PruningCallback(0.5, name="enc").state_key
+    callback = PruningCallback(0.5, include="a.*")
+    assert callback.state_key is callback.state_key  # built once: Lightning reads it at every hook it calls
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ travel in the callback's own checkpoint state, from which ``trainer.fit(model, c
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -431,6 +432,7 @@ class PruningCallback(Callback):
         self._events: list[int] = []  # the resolved schedule's events, to find the next one
         self._collecting = False  # this training batch's inputs feed the activation statistics
         self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
+        self._state_key: str | None = None  # see state_key
 
         self._masked: MaskedSelection | None = None
         self._plain_state_dict_handle: Any = None
@@ -456,18 +458,22 @@ class PruningCallback(Callback):
 
         With ``name=`` the key is built from the name alone, so renaming a layer or editing the patterns keeps the
         saved state reachable; without it, from the method, scope, unit and selection patterns. Two PruningCallbacks
-        with the same key on one Trainer are refused by Lightning when the Trainer is built: give them names.
+        with the same key on one Trainer are refused by Lightning when the Trainer is built: give them names. The key
+        is built on first use and kept (Lightning reads it at every hook it calls).
         """
-        if self.name is not None:
-            return self._generate_state_key(name=self.name)
-        return self._generate_state_key(
-            method=self.units or self.method.__name__,
-            scope=self.scope,
-            unit=self.unit,
-            include=self.include,
-            exclude=self.exclude,
-            parameter_names=self.parameter_names,
-        )
+        if self._state_key is None:  # built once: Lightning reads it at every hook it calls
+            if self.name is not None:
+                self._state_key = self._generate_state_key(name=self.name)
+            else:
+                self._state_key = self._generate_state_key(
+                    method=self.units or self.method.__name__,
+                    scope=self.scope,
+                    unit=self.unit,
+                    include=self.include,
+                    exclude=self.exclude,
+                    parameter_names=self.parameter_names,
+                )
+        return self._state_key
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -531,9 +537,10 @@ class PruningCallback(Callback):
         if batch_idx >= trainer.num_training_batches:  # (inf for a loader without length)
             reporting.warn_batch_past_epoch_end(trainer.current_epoch, batch_idx, int(trainer.num_training_batches))
         self._stale.refresh()
-        if self._masked is not None:
+        if self._masked is not None and self._stale.pending:
             self._stale.watch(self._masked.pairs())
-        self._collecting = self._importance.collects(self._now(trainer), self._next_event())
+        # (no schedule events kept: no statistics window to be in; the clock is read only when there is one)
+        self._collecting = bool(self._events) and self._importance.collects(self._now(trainer), self._next_event())
         if self._collecting:
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
         if self._grads is not None and self._plan is not None and self._plan.is_update(clock.now(trainer, "step") + 1):
@@ -552,9 +559,11 @@ class PruningCallback(Callback):
         if self.unit == "step":
             self._step(trainer, pl_module, self._now(trainer))
         self._move(trainer)
-        step = clock.now(trainer, "step")
-        if self.log_every_n_steps and step % self.log_every_n_steps == 0 and step != self._last_logged:
-            self._log(trainer, pl_module, 0.0 if self._resolved is None else self._resolved.target(self._now(trainer)))
+        if self.log_every_n_steps:
+            step = clock.now(trainer, "step")
+            if step % self.log_every_n_steps == 0 and step != self._last_logged:
+                target = 0.0 if self._resolved is None else self._resolved.target(self._now(trainer))
+                self._log(trainer, pl_module, target)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -873,8 +882,6 @@ class PruningCallback(Callback):
 
     def _next_event(self) -> int | None:
         """The first event of the schedule after the last one taken, or ``None``."""
-        import bisect
-
         index = bisect.bisect_right(self._events, self._last_event)
         return self._events[index] if index < len(self._events) else None
 

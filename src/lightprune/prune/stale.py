@@ -56,6 +56,17 @@ class StaleRefresher:
         """Forget everything learnt (a new fit)."""
         self.__init__()  # type: ignore[misc]
 
+    @property
+    def pending(self) -> bool:
+        """Whether the next :meth:`watch` has tensors to classify (callers may skip building its pairs otherwise).
+
+        Example:
+            >>> refresher = StaleRefresher()
+            >>> refresher.pending, refresher.watch([]), refresher.pending
+            (True, None, False)
+        """
+        return self._pending
+
     def expect_new(self) -> None:
         """New tensors were pruned: the next :meth:`watch` classifies them."""
         self._pending = True
