@@ -15,6 +15,10 @@ Usage:
     python benchmarks/engine.py --device cuda    # the same on a GPU
     python benchmarks/engine.py --sizes 134M,2000x224 --ops global_l1,callback_event --torch-sizes 134M --busy
                                                  # global L1 while a busy loop runs on every core
+    python benchmarks/engine.py --render benchmarks/results/engine.json   # a saved run's tables again
+
+Times are medians over rounds with their range; speed-ups are medians (and ranges) of per-round ratios: the cases of
+a size run interleaved, a round of every case and then the next, and so do the training steps.
 
 Sizes: ``34M``... ``1B`` are ``L x Linear(4096, 4096)``; ``2000x224`` is 1,000 ``Linear(224, 224)`` whose weights and
 biases are pruned together (2,000 tensors, 50M entries): the per-tensor costs. Two read passes are timed as the
@@ -296,10 +300,6 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _measure(spec: dict[str, Any], repeats: int, timeout: float) -> dict[str, Any]:
-    return _summarise([_spawn({**spec, "seed": spec.get("seed", 0)}, timeout) for _ in range(repeats)])
-
-
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median time and memory of a case's processes (in the order they ran: ``runs`` pairs with other cases')."""
     good = [r for r in runs if "error" not in r]
@@ -321,6 +321,16 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _fmt_seconds(value: float | None) -> str:
     return "—" if value is None else (f"{value:.3f} s" if value < 10 else f"{value:.1f} s")
+
+
+def _fmt_time(row: dict[str, Any]) -> str:
+    """The median time, with the range over rounds when there were several."""
+    if "error" in row:
+        return f"failed: {row['error']}"
+    runs = [r for r in row.get("runs", []) if r is not None]
+    if len(runs) < 2:
+        return _fmt_seconds(row.get("seconds"))
+    return f"{_fmt_seconds(row['seconds'])} ({_fmt_seconds(min(runs))} – {_fmt_seconds(max(runs))})"
 
 
 def _fmt_bpw(result: dict[str, Any]) -> str:
@@ -396,18 +406,21 @@ def _run_all(
             row = {"size": size, "op": op, "impl": impl, **_summarise(done)}
             rows.append(row)
             report(row)
-    for optimizer in () if args.no_train else ("sgd", "adam"):
-        train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048, **threads}
-        for impl in ("dense", "lightprune-bool", "lightprune", "torch"):
-            spec = {**train_base, "impl": impl, "optimizer": optimizer, "steps": 10 if args.quick else 30}
-            row = {
-                "size": "MLP",
-                "op": f"train_step_{optimizer}",
-                "impl": impl,
-                **_measure(spec, repeats, args.timeout),
-            }
-            rows.append(row)
-            report(row)
+    train_base = {"op": "train", "device": args.device, "width": 512 if args.quick else 2048, **threads}
+    train_cases = [
+        (optimizer, impl, {**train_base, "impl": impl, "optimizer": optimizer, "steps": 10 if args.quick else 30})
+        for optimizer in (() if args.no_train else ("sgd", "adam"))
+        for impl in ("dense", "lightprune-bool", "lightprune", "torch")
+    ]
+    # Interleaved as the pruning cases: a round of every training case, then the next round.
+    train_runs: list[list[dict[str, Any]]] = [[] for _ in train_cases]
+    for _ in range(repeats):
+        for (_, _, spec), done in zip(train_cases, train_runs, strict=True):
+            done.append(_spawn({**spec, "seed": spec.get("seed", 0)}, args.timeout))
+    for (optimizer, impl, _), done in zip(train_cases, train_runs, strict=True):
+        row = {"size": "MLP", "op": f"train_step_{optimizer}", "impl": impl, **_summarise(done)}
+        rows.append(row)
+        report(row)
     return rows
 
 
@@ -434,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         help="keep every core busy (one Python busy loop per core) while the cases run; use torch's default threads",
     )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    parser.add_argument("--render", metavar="JSON", help="print the tables of a saved result file and exit")
     args = parser.parse_args(argv)
+
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())["rows"]))
+        return 0
 
     if args.case:
         spec = json.loads(args.case)
@@ -486,11 +504,21 @@ def _find(rows: list[dict[str, Any]], size: str, op: str, impl: str) -> dict[str
     return next((r for r in rows if r["size"] == size and r["op"] == op and r["impl"] == impl), None)
 
 
+def _ratios(row: dict[str, Any], other: dict[str, Any] | None) -> list[float]:
+    """``row``'s time / ``other``'s time in each round (the cases ran interleaved), rounds where either failed left out.
+
+    Example:
+        >>> _ratios({"runs": [2.0, None, 3.0]}, {"runs": [1.0, 1.0, 2.0]})
+        [2.0, 1.5]
+    """
+    if other is None or "runs" not in row or "runs" not in other:
+        return []
+    return [a / b for a, b in zip(row["runs"], other["runs"], strict=False) if a is not None and b]
+
+
 def _paired(row: dict[str, Any], other: dict[str, Any] | None) -> float | None:
     """Median over rounds of ``row``'s time / ``other``'s time in the same round (the cases ran interleaved)."""
-    if other is None or "runs" not in row or "runs" not in other:
-        return None
-    ratios = [a / b for a, b in zip(row["runs"], other["runs"], strict=False) if a is not None and b]
+    ratios = _ratios(row, other)
     return statistics.median(ratios) if ratios else None
 
 
@@ -498,12 +526,20 @@ def _times(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}×"
 
 
+def _times_range(ratios: list[float]) -> str:
+    """The median of per-round ratios, with their range when there were several rounds."""
+    if not ratios:
+        return "—"
+    median = statistics.median(ratios)
+    return _times(median) if len(ratios) < 2 else f"{median:.1f}× ({min(ratios):.1f}–{max(ratios):.1f}×)"
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     """The Markdown tables: one line per (size, operation, implementation), with ratios to torch and to both read
     passes (medians of per-round ratios); then the per-tensor costs over the many small tensors."""
     lines = [
-        "| size | operation | implementation | time | extra peak memory | speed-up vs torch | time / sum abs "
-        "| time / fused read | masks = torch |",
+        "| size | operation | implementation | time, median (range) | extra peak memory "
+        "| speed-up vs torch, median (range) | time / sum abs | time / fused read | masks = torch |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -514,14 +550,14 @@ def render(rows: list[dict[str, Any]]) -> str:
         fused_row = _find(rows, row["size"], "read_fused", "vector_norm(w, 1)")
         speedup = match = "—"
         if torch_row and "seconds" in torch_row and "seconds" in row and row["impl"] != "torch":
-            speedup = _times(_paired(torch_row, row))
+            speedup = _times_range(_ratios(torch_row, row))
         reading = row["op"].startswith("read")
         ratio = "—" if reading else _times(_paired(row, read_row))
         fused = "—" if reading else _times(_paired(row, fused_row))
         if torch_row and "fingerprint" in row and "fingerprint" in torch_row and row["impl"] != "torch":
             row["mask_match"] = row["fingerprint"] == torch_row["fingerprint"]
             match = "yes" if row["mask_match"] else "**NO**"
-        time_text = _fmt_seconds(row.get("seconds")) if "error" not in row else f"failed: {row['error']}"
+        time_text = _fmt_time(row)
         lines.append(
             f"| {row['size']} | {row['op']} | {row['impl']} | {time_text} | {_fmt_bpw(row)} | {speedup} | {ratio} "
             f"| {fused} | {match} |"
@@ -547,11 +583,18 @@ def render(rows: list[dict[str, Any]]) -> str:
         train = {r["impl"]: r for r in rows if r["op"] == f"train_step_{optimizer}" and "seconds" in r}
         if "dense" not in train:
             continue
-        header = f"| training step, 4 × Linear(2048, 2048), batch 64, {optimizer} | time | vs dense |"
+        header = (
+            f"| training step, 4 × Linear(2048, 2048), batch 64, {optimizer} | time, median (range) "
+            "| vs dense, median (range) |"
+        )
         lines += ["", header, "|---|---|---|"]
         for impl, row in train.items():
-            ratio = row["seconds"] / train["dense"]["seconds"]
-            lines.append(f"| {impl} | {row['seconds'] * 1e3:.1f} ms | {ratio:.2f}× |")
+            runs = [r * 1e3 for r in row["runs"] if r is not None]
+            ratios = _ratios(row, train["dense"])
+            lines.append(
+                f"| {impl} | {row['seconds'] * 1e3:.1f} ms ({min(runs):.1f} – {max(runs):.1f}) "
+                f"| {statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f}×) |"
+            )
     return "\n".join(lines)
 
 
