@@ -77,6 +77,12 @@ class _KeepWhere(torch.autograd.Function):
 
 
 def _bits_apply(values: Tensor, keep: Tensor) -> bool:
+    # torch.jit.trace records the ops run, not the autograd function: a traced bit selection would have no gradient,
+    # and the shape and size checks below would be traced as values (they fail inside the tracer), so it is asked
+    # first. torch.compile and torch.export get torch.where, which their compilers fuse (torch 2.5's cannot trace the
+    # in-place bit operations).
+    if torch.jit.is_tracing():
+        return False
     return (  # cheapest checks first: a small tensor or a float mask is decided by the first two or three
         keep.dtype == torch.bool
         and values.is_cpu
@@ -85,10 +91,6 @@ def _bits_apply(values: Tensor, keep: Tensor) -> bool:
         and values.is_floating_point()
         and values.element_size() in _BITS
         and keep.shape == values.shape
-        # torch.jit.trace records the ops run, not the autograd function: a traced bit selection would have no
-        # gradient, and its shape checks would be traced as values (TracerWarning). torch.compile and torch.export
-        # get torch.where, which their compilers fuse (torch 2.5's cannot trace the in-place bit operations).
-        and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
     )
