@@ -201,7 +201,7 @@ def test_sparsity_metric_compute_before_update_is_nan() -> None:
 
 
 SYNC_SCRIPT = """
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from lightprune.metrics import Sparsity, SparsityCollection
@@ -221,7 +221,10 @@ result = {
 }
 with open(f"{sys.argv[1]}.{rank}", "w") as handle:
     json.dump(result, handle)
+dist.barrier()  # no rank tears the group down while another still talks to it
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT)
 """
 
 

@@ -27,7 +27,7 @@ from ranks import run_ranks
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -115,9 +115,12 @@ SCRIPT = textwrap.dedent(
     case("row", "row", 0.5)
     case("n_m", "layerwise", 0.5, n_m=(2, 4), names=("a", "c"))
     if rank == 0:
-        json.dump(results, open(sys.argv[1], "w"), indent=1)
-    dist.barrier()
+        with open(sys.argv[1], "w") as handle:
+            json.dump(results, handle, indent=1)
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT, seen in CI)
     """
 )
 
