@@ -280,12 +280,12 @@ def plan_case(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[torch.Tensor], 
 
 
 @settings(max_examples=200, deadline=None)
-@given(plan_case(), st.sampled_from([3, 17, masking.MASK_CHUNK]), st.integers(1, 3))
-def test_mask_plan_equals_torch_where_bit_for_bit(case: tuple, chunk: int, calls: int) -> None:
+@given(plan_case(), st.sampled_from([3, 17, masking.MASK_CHUNK]), st.integers(1, 3), st.sampled_from([0, 1 << 30]))
+def test_mask_plan_equals_torch_where_bit_for_bit(case: tuple, chunk: int, calls: int, kept: int) -> None:
     values, keeps, dtypes, present = case
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(masking, "MASK_CHUNK", chunk)  # small chunks: tensors cut and packed into many batches
-        plan = masking.MaskPlan(keeps, dtypes)
+        plan = masking.MaskPlan(keeps, dtypes, keep_widened_bytes=kept)  # kept: masks widened once, not per call
         for _ in range(calls):  # the prepared batches are reused
             fresh = [value.clone() for value in values]
             expected = [_where(value, keep.bool()) for value, keep in zip(fresh, keeps, strict=True)]
@@ -317,3 +317,33 @@ def test_mask_plan_allocates_nothing_after_its_first_call() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         plan.apply_(values)
     assert [(event.name, event.cpu_memory_usage) for event in profile.events() if event.cpu_memory_usage > 0] == []
+
+
+def _ops_of_one_call(plan: masking.MaskPlan, values: list[torch.Tensor]) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        plan.apply_(values)
+    return [event.name for event in profile.events() if event.name.startswith("aten::_foreach")]
+
+
+def test_mask_plan_keeps_its_widened_masks_within_the_budget_and_only_there() -> None:
+    values = [torch.randn(300, 784), torch.randn(100, 300), torch.randn(10, 100, dtype=torch.float64)]
+    keeps = [torch.rand(v.shape) < 0.1 for v in values]
+    widened = sum(keep.numel() * (8 if v.dtype == torch.float64 else 4) for v, keep in zip(values, keeps, strict=True))
+    kept = masking.MaskPlan(keeps, [v.dtype for v in values], keep_widened_bytes=widened)
+    first = _ops_of_one_call(kept, [v.clone() for v in values])  # widens the masks once, into the plan's buffers
+    later = _ops_of_one_call(kept, values)
+    assert first.count("aten::_foreach_copy_") == 2 and later == ["aten::_foreach_mul_"] * 2  # one multiply a dtype
+    assert all(_same_bits(v, _where(v, k)) for v, k in zip(values, keeps, strict=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        kept.apply_(values)
+    assert [event.cpu_memory_usage for event in profile.events() if event.cpu_memory_usage > 0] == []
+
+    over = masking.MaskPlan(keeps, [v.dtype for v in values], keep_widened_bytes=widened - 1)  # one byte short
+    over.apply_([v.clone() for v in values])
+    assert "aten::_foreach_copy_" in _ops_of_one_call(over, values)  # widened at every call, through the scratch
+    keeps[0][0, 0] = False  # so an in-place change of a mask is seen
+    value = torch.ones(300, 784)
+    over.apply_([value, None, None])
+    assert value[0, 0].item() == 0.0
+    with pytest.raises(ValueError, match="keep_widened_bytes must be >= 0, got -1"):
+        masking.MaskPlan(keeps, [torch.float32] * 3, keep_widened_bytes=-1)

@@ -57,6 +57,13 @@ ENTRYWISE_OPTIMIZERS: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
 named here are zero (whatever the other state: it only divides a zero update)."""
 
 
+WIDENED_MASKS_BYTES = 4 << 20
+"""The most memory an :class:`InPlaceMasks` keeps for its masks widened to the weights' width (4 MiB: a model of up to
+about a million pruned float32 weights). Its masks change only through :meth:`InPlaceMasks.put` and
+:meth:`InPlaceMasks.take`, which make a new plan, so the per-step pass can skip widening them again: on LeNet-300-100
+that is half the pass. Larger models widen through a fixed scratch at every step (no weight-sized memory)."""
+
+
 def needs_weight_pass(optimizer: Any) -> bool:
     """Whether pruned weights must be zeroed again after ``optimizer``'s steps: unless its exact class is one of
     :data:`ENTRYWISE_OPTIMIZERS` (Lightning's wrapper is looked through).
@@ -197,7 +204,7 @@ class InPlaceMasks(MaskStrategy):
             self._sharded = any(is_sharded(parameter) for parameter in self._parameters)
             locals_ = [local_of(parameter) for parameter in self._parameters]
             masks = [mask for _, mask in self._by_parameter.values()]
-            self._plan = MaskPlan(masks, [local.dtype for local in locals_])
+            self._plan = MaskPlan(masks, [local.dtype for local in locals_], keep_widened_bytes=WIDENED_MASKS_BYTES)
         return self._plan
 
     def _watch_grad(self, parameter: Tensor) -> None:

@@ -254,11 +254,16 @@ class MaskPlan:
     of ``dtypes``; :meth:`apply_` then checks each tensor cheaply and runs the two multi-tensor calls per batch. The
     result is :func:`masked_all_`'s, bit for bit; tensors the plan does not fit (another dtype, shape or layout, a
     mask that cannot be batched) go through :func:`masked_all_` itself. The masks are read at every call, so
-    changing their values in place is seen; replacing a mask tensor needs a new plan.
+    changing their values in place is seen; replacing a mask tensor needs a new plan. With ``keep_widened_bytes``,
+    masks whose widened copies take at most that many bytes in all are widened once, at the first call, into
+    buffers of the plan's own: each later call is one multi-tensor multiply per dtype, and changing a mask's values
+    in place is not seen (make a new plan).
 
     Args:
         keeps: one mask per tensor, as :func:`masked_all_` takes them.
         dtypes: the dtype of the tensors each mask will be applied to.
+        keep_widened_bytes: the most memory the plan may keep for widened masks (``0``: none, widen at every call
+            through this thread's ``MASK_CHUNK`` scratch).
 
     Example:
         >>> keeps = [torch.tensor([True, False, True]), torch.tensor([[False, True]])]
@@ -270,11 +275,15 @@ class MaskPlan:
         >>> plan.apply_([None, torch.ones(1, 2)])  # a missing tensor (a Parameter without a gradient) is skipped
     """
 
-    def __init__(self, keeps: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> None:
+    def __init__(self, keeps: Sequence[Tensor], dtypes: Sequence[torch.dtype], *, keep_widened_bytes: int = 0) -> None:
         if len(keeps) != len(dtypes):
             raise ValueError(f"MaskPlan needs one dtype per mask: got {len(keeps)} masks and {len(dtypes)} dtypes")
+        if keep_widened_bytes < 0:
+            raise ValueError(f"keep_widened_bytes must be >= 0, got {keep_widened_bytes}")
         self.keeps = list(keeps)
         self.dtypes = list(dtypes)
+        self.keep_widened_bytes = keep_widened_bytes
+        self._kept = False  # the widened masks are the plan's own, filled once (no copy per call)
         self._batchable = all(_batchable_mask(keep, dtype) for keep, dtype in zip(self.keeps, self.dtypes, strict=True))
         self._scratches: dict[torch.dtype, Tensor] = {}
         self._batches: list[tuple[torch.dtype, list[tuple[int, int, int, Tensor]], list[Tensor]]] = []
@@ -305,7 +314,8 @@ class MaskPlan:
                     targets.append(target)
                     masks.append((keep, wide))
                 if targets:
-                    torch._foreach_copy_([wide for _, wide in masks], [keep for keep, _ in masks])
+                    if not self._kept:
+                        torch._foreach_copy_([wide for _, wide in masks], [keep for keep, _ in masks])
                     torch._foreach_mul_(targets, [wide for _, wide in masks])
 
     def _fits(self, values: Sequence[Tensor | None]) -> bool:
@@ -325,16 +335,24 @@ class MaskPlan:
     def _prepared(self) -> list[tuple[torch.dtype, list[tuple[int, int, int, Tensor]], list[Tensor]]]:
         """The batches: integer dtype, ``(index, start, size, flat or shaped mask piece)`` and their scratch slices
         (made again when this thread's scratch buffers are not those they were cut from)."""
+        if self._kept:
+            return self._batches
         scratches = {bits: _scratch_of(bits) for bits in self._scratches} if self._batches else {}
         if self._batches and all(scratches[bits] is buffer for bits, buffer in self._scratches.items()):
             return self._batches
         by_bits: dict[torch.dtype, list[int]] = {}
         for index, dtype in enumerate(self.dtypes):
             by_bits.setdefault(_BATCHED_BITS[dtype], []).append(index)
+        widened_bytes = sum(self.keeps[i].numel() * bits.itemsize for bits, indices in by_bits.items() for i in indices)
+        self._kept = 0 < widened_bytes <= self.keep_widened_bytes
         self._scratches, self._batches = {}, []
         for bits, indices in by_bits.items():
-            scratch = self._scratches[bits] = _scratch_of(bits)
-            for batch in _cut([self.keeps[i].numel() for i in indices], scratch.numel()):
+            numels = [self.keeps[i].numel() for i in indices]
+            if self._kept:  # the plan's own buffer, all of this dtype's masks in one batch
+                scratch = torch.empty(max(sum(numels), 1), dtype=bits)
+            else:
+                scratch = self._scratches[bits] = _scratch_of(bits)
+            for batch in _cut(numels, scratch.numel()):
                 pieces, widened, offset = [], [], 0
                 for position, start, size in batch:
                     index = indices[position]
@@ -348,6 +366,8 @@ class MaskPlan:
                         widened.append(scratch[offset : offset + size])
                     offset += size
                 self._batches.append((bits, pieces, widened))
+                if self._kept:
+                    torch._foreach_copy_(widened, [piece[3] for piece in pieces])
         return self._batches
 
 
