@@ -143,6 +143,7 @@ class Settings:
     window: int = 5
     calibration_batches: int = 4
     data_seed: int = 0
+    batch_seed: int = 0  # the draw of the fits' training batches (which lines, in which order); 0: the tables' runs
     threads: int = 1
 
 
@@ -488,9 +489,9 @@ def training_batches(
     targets, computed once and cached in ``path``."""
     if path.exists():
         cached = torch.load(path)
-        if cached["settings"] == asdict(settings) | {"threads": 0}:
+        if {"batch_seed": 0} | cached["settings"] == asdict(settings) | {"threads": 0}:
             return cached["batches"]
-    generator = torch.Generator().manual_seed(settings.data_seed)
+    generator = torch.Generator().manual_seed(settings.batch_seed)
     order = torch.randperm(len(lines), generator=generator)[: settings.steps * settings.batch_size].tolist()
     batches = []
     with torch.no_grad():
@@ -899,10 +900,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--quick", action="store_true", help="few lines, few steps: a smoke run")
     parser.add_argument("--fresh", action="store_true", help="ignore cached fits")
+    parser.add_argument(
+        "--batch-seed",
+        type=int,
+        default=0,
+        help="seed of the fits' training batches (run-to-run variation of the fits; 0: the published runs)",
+    )
     args = parser.parse_args(argv)
 
     settings = QUICK if args.quick else Settings()
-    settings = replace(settings, threads=args.threads)
+    settings = replace(settings, threads=args.threads, batch_seed=args.batch_seed)
     if args.steps is not None:
         settings = replace(settings, steps=args.steps)
     torch.set_num_threads(settings.threads)
@@ -915,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out / "quick" if args.quick else args.out
     tag = "quick" if args.quick else "full"
+    batches_file = f"train_batches_{tag}" + (f"_seed{args.batch_seed}" if args.batch_seed else "") + ".pt"
     (out / "runs").mkdir(parents=True, exist_ok=True)
     args.cache = args.cache.expanduser()
     model_dir, archive = ensure_files(args.cache)
@@ -943,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_padding and padding_path.exists():
         payload["padding"] = json.loads(padding_path.read_text())
     elif not args.skip_padding:
-        cached = args.cache / f"train_batches_{tag}.pt"
+        cached = args.cache / batches_file
         batches = training_batches(dense_model, tokenizer, parts["train"], settings, cached)
         payload["padding"] = run_padding(dense_model, tokenizer, parts, dense, batches, settings)
         padding_path.write_text(json.dumps(payload["padding"], indent=1))
@@ -953,15 +961,13 @@ def main(argv: list[str] | None = None) -> int:
         path = out / "runs" / f"{name}.json"
         if path.exists() and not args.fresh:
             cached = json.loads(path.read_text())
-            if cached["settings"] | {"threads": 0} == asdict(settings) | {"threads": 0}:
+            if {"batch_seed": 0} | cached["settings"] | {"threads": 0} == asdict(settings) | {"threads": 0}:
                 fits[name] = cached["result"]
                 continue
         if name not in args.runs:
             continue
         if batches is None:
-            batches = training_batches(
-                dense_model, tokenizer, parts["train"], settings, args.cache / f"train_batches_{tag}.pt"
-            )
+            batches = training_batches(dense_model, tokenizer, parts["train"], settings, args.cache / batches_file)
         result = run_fit(name, dense_model, tokenizer, parts, dense, batches, settings)
         path.write_text(json.dumps({"settings": asdict(settings), "result": result}))
         fits[name] = result
