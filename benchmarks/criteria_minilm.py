@@ -122,8 +122,8 @@ REFERENCES = {
 }
 """(cosine, agreement) measured on this protocol by the reference implementations quoted in the issues' texts
 (issue 22: magnitude, activation and the fits; issue 27: the obs rows), not computed here: the report prints them
-beside this script's figures and says so. Each is one run, as each figure here is; run-to-run variation of the fits
-(their seeds) is not measured."""
+beside this script's figures and says so. Each is one run, as each figure here is; the fits' run-to-run variation is
+measured by running them again with ``--batch-seed`` 1 and 2 (BENCHMARKS.md)."""
 
 
 @dataclass(frozen=True)
