@@ -8,6 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+LEAVE = """
+dist.barrier()  # no rank tears the group down while another still talks to it
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT, seen in CI)
+"""
+"""The end of a rank script (which imports ``os``, ``sys`` and ``torch.distributed as dist``): append it."""
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

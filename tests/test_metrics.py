@@ -19,7 +19,7 @@ from torchmetrics.utilities.data import dim_zero_sum
 import lightprune.metrics as metrics_module
 from lightprune.metrics import Sparsity, SparsityCollection, count_zeros, sparsity
 from lightprune.selection import select_parameters
-from ranks import run_ranks
+from ranks import LEAVE, run_ranks
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Functionals
@@ -200,7 +200,8 @@ def test_sparsity_metric_compute_before_update_is_nan() -> None:
     assert math.isnan(value.item())
 
 
-SYNC_SCRIPT = """
+SYNC_SCRIPT = (
+    """
 import json, os, sys
 import torch
 import torch.distributed as dist
@@ -221,11 +222,9 @@ result = {
 }
 with open(f"{sys.argv[1]}.{rank}", "w") as handle:
     json.dump(result, handle)
-dist.barrier()  # no rank tears the group down while another still talks to it
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT)
 """
+    + LEAVE
+)
 
 
 @pytest.mark.slow

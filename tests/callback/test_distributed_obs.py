@@ -23,10 +23,11 @@ from torch import nn
 
 from lightprune.prune.distributed_obs import ShardedRows, rows_of, sharded_obs_counts, sharded_obs_problem
 from lightprune.prune.obs import LocalRows
-from ranks import run_ranks
+from ranks import LEAVE, run_ranks
 
-SCRIPT = textwrap.dedent(
-    """
+SCRIPT = (
+    textwrap.dedent(
+        """
     import json, os, sys
     import torch
     import torch.distributed as dist
@@ -117,11 +118,9 @@ SCRIPT = textwrap.dedent(
     if rank == 0:
         with open(sys.argv[1], "w") as handle:
             json.dump(results, handle, indent=1)
-    dist.barrier()  # no rank tears the group down while another still talks to it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT, seen in CI)
     """
+    )
+    + LEAVE
 )
 
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from lightprune.prune import distributed
-from ranks import run_ranks
+from ranks import LEAVE, run_ranks
 
-SCRIPT = textwrap.dedent(
-    """
+SCRIPT = (
+    textwrap.dedent(
+        """
     import os, sys, copy
     import torch
     import torch.distributed as dist
@@ -150,11 +151,9 @@ SCRIPT = textwrap.dedent(
     if rank == 0:
         with open(sys.argv[1], "w") as handle:
             handle.write(str(checked))
-    dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts at exit otherwise)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT)
     """
+    )
+    + LEAVE
 )
 
 
