@@ -897,6 +897,7 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     sparsities = sorted({s for by_s in summary.values() for s, e in by_s.items() if s > 0 and e["training_flops"]})
     fig, axes = plt.subplots(1, len(sparsities), figsize=(3.6 * len(sparsities) + 2.4, 4.2), squeeze=False)
@@ -914,6 +915,10 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
             style = {key: value for key, value in STYLES.get(arm, {}).items() if key != "linestyle"}
             ax.errorbar([entry["training_flops"]], [mean], yerr=[std], capsize=3, label=arm, **style)
         ax.set_xscale("log")
+        # labels at 1, 2 and 5 of each decade, as plain numbers; the other grid lines unlabelled (they collide)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"sparsity {sparsity:g}")
         ax.set_xlabel("training FLOPs (dense 20 epochs = 1)")
         ax.grid(alpha=0.3, which="both")

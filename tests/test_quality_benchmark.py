@@ -9,6 +9,7 @@ the plot and the JSON are written, the epoch-time comparison is there, and a rer
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +190,13 @@ def test_flops_plot_draws_one_point_per_counted_arm_and_sparsity(tmp_path: Path)
         for arm in ("lp_gradual", "lp_rigl_erk_3x"):
             entry = summary[arm][sparsity]
             assert points[arm] == (entry["training_flops"], entry["accuracy"][0])
+        low, high = ax.get_xlim()  # the x labels a reader sees: plain numbers at 1, 2, 5 of a decade, nothing between
+        shown = [(tick.get_position()[0], tick.get_text()) for tick in ax.xaxis.get_majorticklabels()]
+        shown = [text for position, text in shown if low <= position <= high]
+        decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+        wanted = sorted(m * 10.0**k for k in decades for m in (1, 2, 5) if low <= m * 10.0**k <= high)
+        assert shown == [f"{value:g}" for value in wanted] and len(shown) >= 3
+        assert all(tick.get_text() == "" for tick in ax.xaxis.get_minorticklabels())
     legend = fig.legends[0]
     assert [text.get_text() for text in legend.get_texts()] == ["dense", "lp_gradual", "lp_rigl_erk_3x"]
     assert (tmp_path / "flops.png").read_bytes()[:4] == b"\x89PNG"
