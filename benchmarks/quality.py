@@ -919,6 +919,8 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
+        low, high = ax.get_xlim()  # start at a labelled value, so that the leftmost points have a label beside them
+        ax.set_xlim(_labelled_value_below(low), high)
         ax.set_title(f"sparsity {sparsity:g}")
         ax.set_xlabel("training FLOPs (dense 20 epochs = 1)")
         ax.grid(alpha=0.3, which="both")
@@ -928,6 +930,17 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return fig
+
+
+def _labelled_value_below(value: float) -> float:
+    """The largest ``m * 10**k`` (``m`` in 1, 2, 5: the FLOPs axis' labels) at or below ``value`` (> 0).
+
+    Example:
+        >>> _labelled_value_below(0.23), _labelled_value_below(0.05), _labelled_value_below(0.7)
+        (0.2, 0.05, 0.5)
+    """
+    decade = 10.0 ** math.floor(math.log10(value))
+    return max(m * decade for m in (1, 2, 5) if m * decade <= value * (1 + 1e-12))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -196,6 +196,7 @@ def test_flops_plot_draws_one_point_per_counted_arm_and_sparsity(tmp_path: Path)
         decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
         wanted = sorted(m * 10.0**k for k in decades for m in (1, 2, 5) if low <= m * 10.0**k <= high)
         assert shown == [f"{value:g}" for value in wanted] and len(shown) >= 3
+        assert float(shown[0]) <= min(x for x, _ in points.values())  # the leftmost points have a label beside them
         assert all(tick.get_text() == "" for tick in ax.xaxis.get_minorticklabels())
     legend = fig.legends[0]
     assert [text.get_text() for text in legend.get_texts()] == ["dense", "lp_gradual", "lp_rigl_erk_3x"]
