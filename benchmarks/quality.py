@@ -887,6 +887,10 @@ def plot(summary: dict[str, Any], path: Path) -> Any:
     return fig
 
 
+FLOPS_LABELS = (1.0, 2.0, 5.0)
+"""The FLOPs plot labels its log axis at these multiples of each power of ten."""
+
+
 def plot_flops(summary: dict[str, Any], path: Path) -> Any:
     """Accuracy (mean ± std) against training FLOPs (dense = 1, log scale), one panel per sparsity.
 
@@ -916,7 +920,7 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
             ax.errorbar([entry["training_flops"]], [mean], yerr=[std], capsize=3, label=arm, **style)
         ax.set_xscale("log")
         # labels at 1, 2 and 5 of each decade, as plain numbers; the other grid lines unlabelled (they collide)
-        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_locator(LogLocator(subs=FLOPS_LABELS))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         low, high = ax.get_xlim()  # start at a labelled value, so that the leftmost points have a label beside them
@@ -933,14 +937,14 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
 
 
 def _labelled_value_below(value: float) -> float:
-    """The largest ``m * 10**k`` (``m`` in 1, 2, 5: the FLOPs axis' labels) at or below ``value`` (> 0).
+    """The largest ``m * 10**k`` (``m`` in :data:`FLOPS_LABELS`) at or below ``value`` (> 0).
 
     Example:
         >>> _labelled_value_below(0.23), _labelled_value_below(0.05), _labelled_value_below(0.7)
         (0.2, 0.05, 0.5)
     """
     decade = 10.0 ** math.floor(math.log10(value))
-    return max(m * decade for m in (1, 2, 5) if m * decade <= value * (1 + 1e-12))
+    return max(m * decade for m in FLOPS_LABELS if m * decade <= value * (1 + 1e-12))
 
 
 # ------------------------------------------------------------------------------------------------------------------
