@@ -164,6 +164,34 @@ def test_builtin_callback_beside_pruning(tmp_path: Path, case: str, pruning_firs
             assert pruned == zeros_of(state) == round(SCHEDULE.target(step) * N), (path.name, step, pruned)
 
 
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_averaged_checkpoint_at_an_event_holds_that_events_zeros(tmp_path: Path, masking: str) -> None:
+    """EMA's checkpoints hold the averaged weights: one saved at the step of an event has that event's zeros."""
+    checkpoints = ModelCheckpoint(checkpoint_dir(tmp_path), every_n_train_steps=2, save_top_k=-1)  # events: 0, 2, ...
+    pruning = PruningCallback(SCHEDULE, masking=masking)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        callbacks=[EMAWeightAveraging(decay=0.9), pruning, checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(MatrixNet())
+    paths = sorted(checkpoint_dir(tmp_path).glob("*.ckpt"))
+    assert len(paths) == 5
+    for path in paths:
+        checkpoint = torch.load(path, weights_only=False)
+        (saved,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("PruningCallback")]
+        state, step = checkpoint["state_dict"], checkpoint["global_step"]
+        pruned = sum(int((~mask).sum()) for mask in saved["masks"].values())
+        assert pruned == zeros_of(state) == round(SCHEDULE.target(step) * N), (masking, step)
+        assert zeros_of(MatrixNet.load_from_checkpoint(path).state_dict()) == pruned
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # OnExceptionCheckpoint: an interrupted fit resumes exactly
 # ----------------------------------------------------------------------------------------------------------------------

@@ -177,7 +177,9 @@ class InPlaceMasks(MaskStrategy):
             self.take(pairs)
 
     def share_with_averages(self, masked: MaskedSelection, averages: list[nn.Module]) -> None:
-        """The averaged copies stay plain too: :meth:`after_rewrite` zeroes them."""
+        """The averaged copies stay plain too: zero their pruned entries now (an event's new masks must hold in a
+        checkpoint or a validation run of the same step), and again after every rewrite (:meth:`after_rewrite`)."""
+        self._mask_averages(masked)
 
     # ------------------------------------------------------------------------------------------------------------
     # Training steps
@@ -253,6 +255,10 @@ class InPlaceMasks(MaskStrategy):
     def after_rewrite(self, masked: MaskedSelection) -> None:
         """Zero the pruned entries of the weights and of the averaged copies' weights."""
         self.apply()
+        self._mask_averages(masked)
+
+    def _mask_averages(self, masked: MaskedSelection) -> None:
+        """Zero the pruned entries of the averaged copies' weights."""
         with torch.no_grad():
             for average in masked.averages:
                 for qualified, module, name in masked.named_pairs():
