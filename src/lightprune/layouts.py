@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["feature_layout", "feature_of_entries", "input_dim", "is_transformers_conv1d"]
+__all__ = ["feature_layout", "feature_of_entries", "input_dim", "is_transformers_conv1d", "row_dim"]
 
 
 def is_transformers_conv1d(module: nn.Module) -> bool:
@@ -40,6 +40,20 @@ def input_dim(module: nn.Module) -> int:
     if is_transformers_conv1d(module) or isinstance(module, nn.modules.conv._ConvTransposeNd):
         return 0
     return 1
+
+
+def row_dim(module: nn.Module, name: str) -> int:
+    """The dim of ``module.<name>`` whose slices are output units (per-row ranking's rows): 1 for the weight of an
+    ``(in, out)`` layout (transformers' ``Conv1D``, ``ConvTranspose``), else 0.
+
+    A grouped ``ConvTranspose`` (``groups > 1``) has no such dim: its dim 1 runs over the channels of one group, so a
+    slice along it mixes ``groups`` output channels (``PruningCallback`` refuses ``scope="row"`` on it).
+
+    Example:
+        >>> row_dim(nn.Linear(3, 2), "weight"), row_dim(nn.ConvTranspose2d(3, 2, 1), "weight")
+        (0, 1)
+    """
+    return 1 if name == "weight" and input_dim(module) == 0 else 0
 
 
 def feature_layout(module: nn.Module, name: str) -> str | None:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
-from lightprune.schedules import Cubic, Linear
+from lightprune.schedules import Constant, Cubic, Linear
 from tiny_lightning import TinyNet, folded, loader, quiet_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -197,6 +197,30 @@ def test_gpt2_save_pretrained_round_trip_and_mid_fit_checkpoints(tmp_path: Path)
     assert again.lm_head.weight is again.transformer.wte.weight
     for key, value in gpt2.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("importance", ["magnitude", "activation"])
+def test_row_scope_ranks_each_output_unit_of_a_conv1d(tmp_path: Path, importance: str) -> None:
+    """``Conv1D`` stores its weight ``(in, out)``: per-row (Wanda) pruning counts per output unit, a column."""
+    model = TinyGPT2()
+    callback = PruningCallback(
+        Constant(0.5, at=1), scope="row", importance=importance, module_types=["torch.nn.Linear", CONV1D]
+    )
+    trainer([callback], tmp_path, max_epochs=1).fit(model)
+    c_attn = model.model.transformer.h[0].attn.c_attn.weight  # (32, 96)
+    assert (c_attn == 0).sum(dim=0).tolist() == [16] * 96  # every output unit: half of its 32 inputs
+    assert (model.model.lm_head.weight == 0).sum(dim=1).tolist() == [16] * VOCAB  # a Linear: rows
+
+
+def test_row_scope_refuses_a_grouped_conv_transpose(tmp_path: Path) -> None:
+    class Upsample(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose1d(4, 6, 3, groups=2)
+
+    with pytest.raises(ValueError, match=r"up\.weight belongs to a ConvTranspose1d with groups=2: .*scope='row'"):
+        callback = PruningCallback(0.5, scope="row", module_types=["torch.nn.ConvTranspose1d"])
+        trainer([callback], tmp_path).fit(Upsample())
 
 
 def test_default_selection_on_gpt2_warns_and_names_conv1d(tmp_path: Path) -> None:

@@ -491,7 +491,7 @@ def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -
         assert torch.equal(whole["ranked"][-1][key], resumed["ranked"][-1][key]), key
 
 
-def test_sharded_selections_refuse_a_callable_obs_across_rows_allocation_regrowth_and_n_m_across_the_sharded_dim(
+def test_sharded_selections_refuse_a_callable_obs_across_rows_allocation_regrowth_and_groups_across_the_sharded_dim(
     tmp_path: Path,
 ) -> None:
     dist = pytest.importorskip("torch.distributed")
@@ -530,5 +530,8 @@ def test_sharded_selections_refuse_a_callable_obs_across_rows_allocation_regrowt
                 refuse_sharded_criteria(selection[:1], "magnitude", prune.L1Unstructured, scope, regrow)
         with pytest.raises(ValueError, match=r"semi_structured.*along dim 0 of \['c_attn\.weight'\].*span two ranks"):
             refuse_sharded_criteria(selection, "magnitude", prune.SemiStructured)
+        refuse_sharded_criteria(selection[:1], "magnitude", prune.L1Unstructured, "row")  # rows along dim 0: local
+        with pytest.raises(ValueError, match=r"scope='row'.*along dim 1 of \['c_attn\.weight'\].*span every rank"):
+            refuse_sharded_criteria(selection, "activation", prune.L1Unstructured, "row")
     finally:
         dist.destroy_process_group()

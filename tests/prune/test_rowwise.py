@@ -100,6 +100,34 @@ def test_ties_prune_the_lower_flat_index_first_as_l1_does() -> None:
     assert torch.equal(flat, mask[0])
 
 
+@SETTINGS
+@given(cases(), st.integers(1, 3))
+def test_rows_along_another_dim_are_the_moved_tensors_rows(
+    case: tuple[Tensor, int | float, Tensor | None], dim: int
+) -> None:
+    """``dim=d``: the mask of the tensor with ``d`` moved first, moved back (ties by the original flat index)."""
+    scores, amount, mask = case
+    dim = dim % scores.dim()
+    moved_scores = scores.movedim(0, dim).contiguous()  # rows of ``scores`` now run along ``dim``
+    moved_mask = None if mask is None else mask.movedim(0, dim).contiguous()
+    default = torch.ones_like(moved_scores) if moved_mask is None else moved_mask
+    got = prune.RowwiseL1Unstructured(amount, dim=dim).compute_mask(moved_scores, default)
+    assert got.is_contiguous()
+    assert torch.equal(got, reference(scores, amount, mask).movedim(0, dim))
+    target = RowwiseToSparsity(0.5, dim=dim).compute_mask(moved_scores, default)
+    assert torch.equal(target.movedim(dim, 0), RowwiseToSparsity(0.5).compute_mask(scores, default.movedim(dim, 0)))
+
+
+def test_rows_of_an_in_out_weight_are_its_columns() -> None:
+    transformers = pytest.importorskip("transformers")
+    layer = transformers.pytorch_utils.Conv1D(4, 6)  # weight (in=6, out=4): an output unit is a column
+    prune.rowwise_l1_unstructured(layer, "weight", amount=0.5, dim=1)
+    assert layer.weight_mask.sum(dim=0).tolist() == [3.0] * 4
+    assert repr(prune.RowwiseL1Unstructured(0.5, dim=1)) == "RowwiseL1Unstructured(amount=0.5, dim=1)"
+    with pytest.raises(ValueError, match=r"dim=2 is out of range for a tensor of shape \(6, 4\)"):
+        prune.RowwiseL1Unstructured(0.5, dim=2).compute_mask(torch.ones(6, 4), torch.ones(6, 4))
+
+
 def test_nan_ranks_above_inf() -> None:
     scores = torch.tensor([[float("nan"), float("inf"), 1.0]])
     assert prune.RowwiseL1Unstructured(2).compute_mask(scores, torch.ones(1, 3)).tolist() == [[1, 0, 0]]

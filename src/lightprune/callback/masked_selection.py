@@ -33,7 +33,7 @@ from lightprune.callback.mask_strategy import (
 from lightprune.callback.options import is_n_m
 from lightprune.callback.regrowth import zero_optimizer_state
 from lightprune.callback.sharded import ShardedMasks
-from lightprune.layouts import input_dim
+from lightprune.layouts import input_dim, row_dim
 from lightprune.prune import allocation, distributed
 from lightprune.prune.collapse import LayerCollapseWarning, cap_units
 from lightprune.prune.regrow import drop_and_grow, moved_count
@@ -209,8 +209,8 @@ class MaskedSelection:
         """Prune the selection up to ``target`` total sparsity (exact counts), as one event: all of it or nothing.
 
         ``scores`` (by qualified name) rank instead of the weights, as ``importance_scores``; ``signed`` ranks them
-        by value, higher kept (:mod:`lightprune.prune.signed`). The ``"row"`` scope prunes every row (dim 0) to
-        ``target``; an N:M method applies its pattern whatever ``target`` says.
+        by value, higher kept (:mod:`lightprune.prune.signed`). The ``"row"`` scope prunes every output row
+        (:func:`~lightprune.layouts.row_dim`) to ``target``; an N:M method applies its pattern whatever ``target`` says.
         """
         with self._seeded(event):
             self.strategy.prune_to(self, target, scores, signed)
@@ -229,7 +229,8 @@ class MaskedSelection:
                 self._apply(module, name, pattern, scores, qualified)
         elif self.scope == "row":
             for qualified, module, name in self.selection:
-                self._apply(module, name, RowwiseToSparsity(target, by_magnitude=not signed), scores, qualified)
+                rows = RowwiseToSparsity(target, by_magnitude=not signed, dim=row_dim(module, name))
+                self._apply(module, name, rows, scores, qualified)
             self._check_caps(target)
         elif self.scope == "global":
             counts = self.counts()

@@ -118,7 +118,8 @@ class PruningCallback(Callback):
         method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
             ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
         scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"``,
-            ``"row"`` (every output row, dim 0, of every tensor pruned to the target: Wanda's per-output ranking;
+            ``"row"`` (every output unit of every tensor pruned to the target: Wanda's per-output ranking; a row
+            is a slice along dim 0, or dim 1 of an ``(in, out)`` weight such as transformers' ``Conv1D``;
             ``l1_unstructured`` only), ``"erk"`` or ``"owl"``: each tensor ranked alone, with its own share of the
             event's exact total (:mod:`lightprune.prune.allocation`). ERK (Erdős–Rényi-Kernel) keeps a density
             proportional to ``sum(shape) / prod(shape)``, tensors that would pass density 1 kept dense; OWL keeps

@@ -173,8 +173,9 @@ def refuse_sharded_criteria(
     other than ``Shard(0)`` or ``Replicate()``, and transformers' ``Conv1D``, whose ``(in, out)`` weight is split
     along the columns SparseGPT's update walks in order); and N:M groups along an input dim that is sharded
     (transformers' ``Conv1D`` stores its weight ``(in, out)``: under ``Shard(0)`` a group of ``m`` inputs may span
-    two ranks). Per-layer allocation (``scope`` ``"erk"`` or ``"owl"``) and dynamic sparse training (``regrow``)
-    would need their own distributed implementations and are refused too.
+    two ranks), and the same for ``scope="row"``, whose rows are the columns of such a weight. Per-layer allocation
+    (``scope`` ``"erk"`` or ``"owl"``) and dynamic sparse training (``regrow``) would need their own distributed
+    implementations and are refused too.
 
     Example:
         >>> refuse_sharded_criteria([("fc.weight", nn.Linear(2, 2), "weight")], "callable", None)  # not sharded
@@ -213,6 +214,20 @@ def refuse_sharded_criteria(
             raise ValueError(
                 f"importance='obs' cannot prune {[q for q, _ in problems][:3]} as sharded: {problems[0][1]}; "
                 "exclude them, or leave those modules unsharded"
+            )
+    if scope == "row":
+        from lightprune.layouts import row_dim
+
+        split = [
+            q
+            for q, module, name in sharded
+            if row_dim(module, name) != 0 and not local_piece(prune.original(module, name)).replicated
+        ]
+        if split:
+            raise ValueError(
+                f"scope='row' ranks the output units along dim 1 of {split[:3]} ((in, out) weights), but FSDP2 "
+                "shards dim 0 (Shard(0)): a row's entries span every rank; exclude them or leave those modules "
+                "unsharded"
             )
     entry = method_entry(method) if isinstance(method, type) else None
     if entry is not None and entry.kind == "n:m":
@@ -263,7 +278,8 @@ def check_adapters(selection: Selection, model: nn.Module, importance: str) -> d
 
 
 def check_rows(selection: Selection) -> None:
-    """Per-row ranking needs rows: tensors of two or more dims (else the first event fails, mid-training).
+    """Per-row ranking needs rows: tensors of two or more dims (else the first event fails, mid-training), and one
+    dim whose slices are the output units (:func:`~lightprune.layouts.row_dim`: not a grouped ``ConvTranspose``).
 
     Example:
         >>> check_rows([("fc.bias", nn.Linear(2, 3), "bias")])
@@ -271,10 +287,21 @@ def check_rows(selection: Selection) -> None:
         ...
         ValueError: fc.bias has shape (3,): scope='row' needs >= 2 dims (rows: dim 0)
     """
+    from lightprune.layouts import row_dim
+
     for qualified, module, name in selection:
         tensor = prune.original(module, name)
+        dim = row_dim(module, name)
         if tensor.dim() < 2:
-            raise ValueError(f"{qualified} has shape {tuple(tensor.shape)}: scope='row' needs >= 2 dims (rows: dim 0)")
+            raise ValueError(
+                f"{qualified} has shape {tuple(tensor.shape)}: scope='row' needs >= 2 dims (rows: dim {dim})"
+            )
+        if dim and getattr(module, "groups", 1) > 1:
+            raise ValueError(
+                f"{qualified} belongs to a {type(module).__name__} with groups={module.groups}: its output channels "
+                f"are not the slices of one dim of its weight {tuple(tensor.shape)}, so scope='row' cannot rank them; "
+                "exclude it or choose another scope"
+            )
 
 
 def check_n_m_layout(selection: Selection, method: str, m: int) -> None:

@@ -28,7 +28,7 @@ from lightprune.callback import reconstruction
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.mask_strategy import Pairs, bias_keep, check_restored, exact_increment
 from lightprune.callback.options import is_n_m
-from lightprune.layouts import input_dim
+from lightprune.layouts import input_dim, row_dim
 from lightprune.prune import distributed
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ def new_masks(
     scores: list[Tensor | None] | None = None,
     signed: bool = False,
     input_dims: list[int] | None = None,
+    row_dims: list[int] | None = None,
 ) -> dict[int, Tensor]:
     """This rank's new local masks for an event to ``target`` (by the index of the tensor; tensors that need no
     more pruning are left out), from :mod:`lightprune.prune.distributed`: the masks one process would compute.
@@ -149,8 +150,9 @@ def new_masks(
     unstructured or structured methods or an N:M one (the callback refuses others at setup). No tensor is
     pruned beyond ``max_layer_sparsity`` of its units: a global event takes its exact count from the tensors under
     the cap, a layerwise one stops each tensor at the cap. ``scores`` (local, per tensor) rank instead of the
-    weights, by value when ``signed`` (higher kept). Per-row ranking (``scope="row"``) and N:M groups along the input
-    dim (``input_dims``) need no traffic: under ``Shard(0)`` every row, and every group along dim 1, is local.
+    weights, by value when ``signed`` (higher kept). Per-row ranking (``scope="row"``, rows along ``row_dims``) and
+    N:M groups along the input dim (``input_dims``) need no traffic: under ``Shard(0)`` every row along dim 0, and
+    every group along dim 1, is local (the callback refuses the others at setup).
     """
     new: dict[int, Tensor] = {}
     local_scores = [
@@ -164,7 +166,8 @@ def new_masks(
         for i, (score, mask) in enumerate(zip(local_scores, current, strict=True)):
             base = None if mask is None else distributed.local_of(mask)
             if scope == "row":
-                new[i] = rowwise_mask(None, score, base, dtype, magnitude=not signed, sparsity=target)
+                dim = 0 if row_dims is None else row_dims[i]
+                new[i] = rowwise_mask(None, score, base, dtype, magnitude=not signed, sparsity=target, dim=dim)
                 continue
             pattern_class = signed_variant(method) if signed else method
             pattern = pattern_class(**{**method_kwargs, "dim": (input_dims or [1] * len(tensors))[i]})
@@ -240,7 +243,7 @@ class ShardedMasks(InPlaceMasks):
         new = new_masks(
             tensors, current, masked.counts(), target, masked.method, masked.method_kwargs, masked.scope, dtype,
             self.group, masked.max_layer_sparsity, scores=local_scores, signed=signed,
-            input_dims=[input_dim(module) for module, _ in pairs],
+            input_dims=[input_dim(module) for module, _ in pairs], row_dims=[row_dim(*pair) for pair in pairs],
         )  # fmt: skip
         for i, mask in new.items():
             self.put(*pairs[i], mask)

@@ -106,9 +106,9 @@ def l1_unstructured(
 
 
 def rowwise_l1_unstructured(
-    module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None
+    module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None, dim: int = 0
 ) -> nn.Module:
-    """Prune ``amount`` of every row (dim 0) of ``module.<name>`` by the smallest magnitude; returns ``module``.
+    """Prune ``amount`` of every row of ``module.<name>`` by the smallest magnitude; returns ``module``.
 
     Every row keeps the same count (Wanda's per-output ranking), see :class:`RowwiseL1Unstructured`.
 
@@ -117,6 +117,8 @@ def rowwise_l1_unstructured(
         name: the parameter's name.
         amount: a float in [0, 1] (fraction of each row's unpruned entries) or an int (how many per row).
         importance_scores: ranks entries instead of the parameter's values; same shape as the parameter.
+        dim: the dim rows are slices along: 0 (default) for ``(out, in, ...)`` weights, 1 for the output units of
+            an ``(in, out)`` weight such as transformers' ``Conv1D`` (:func:`lightprune.layouts.row_dim`).
 
     Example:
         >>> layer = torch.nn.Linear(4, 2, bias=False)
@@ -126,7 +128,7 @@ def rowwise_l1_unstructured(
         tensor([[0., 1., 1., 0.],
                 [1., 0., 0., 1.]])
     """
-    RowwiseL1Unstructured.apply(module, name, amount=amount, importance_scores=importance_scores)
+    RowwiseL1Unstructured.apply(module, name, amount=amount, importance_scores=importance_scores, dim=dim)
     return module
 
 

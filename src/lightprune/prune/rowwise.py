@@ -1,4 +1,7 @@
-"""Per-row ranking: every output row (dim 0) of a weight loses the same share of its entries (Wanda's convention).
+"""Per-row ranking: every output row of a weight loses the same share of its entries (Wanda's convention).
+
+A row is a slice along ``dim``: 0 for a Linear or Conv weight ``(out, in, ...)``, 1 for an ``(in, out)`` weight
+(transformers' ``Conv1D``, ``ConvTranspose``; :func:`lightprune.layouts.row_dim` says which).
 
 :class:`RowwiseL1Unstructured` ranks ``|score|`` inside each row (the slice ``t[i]``, flattened over the other dims)
 and prunes ``amount`` of the entries each row still has. Its ``PRUNING_TYPE`` is ``"global"``: a
@@ -57,22 +60,33 @@ def rowwise_mask(
     *,
     magnitude: bool = True,
     sparsity: float | None = None,
+    dim: int = 0,
 ) -> Tensor:
     """``base`` (``None``: all ones) with the ``amount`` lowest-ranked entries of every row set to 0.
 
-    Only entries where ``base`` is 1 are ranked and counted; ``magnitude=False`` ranks the signed scores (higher
-    kept). Ties: the lower flat index is pruned first. With ``sparsity`` instead of ``amount``, every row is pruned
-    up to ``round(sparsity * row length)`` entries, those already pruned included (rows already there lose none).
+    A row is a slice along ``dim`` (``scores.select(dim, i)``). Only entries where ``base`` is 1 are ranked and
+    counted; ``magnitude=False`` ranks the signed scores (higher kept). Ties: the lower flat index is pruned first.
+    With ``sparsity`` instead of ``amount``, every row is pruned up to ``round(sparsity * row length)`` entries, those
+    already pruned included (rows already there lose none).
 
     Example:
         >>> rowwise_mask(1, torch.tensor([[3.0, -1.0], [0.5, 2.0]]), None, torch.bool)
         tensor([[ True, False],
                 [False,  True]])
+        >>> rowwise_mask(1, torch.tensor([[3.0, -1.0], [0.5, 2.0]]), None, torch.bool, dim=1)  # rows: the columns
+        tensor([[ True, False],
+                [False,  True]])
     """
     if scores.dim() < 2:
         raise ValueError(
-            f"per-row pruning needs a tensor of at least 2 dims (rows along dim 0), got shape {tuple(scores.shape)}"
+            f"per-row pruning needs a tensor of at least 2 dims (rows along dim {dim}), got shape {tuple(scores.shape)}"
         )
+    if not -scores.dim() <= dim < scores.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(scores.shape)}")
+    if dim % scores.dim():  # rows along another dim: rank the moved views (their entries keep their flat order)
+        moved_base = None if base is None else base.movedim(dim, 0)
+        mask = rowwise_mask(amount, scores.movedim(dim, 0), moved_base, dtype, magnitude=magnitude, sparsity=sparsity)
+        return mask.movedim(0, dim).contiguous()
     rows = scores.shape[0]
     flat = scores.reshape(rows, -1)
     eligible = None if base is None else base.reshape(rows, -1)
@@ -103,10 +117,11 @@ def _zero_where(base: Tensor, pruned: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class RowwiseL1Unstructured(BasePruningMethod):
-    """Prune the entries with the smallest absolute score in every row (dim 0): each row keeps the same count.
+    """Prune the entries with the smallest absolute score in every row: each row keeps the same count.
 
-    The ranking of Wanda (Sun et al. 2023): a row is ``t[i]``, flattened over the other dims (an output neuron of a
-    Linear weight, a filter of a Conv weight). ``amount`` applies to every row, to the entries it still has:
+    The ranking of Wanda (Sun et al. 2023): a row is ``t.select(dim, i)``, flattened over the other dims (an output
+    neuron of a Linear weight, a filter of a Conv weight; ``dim=1`` for the output units of an ``(in, out)`` weight,
+    such as transformers' ``Conv1D``). ``amount`` applies to every row, to the entries it still has:
     a float prunes ``round(amount * remaining)`` of them (halves to even), an int that many (refused when a row has
     fewer). Ties are broken by flat index, the lower one pruned first, as :class:`~lightprune.prune.L1Unstructured`
     does; ``NaN`` ranks above ``+inf``.
@@ -118,6 +133,7 @@ class RowwiseL1Unstructured(BasePruningMethod):
 
     Args:
         amount: a float in [0, 1] (the fraction of each row's unpruned entries) or an int (how many per row).
+        dim: the dim the rows are slices along (default 0: ``(out, in, ...)`` weights).
 
     Example:
         >>> from lightprune import prune
@@ -131,26 +147,35 @@ class RowwiseL1Unstructured(BasePruningMethod):
     #: rank ``|score|`` (``False`` in the signed variant, :class:`~lightprune.prune.signed.SignedRowwise`)
     _by_magnitude = True
 
-    def __init__(self, amount: int | float) -> None:
+    def __init__(self, amount: int | float, dim: int = 0) -> None:
         validate_amount(amount)
         self.amount = amount
+        self.dim = dim
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        return rowwise_mask(self.amount, t, default_mask, default_mask.dtype, magnitude=self._by_magnitude)
+        return rowwise_mask(
+            self.amount, t, default_mask, default_mask.dtype, magnitude=self._by_magnitude, dim=self.dim
+        )
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
-        return rowwise_mask(self.amount, scores, current, dtype, magnitude=self._by_magnitude)
+        return rowwise_mask(self.amount, scores, current, dtype, magnitude=self._by_magnitude, dim=self.dim)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(amount={self.amount!r})"
+        rows = f", dim={self.dim}" if self.dim else ""
+        return f"{type(self).__name__}(amount={self.amount!r}{rows})"
 
     @classmethod
     def apply(  # type: ignore[override]
-        cls, module: nn.Module, name: str, amount: int | float, importance_scores: Tensor | None = None
+        cls,
+        module: nn.Module,
+        name: str,
+        amount: int | float,
+        importance_scores: Tensor | None = None,
+        dim: int = 0,
     ) -> BasePruningMethod:
-        """Prune ``amount`` of every row of ``module.<name>`` by the smallest ``|importance_scores|`` (default: the
-        tensor's values)."""
-        return super().apply(module, name, amount=amount, importance_scores=importance_scores)
+        """Prune ``amount`` of every row (slice along ``dim``) of ``module.<name>`` by the smallest
+        ``|importance_scores|`` (default: the tensor's values)."""
+        return super().apply(module, name, amount=amount, importance_scores=importance_scores, dim=dim)
 
 
 class RowwiseToSparsity(RowwiseL1Unstructured):
@@ -160,6 +185,7 @@ class RowwiseToSparsity(RowwiseL1Unstructured):
     Args:
         sparsity: the share of every row's entries pruned afterwards (rows already sparser keep their mask).
         by_magnitude: rank ``|score|`` (``True``) or the signed score, higher kept.
+        dim: the dim the rows are slices along.
 
     Example:
         >>> default = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
@@ -168,18 +194,20 @@ class RowwiseToSparsity(RowwiseL1Unstructured):
                 [0., 0., 0., 1.]])
     """
 
-    def __init__(self, sparsity: float, by_magnitude: bool = True) -> None:
+    def __init__(self, sparsity: float, by_magnitude: bool = True, dim: int = 0) -> None:
         validate_amount(float(sparsity))
         self.amount = self.sparsity = float(sparsity)
         self._by_magnitude = by_magnitude
+        self.dim = dim
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        return rowwise_mask(
-            None, t, default_mask, default_mask.dtype, magnitude=self._by_magnitude, sparsity=self.sparsity
-        )
+        return self._next_mask(t, default_mask, default_mask.dtype)
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
-        return rowwise_mask(None, scores, current, dtype, magnitude=self._by_magnitude, sparsity=self.sparsity)
+        return rowwise_mask(
+            None, scores, current, dtype, magnitude=self._by_magnitude, sparsity=self.sparsity, dim=self.dim
+        )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(sparsity={self.sparsity!r})"
+        rows = f", dim={self.dim}" if self.dim else ""
+        return f"{type(self).__name__}(sparsity={self.sparsity!r}{rows})"
