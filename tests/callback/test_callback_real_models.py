@@ -223,6 +223,21 @@ def test_row_scope_refuses_a_grouped_conv_transpose(tmp_path: Path) -> None:
         trainer([callback], tmp_path).fit(Upsample())
 
 
+@pytest.mark.parametrize("layer", ["Conv1D", "ConvTranspose2d"])
+def test_channel_bias_is_refused_where_dim_0_runs_over_inputs(tmp_path: Path, layer: str) -> None:
+    """``(in, out)`` weights: the bias entries matching pruned inputs belong to other output channels."""
+    model = TinyGPT2()
+    if layer == "ConvTranspose2d":
+        model.model.transformer.h[0].attn.c_proj = nn.ConvTranspose2d(32, 32, 1)  # selected only, never run
+    selected = CONV1D if layer == "Conv1D" else "torch.nn.ConvTranspose2d"
+    callback = PruningCallback(0.5, method="ln_structured", prune_channel_bias=True, module_types=[selected])
+    with pytest.raises(
+        ValueError, match=rf"dim 0 of model\.transformer\.h\.0\.attn\.c_\w+\.weight \({layer}, .*inputs"
+    ):
+        trainer([callback], tmp_path, max_epochs=1).fit(model)
+    assert not prune.is_pruned(model)
+
+
 def test_default_selection_on_gpt2_warns_and_names_conv1d(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"covers \d+% of the model's weights.*transformers\.pytorch_utils\.Conv1D"):
         trainer([PruningCallback(0.3)], tmp_path, max_epochs=1).fit(TinyGPT2())

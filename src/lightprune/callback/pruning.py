@@ -140,7 +140,8 @@ class PruningCallback(Callback):
             than half of the model's weights.
         parameter_names: attribute names that may be pruned (default ``("weight",)``: no biases).
         prune_channel_bias: with a structured method pruning output channels (``dim=0``), also zero the bias
-            entries of the pruned channels.
+            entries of the pruned channels (refused at setup for a layer whose weight is stored ``(in, out)``, such
+            as transformers' ``Conv1D`` or a ``ConvTranspose``: its dim 0 runs over inputs).
         rewind: lottery-ticket rewinding after every event: ``None`` (off), ``"init"`` (the weights when training
             starts), an int ``k`` (the weights after ``k`` units of time) or a snapshot taken earlier with
             :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot
@@ -739,7 +740,7 @@ class PruningCallback(Callback):
             setup_checks.warn_small_share(selection, owners)
         biases = []
         if self.prune_channel_bias:
-            biases = [m for _, m, _ in selection if isinstance(getattr(m, "bias", None), Tensor)]
+            biases = setup_checks.channel_biases(selection)
         ties = setup_checks.find_ties(selection, owners)
         adapted = setup_checks.check_adapters(selection, pl_module, self._importance.kind)
         return MaskedSelection(

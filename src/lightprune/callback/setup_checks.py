@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 
 from lightprune import prune, registry, rules
 from lightprune._checks import is_int
@@ -302,6 +302,38 @@ def check_rows(selection: Selection) -> None:
                 f"are not the slices of one dim of its weight {tuple(tensor.shape)}, so scope='row' cannot rank them; "
                 "exclude it or choose another scope"
             )
+
+
+def channel_biases(selection: Selection) -> list[nn.Module]:
+    """The modules whose bias ``prune_channel_bias`` zeroes with the output channels their weight's mask removes
+    along dim 0; refuse a layer whose weight's dim 0 runs over its inputs (an ``(in, out)`` weight: transformers'
+    ``Conv1D``, ``ConvTranspose``), where those entries would be the bias of other channels.
+
+    Example:
+        >>> with_bias, without = nn.Linear(2, 3), nn.Linear(2, 3, bias=False)
+        >>> channel_biases([("fc.weight", with_bias, "weight"), ("fc2.weight", without, "weight")]) == [with_bias]
+        True
+        >>> channel_biases([("up.weight", nn.ConvTranspose1d(4, 2, 1), "weight")])
+        Traceback (most recent call last):
+        ...
+        ValueError: prune_channel_bias=True zeroes the bias of the output channels pruned along dim 0, but dim 0 of \
+up.weight (ConvTranspose1d, weight (4, 2, 1)) runs over its inputs: exclude it or set prune_channel_bias=False
+    """
+    from lightprune.layouts import row_dim
+
+    biases = []
+    for qualified, module, name in selection:
+        if name != "weight" or not isinstance(getattr(module, "bias", None), Tensor):
+            continue
+        if row_dim(module, name) != 0:
+            shape = tuple(prune.original(module, name).shape)
+            raise ValueError(
+                "prune_channel_bias=True zeroes the bias of the output channels pruned along dim 0, but dim 0 of "
+                f"{qualified} ({type(module).__name__}, weight {shape}) runs over its inputs: exclude it or set "
+                "prune_channel_bias=False"
+            )
+        biases.append(module)
+    return biases
 
 
 def check_n_m_layout(selection: Selection, method: str, m: int) -> None:
