@@ -18,7 +18,7 @@ from torch import nn
 
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
-from tiny_lightning import N, TinyNet, quiet_trainer
+from tiny_lightning import N, TinyNet, loader, quiet_trainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread_for_module")]
 
@@ -156,3 +156,24 @@ def test_regrowth_runs_on_the_batches_under_manual_optimization(regrow: str) -> 
     assert moved["TinyNet"] == [4, 8, 12, 16]
     assert moved["TwoOptimizers"] == moved["TinyNet"]
     assert moved["EveryOtherBatch"] == moved["TinyNet"]
+
+
+def test_fractions_beside_a_gradient_accumulation_scheduler_count_its_steps() -> None:
+    """Lightning's step estimate ignores the scheduler's factors: 8 + 2 + 2 optimizer steps here, not 24."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    model = TinyNet()
+    zeros: dict[int, int] = {}  # optimizer steps taken -> zero weights after that batch
+
+    class Zeros(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            layers = [layer for layer in model.net if isinstance(layer, nn.Linear)]
+            zeros[trainer.global_step] = sum(int((layer.weight == 0).sum()) for layer in layers)
+
+    callback = PruningCallback(Cubic(final=0.8, start=0, end=1.0, frequency=0.25))
+    callbacks = [callback, GradientAccumulationScheduler({1: 4}), Zeros()]
+    quiet_trainer(callbacks, max_epochs=3).fit(model, loader())
+    assert max(zeros) == 12
+    changes = [step for step in sorted(zeros) if step and zeros[step] != zeros.get(step - 1, 0)]
+    assert changes == [3, 6, 9, 11]  # a quarter of the run's 12 steps apart, the last at its last tick (1.0)
+    assert zeros[12] == round(0.8 * N)

@@ -2,7 +2,8 @@
 
 * ``unit="epoch"``: completed epochs (``trainer.current_epoch``); the run lasts ``max_epochs``.
 * ``unit="step"`` under automatic optimization: optimizer steps (``trainer.global_step``, so gradient accumulation is
-  handled); the run lasts ``trainer.estimated_stepping_batches``.
+  handled); the run lasts ``trainer.estimated_stepping_batches``, or, beside a ``GradientAccumulationScheduler``
+  (whose factors Lightning's estimate does not read), the sum over epochs of each epoch's optimizer steps.
 * ``unit="step"`` under manual optimization (``automatic_optimization = False``): *training batches*. There Lightning's
   ``global_step`` counts every ``optimizer.step()`` call, so a GAN stepping two optimizers a batch would run its
   schedule twice as fast, and a loop that steps every other batch (gradient accumulation by hand) half as fast, as
@@ -57,6 +58,22 @@ def now(trainer: Trainer, unit: str) -> int:
     return trainer.global_step
 
 
+def _optimizer_steps(trainer: Trainer) -> int | float:
+    """How many optimizer steps the run takes: ``trainer.estimated_stepping_batches``, counted epoch by epoch with
+    the factors of a ``GradientAccumulationScheduler`` among the callbacks (an epoch of ``b`` batches accumulated
+    ``a`` at a time steps ``ceil(b / a)`` times: its last, short group steps too)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    estimated = trainer.estimated_stepping_batches  # (sets the training data up if it is not yet)
+    schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    epochs, batches = trainer.max_epochs, trainer.num_training_batches
+    if not schedulers or epochs is None or epochs < 0 or batches == float("inf"):
+        return estimated
+    factors = [schedulers[0].get_accumulate_grad_batches(epoch) for epoch in range(max(epochs, 1))]
+    total = sum(-(-int(batches) // factor) for factor in factors)
+    return min(total, trainer.max_steps) if trainer.max_steps != -1 else total
+
+
 def run_length(trainer: Trainer, unit: str) -> int | float | None:
     """How many units of the clock the run lasts; ``None`` or ``inf`` when that is unknown.
 
@@ -70,7 +87,7 @@ def run_length(trainer: Trainer, unit: str) -> int | float | None:
     if unit == "epoch":
         return trainer.max_epochs
     if not counts_batches(trainer, unit):
-        return trainer.estimated_stepping_batches
+        return _optimizer_steps(trainer)
     epochs, batches = trainer.max_epochs, trainer.num_training_batches
     if epochs is None or epochs < 0 or batches == float("inf"):
         return None
