@@ -284,6 +284,16 @@ def test_tied_weights_appear_once_under_the_first_name() -> None:
     assert names(select_parameters(model, parameter_names=None)) == ["0.weight", "0.bias", "1.bias"]
 
 
+def test_a_tied_tensor_excluded_under_one_name_is_excluded_under_all() -> None:
+    """An exclusion of the embeddings also keeps the tied output layer (the same tensor) unpruned, whichever
+    name comes first and whatever module types are selected."""
+    model = nn.ModuleDict({"embed": nn.Embedding(4, 3), "body": nn.Linear(3, 3), "head": nn.Linear(3, 4)})
+    model.head.weight = model.embed.weight
+    assert names(select_parameters(model)) == ["body.weight", "head.weight"]
+    assert names(select_parameters(model, exclude=r"embed\..*")) == ["body.weight"]
+    assert names(select_parameters(model, module_types=None, exclude=r"head\..*")) == ["body.weight"]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Explicit (module, name) pairs
 # ----------------------------------------------------------------------------------------------------------------------

@@ -127,7 +127,9 @@ def select_parameters(
     * its module is an instance of one of ``module_types`` (``None``: any module);
     * its attribute name is in ``parameter_names`` (``None``: any name);
     * ``include`` is ``None`` or one of its patterns matches the *whole* qualified name (``re.fullmatch``);
-    * none of the ``exclude`` patterns matches the whole qualified name (``re.fullmatch``).
+    * none of the ``exclude`` patterns matches the whole qualified name (``re.fullmatch``) of the tensor under any of
+      its names: a tensor shared by several modules (tied embeddings: ``lm_head.weight`` is ``wte.weight``) is
+      excluded everywhere when one of its names is.
 
     Patterns are matched against the full dotted name, so ``r"features\..*"`` selects everything under
     ``features`` and ``r".*\.weight"`` every weight; use ``.*`` explicitly for a substring match.
@@ -162,6 +164,10 @@ def select_parameters(
         >>> _, module, name = select_parameters(model)[-1]
         >>> module is model.classifier, name
         (True, 'weight')
+        >>> tied = nn.ModuleDict({"embed": nn.Embedding(2, 4), "head": nn.Linear(4, 2), "out": nn.Linear(2, 2)})
+        >>> tied.head.weight = tied.embed.weight  # one tensor, two names
+        >>> [name for name, _, _ in select_parameters(tied, exclude=r"embed\..*")]
+        ['out.weight']
 
     """
     includes = compile_patterns("include", include)
@@ -173,6 +179,12 @@ def select_parameters(
         parameter_names = (parameter_names,)
     names = None if parameter_names is None else set(parameter_names)
 
+    excluded = {  # a tensor excluded under one of its names is excluded under all of them
+        id(parameter)
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name, parameter in _own_parameters(module)
+        if any(pattern.fullmatch(_qualify(prefix, name)) for pattern in excludes)
+    }
     selected = []
     seen: set[int] = set()
     for prefix, module in model.named_modules():
@@ -184,9 +196,7 @@ def select_parameters(
             qualified_name = _qualify(prefix, name)
             if includes and not any(pattern.fullmatch(qualified_name) for pattern in includes):
                 continue
-            if any(pattern.fullmatch(qualified_name) for pattern in excludes):
-                continue
-            if id(parameter) in seen:
+            if id(parameter) in excluded or id(parameter) in seen:
                 continue
             seen.add(id(parameter))
             selected.append((qualified_name, module, name))

@@ -134,7 +134,8 @@ class PruningCallback(Callback):
             schedule's times, ``rewind`` and ``activation_window`` are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
         include: regular expressions; a parameter's qualified name must fully match one (``None``: all).
-        exclude: regular expressions; parameters whose qualified name fully matches one are skipped.
+        exclude: regular expressions; parameters whose qualified name fully matches one are skipped (a tied tensor,
+            such as an output layer sharing the input embeddings, under every one of its names).
         module_types: module classes, or their import paths (``"transformers.pytorch_utils.Conv1D"``), whose
             parameters may be pruned; default Linear and Conv1d/2d/3d, with a warning at setup when those hold less
             than half of the model's weights.
