@@ -315,6 +315,14 @@ def test_invalid_values_fail_before_training(no_training: None, tmp_path: Path, 
     [
         (["pruning.include=['nothing\\..*']"], "pruning.include"),
         (["pruning.method=no_such_package.Method"], "could not be imported"),
+        (["model=small_cnn", "pruning=nm_2_4"], r"semi_structured with m=4 needs the input dim .*model\.conv1\.weight"),
+        (["pruning.max_layer_sparsity=0.5"], r"max_layer_sparsity=0\.5 lets at most .* fewer than"),
+        (["pruning.method=heads", "pruning.scope=layerwise"], "found no heads in Classifier"),
+        (
+            ["optim.prune.optimizer={_target_:torch.optim.SGD,_partial_:true,lrr:0.1}"],
+            r"optim\.prune\.optimizer: torch\.optim\.SGD\(params, \.\.\.\) failed: TypeError: .*'lrr'",
+        ),
+        (["optim.dense.optimizer={_target_:torch.optim.SGD,_partial_:true,lr:-0.1}"], "Invalid learning rate"),
     ],
 )
 def test_selection_and_method_errors_fail_before_training(
@@ -526,6 +534,28 @@ def test_python_m_run(tmp_path: Path) -> None:
     for noise in ("LeafSpec", "litlogger", "💡", "v_num"):
         assert noise not in output, noise
     assert RunSummary.load(tmp_path / "summary.json").overrides == TINY  # the task's overrides, not hydra.*
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["true", "false"])
+def test_two_processes_train_together_and_the_first_writes_the_outputs(tmp_path: Path, cache: str) -> None:
+    """``trainer.devices=2`` (DDP on CPU): no rank waits on the dense cache's lock while the other waits for it."""
+    run_dir, cache_dir = tmp_path / "run", tmp_path / "cache"
+    overrides = [
+        *TINY,
+        "trainer.devices=2",
+        f"cache.dense={cache}",
+        f"cache.dir={cache_dir}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = run_cli(PYTHON_M, *overrides, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("outputs: ") == 1  # the summary table and outputs once, by the first process
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert_exact_sparsity(summary, 0.9)
+    assert summary.dense_cache == "trained"
+    assert (run_dir / "model.safetensors").is_file() and (run_dir / "layer_sparsity.png").is_file()
+    assert not cache_dir.exists() or not any(cache_dir.glob("*/state_dict.pt"))  # nothing stored from a DDP run
 
 
 @pytest.mark.slow

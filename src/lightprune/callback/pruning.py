@@ -711,18 +711,58 @@ class PruningCallback(Callback):
         movement = importance.movement.scores(self._reducer(trainer, "mean")) if importance.movement else None
         return UnitRanking(self.importance, moments, movement)
 
+    def check_model(self, model: nn.Module, batch: Any = None) -> None:
+        """Check, before any training, what can be checked on ``model`` alone: the selection (``include``,
+        ``exclude``, ``module_types``, ``parameters``) and whether the method, scope and cap fit the selected tensors
+        (an N:M group size their input dims, ``ln_structured``'s ``dim`` their dims, ``max_layer_sparsity`` the
+        final target). ``trainer.fit`` runs these checks again at setup, with those that need the Trainer (other
+        pruning callbacks, sharding, a checkpoint's masks); an app can call this first to fail before a long dense
+        phase. Unit groups (``method="heads"`` and the other units) are looked for on ``batch`` (a training batch as
+        the dataloader yields it, read as at setup) or fixed ``example_inputs``, in eval mode without gradients;
+        without either they are not checked here.
+
+        Raises:
+            ValueError: naming the first problem found.
+
+        Example:
+            >>> callback = PruningCallback(0.5, method="semi_structured")
+            >>> callback.check_model(nn.Sequential(nn.Linear(8, 2)))  # input dim 8: 2:4 groups fit
+            >>> callback.check_model(nn.Sequential(nn.Linear(6, 2)))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: semi_structured with m=4 needs the input dim (dim 1) of every weight to be a multiple of m: ...
+        """
+        if self.units is not None:
+            if batch is not None or (self.example_inputs is not None and not callable(self.example_inputs)):
+                args, kwargs = example_from_batch(batch, self.example_inputs)
+                find_groups(model, self.units, args, kwargs, self.include, self.exclude)
+            return
+        masked = self._masked_selection(model, self._selected(model))
+        if self.max_layer_sparsity < 1:
+            schedule = self.schedule
+            if not schedule.is_resolved:  # its last level does not depend on the run's length
+                try:
+                    schedule = schedule.resolve(1_000_000)
+                except ValueError:
+                    return  # checked when the run's length resolves it, before the first step
+            counts = masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
+            setup_checks.check_cap(self.max_layer_sparsity, self.scope, schedule.final_sparsity, counts)
+
+    def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+        """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
+        if self.parameters is not None:
+            return resolve_pairs(model, self.parameters)
+        return select_parameters(
+            model,
+            include=self.include,
+            exclude=self.exclude,
+            module_types=self.module_types,
+            parameter_names=self.parameter_names,
+        )
+
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
-        if self.parameters is not None:
-            selection = resolve_pairs(pl_module, self.parameters)
-        else:
-            selection = select_parameters(
-                pl_module,
-                include=self.include,
-                exclude=self.exclude,
-                module_types=self.module_types,
-                parameter_names=self.parameter_names,
-            )
+        selection = self._selected(pl_module)
         neighbours.refuse_other_pruning(trainer)
         if self.mask_dtype == torch.bool:
             neighbours.refuse_averaged_bool_buffers(trainer)
@@ -730,20 +770,23 @@ class PruningCallback(Callback):
         setup_checks.refuse_overlaps(selection, others, self._log_prefix)
         setup_checks.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
         setup_checks.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
+        if self._default_types and self.parameters is None:
+            setup_checks.warn_small_share(selection, parameter_owners(pl_module))
+        return self._masked_selection(pl_module, selection)
+
+    def _masked_selection(self, model: nn.Module, selection: list[tuple[str, nn.Module, str]]) -> MaskedSelection:
+        """The selection with its ties, channel biases and adapters, checked against the method and scope."""
         if self.structured:
             setup_checks.check_dims(selection, self.method_kwargs)
         if self.scope == "row":
             setup_checks.check_rows(selection)
         if self._n_m is not None:
             setup_checks.check_n_m_layout(selection, self._n_m.name, self.method_kwargs["m"])
-        owners = parameter_owners(pl_module)
-        if self._default_types and self.parameters is None:
-            setup_checks.warn_small_share(selection, owners)
         biases = []
         if self.prune_channel_bias:
             biases = setup_checks.channel_biases(selection)
-        ties = setup_checks.find_ties(selection, owners)
-        adapted = setup_checks.check_adapters(selection, pl_module, self._importance.kind)
+        ties = setup_checks.find_ties(selection, parameter_owners(model))
+        adapted = setup_checks.check_adapters(selection, model, self._importance.kind)
         return MaskedSelection(
             selection,
             ties,

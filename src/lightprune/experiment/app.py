@@ -356,12 +356,15 @@ def _round_targets(cfg: DictConfig) -> list[float]:
     return targets
 
 
-def _plan(cfg: DictConfig, module: nn.Module, rewind: Any) -> list[tuple[str, float | None, Any]]:
+def _plan(cfg: DictConfig, module: nn.Module, rewind: Any, example: Any = None) -> list[tuple[str, float | None, Any]]:
     """The phases after the dense one, as ``(log name, round target or None, callback or None)``.
 
-    Every callback is built here, before any training, so that a bad method, method argument or selection fails
-    at once rather than after the dense phase.
+    Every callback is built and checked against the model here (unit groups on ``example``, one input of the
+    model, when there is one), before any training, so that a bad method, method argument, scope, cap or selection
+    fails at once rather than after the dense phase.
     """
+    import torch
+
     try:
         if cfg.pruning.preset == "iterative_rounds" and build_callback(cfg, module=module) is not None:
             targets = _round_targets(cfg)
@@ -381,7 +384,26 @@ def _plan(cfg: DictConfig, module: nn.Module, rewind: Any) -> list[tuple[str, fl
         raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
     if plan[0][2] is not None and plan[0][2].units is None:  # unit groups are found (and checked) on a batch
         _check_selection(plan[0][2], module)
+    for _, _, callback in plan:
+        if callback is not None:
+            try:  # the method, scope and cap against the selected layers; unit groups on an example input
+                with torch.random.fork_rng():
+                    callback.check_model(module, None if example is None else (example,))
+            except ValueError as err:
+                raise ConfigError(f"invalid pruning config for model {_model_name(cfg)} (pruning.*): {err}") from err
     return plan
+
+
+def _check_optimization(cfg: DictConfig, module: Any) -> None:
+    """Build each phase's optimizer and scheduler once, before any training, so that a bad ``optim.*`` node fails
+    at once (a :class:`ConfigError` naming its key) instead of after the dense phase."""
+    from lightprune.experiment.classifier import Classifier
+
+    if not isinstance(module, Classifier):
+        return
+    for phase in ("dense", "prune"):
+        _set_optimization(cfg, module, phase)
+        module.configure_optimizers()  # throwaway: nothing is stepped, no state is kept
 
 
 def _lay_end_to_end(output_dir: Path, phases: Sequence[tuple[str, int]], out_csv: Path) -> Path | None:
@@ -485,6 +507,10 @@ def _dense_phase(
 
     if not cfg.cache.dense:
         return (*train(), "trained", final_lrs)
+    if cfg.trainer.devices > 1:  # every rank must take the same branch, and a rank waiting on the lock cannot join
+        log.info("dense-phase cache not used: the run has %d processes, which train the dense phase together",
+                 cfg.trainer.devices)  # fmt: skip
+        return (*train(), "trained", final_lrs)
     plain = OmegaConf.to_container(cfg, resolve=True)
     key = dense_key(plain)  # type: ignore[arg-type]
     cache = DenseCache(cfg.cache.dir)
@@ -512,6 +538,7 @@ def _dense_phase(
 def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import lightning.pytorch as pl
     import torch
+    from lightning.pytorch.utilities import rank_zero_only
 
     from lightprune.callback import PruningCallback
     from lightprune.experiment.learning_rates import HoldLearningRate, final_learning_rates
@@ -528,7 +555,11 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     datamodule = _datamodule(cfg)
     module, network, input_shape, num_classes = _module(cfg, datamodule)
     initial_weights = PruningCallback.snapshot_weights(module)
-    plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None)
+    example = getattr(module, "example_input_array", None)
+    if example is None and input_shape is not None:
+        example = torch.zeros(1, *input_shape)
+    plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None, example=example)
+    _check_optimization(cfg, module)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     dense_started = time.perf_counter()
@@ -571,6 +602,8 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     summary.run_dir = str(output_dir.resolve())
     summary.dense_cache = dense_how
     summary.dense_time_s = dense_time
+    if rank_zero_only.rank != 0:  # several processes (trainer.devices > 1): the first writes the outputs
+        return summary
     if cfg.save_model:
         torch.save(network.state_dict(), output_dir / "model.pt")
         _export(summary, network, module, output_dir, input_shape, structured, units)

@@ -129,13 +129,13 @@ class Classifier(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         """The optimizer over all trainable parameters: the one given to :meth:`set_optimization` (with its
         scheduler), else the one named by ``optimizer``."""
-        from lightprune.experiment.targets import instantiate, make_scheduler
+        from lightprune.experiment.targets import make_optimizer, make_scheduler
 
         params = [p for p in self.parameters() if p.requires_grad]
         chosen = self.optimization or {}
         key = chosen.get("key", "optim")
         if chosen.get("optimizer") is not None:
-            optimizer = instantiate(f"{key}.optimizer", chosen["optimizer"])(params)
+            optimizer = make_optimizer(f"{key}.optimizer", chosen["optimizer"], params)
         else:
             optimizer = self._named_optimizer(params)
         if chosen.get("scheduler") is None:

@@ -58,6 +58,30 @@ def instantiate(key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(f"{key}: {target}(...) failed: {type(cause).__name__}: {text}") from err
 
 
+def make_optimizer(key: str, node: Any, params: list[Any]) -> Any:
+    """An optimizer from a ``_partial_: true`` node over ``params``; a failure (an unknown argument, a negative
+    learning rate) becomes a one-line :class:`ConfigError` naming ``key``.
+
+    Example:
+        >>> import torch
+        >>> params = [torch.zeros(1, requires_grad=True)]
+        >>> make_optimizer("optim.dense.optimizer", {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+        ...                params).defaults["lr"]
+        0.1
+        >>> make_optimizer("optim.dense.optimizer", {"_target_": "torch.optim.SGD", "_partial_": True, "lr": -1},
+        ...                params)
+        Traceback (most recent call last):
+        ...
+        lightprune.experiment.config.ConfigError: optim.dense.optimizer: torch.optim.SGD(params, ...) failed: \
+ValueError: Invalid learning rate: -1
+    """
+    factory = instantiate(key, node)
+    try:
+        return factory(params)
+    except Exception as err:
+        raise ConfigError(f"{key}: {node['_target_']}(params, ...) failed: {type(err).__name__}: {err}") from err
+
+
 def data_facts(data_cfg: Any, datamodule: Any, needed: bool) -> tuple[tuple[int, ...] | None, int | None]:
     """The input shape (one example, no batch dimension) and number of classes of the data.
 
