@@ -185,6 +185,21 @@ def test_iterative_rounds_prune_geometrically_and_rewind(tmp_path: Path) -> None
     assert not (tmp_path / "logs" / "round_3").exists()
 
 
+def test_a_run_into_an_earlier_runs_directory_leaves_nothing_of_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No file may contradict the new ``summary.json``: the earlier run's model, plots and phase logs go."""
+    run_experiment(make_config(*TINY, "pruning=iterative_rounds", "pruning.rounds=2"), tmp_path)
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "logs" / "round_2").is_dir()
+    with caplog.at_level(logging.WARNING):
+        summary = run_experiment(make_config(*TINY, "save_model=false", "plots=false"), tmp_path)
+    assert_exact_sparsity(summary, 0.9)
+    left = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
+    assert not [name for name in left if name.startswith(("model", "logs/round")) or name.endswith(".png")], left
+    assert RunSummary.load(tmp_path / "summary.json").final_test_acc == summary.final_test_acc
+    assert "removed outputs of an earlier run" in caplog.text and "logs/round_1" in caplog.text
+
+
 @pytest.mark.slow
 def test_ln_structured_prunes_channels_and_keeps_the_classifier(tmp_path: Path) -> None:
     summary = run_experiment(make_config(*TINY, "pruning=ln_structured", "model=small_cnn"), tmp_path)

@@ -551,6 +551,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     from lightprune.experiment.summary import format_summary_table, summarize
 
     started = time.perf_counter()
+    written_from = time.time()  # outputs older than this in output_dir are an earlier run's
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _datamodule(cfg)
     module, network, input_shape, num_classes = _module(cfg, datamodule)
@@ -615,9 +616,43 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
             if has_mask_movement(curves_csv):
                 plot_mask_movement(curves_csv, output_dir / "mask_movement.png")
         plot_layer_sparsity(summary, output_dir / "layer_sparsity.png")
+    _remove_stale_outputs(output_dir, [phase for phase, _ in phases], since=written_from)
     print(format_summary_table(summary))
     print(f"outputs: {output_dir}")
     return summary
+
+
+STALE_CANDIDATES = (
+    "model.pt",
+    "model.safetensors",
+    "model_compact.pt",
+    "training_curves.png",
+    "mask_movement.png",
+    "layer_sparsity.png",
+    "logs/all_phases.csv",
+)
+"""Outputs a run may write or not (``save_model``, ``plots``, the kind of run): a run into a directory that holds an
+earlier run's removes those it did not write itself, so no file contradicts its ``summary.json``."""
+
+
+def _remove_stale_outputs(output_dir: Path, phases: Sequence[str], since: float) -> None:
+    """Remove what an earlier run left in ``output_dir`` and this one did not write (older than ``since``, a
+    ``time.time()``): the :data:`STALE_CANDIDATES` and the logs of phases this run does not have."""
+    import shutil
+
+    stale = [output_dir / name for name in STALE_CANDIDATES if (output_dir / name).is_file()]
+    stale = [path for path in stale if path.stat().st_mtime < since]
+    logs = output_dir / "logs"
+    if logs.is_dir():
+        stale += sorted(path for path in logs.iterdir() if path.is_dir() and path.name not in phases)
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if stale:
+        names = ", ".join(str(path.relative_to(output_dir)) for path in stale)
+        log.warning("removed outputs of an earlier run in %s that this run did not write: %s", output_dir, names)
 
 
 def _export(
