@@ -315,6 +315,7 @@ def test_misspelt_keys_and_wrong_types_fail_at_composition(override: str, key: s
         (["data=idx"], "data.root"),
         (["data.val_size=0.5", "data.test_size=0.5"], "data.test_size"),
         (["model.optimizer=adagrad"], "model.optimizer"),
+        (["pruning.seed=-1"], "pruning.seed"),
     ],
 )
 def test_invalid_values_fail_before_training(no_training: None, tmp_path: Path, overrides: list[str], key: str) -> None:
@@ -347,6 +348,15 @@ def test_selection_and_method_errors_fail_before_training(
     with pytest.raises(ValueError, match=message):
         run_experiment(make_config(*TINY, *overrides), run_dir)
     assert not run_dir.exists()
+
+
+def test_an_accelerator_this_machine_lacks_fails_before_training(
+    no_training: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"trainer\.accelerator='gpu': no CUDA device is available here"):
+        run_experiment(make_config(*TINY, "trainer.accelerator=gpu"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_late_one_shot_is_valid_whatever_end_says(no_training: None, tmp_path: Path) -> None:

@@ -332,6 +332,12 @@ def test_removing_every_weight_is_valid_but_warned() -> None:
     assert config_warnings(compose_app("pruning=none", "pruning.final_sparsity=1.0")) == []  # nothing is pruned
 
 
+def test_a_limit_on_the_bundled_digits_is_warned_as_unused() -> None:
+    (message,) = config_warnings(compose_app("data=digits", "data.limit=100"))
+    assert message.startswith("data.limit=100 is not used with data=digits")
+    assert config_warnings(compose_app("data=digits")) == []
+
+
 def test_the_cache_group_composes_with_its_defaults() -> None:
     cfg = compose_app("cache.retrain=true")
     assert (cfg.cache.dense, cfg.cache.dir, cfg.cache.retrain) == (True, None, True)

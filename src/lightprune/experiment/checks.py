@@ -48,6 +48,20 @@ def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | N
     return exclude or None
 
 
+def _accelerator_problems(cfg: DictConfig) -> list[str]:
+    """``trainer.accelerator`` names a device this machine has (``auto`` and ``cpu`` always do)."""
+    accelerator = cfg.trainer.accelerator
+    if accelerator not in ("gpu", "cuda", "mps"):
+        return []
+    import torch
+
+    if accelerator == "mps" and not torch.backends.mps.is_available():
+        return ["trainer.accelerator='mps': no MPS device is available here; use cpu or auto"]
+    if accelerator != "mps" and not torch.cuda.is_available():
+        return [f"trainer.accelerator={accelerator!r}: no CUDA device is available here; use cpu or auto"]
+    return []
+
+
 def _data_problems(cfg: DictConfig) -> list[str]:
     if not is_bundled(cfg.data):  # a user's datamodule finds its own files
         return []
@@ -93,8 +107,8 @@ def _selection_problems(cfg: DictConfig) -> list[str]:
 
 def preflight(cfg: DictConfig) -> None:
     """Checks what :func:`~lightprune.experiment.config.validate_config` cannot from values alone, without importing
-    Lightning: the data files exist (naming ``data.root`` when they do not) and ``pruning.include`` /
-    ``pruning.exclude`` select some weight of the model.
+    Lightning: the data files exist (naming ``data.root`` when they do not), ``pruning.include`` /
+    ``pruning.exclude`` select some weight of the model, and ``trainer.accelerator`` names a device this machine has.
 
     Raises:
         ConfigError: listing every problem.
@@ -111,6 +125,6 @@ def preflight(cfg: DictConfig) -> None:
         lightprune.experiment.config.ConfigError: invalid experiment config:
           data.root='/nonexistent': /nonexistent is not a directory; set data.root=<directory holding ...>
     """
-    problems = _data_problems(cfg) + _selection_problems(cfg)
+    problems = _data_problems(cfg) + _selection_problems(cfg) + _accelerator_problems(cfg)
     if problems:
         raise ConfigError("invalid experiment config:\n  " + "\n  ".join(problems))

@@ -538,6 +538,8 @@ def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
             f"pruning.final_sparsity={cfg.pruning.final_sparsity} removes every selected weight: "
             "the pruned layers will output only their biases"
         )
+    if is_bundled(cfg.data) and cfg.data.get("name") == "digits" and cfg.data.get("limit") is not None:
+        messages.append(f"data.limit={cfg.data.limit} is not used with data=digits (1,797 examples, all used)")
     return messages
 
 
@@ -901,6 +903,7 @@ def validate_config(cfg: DictConfig | ExperimentConfig) -> None:
     _check(problems, pruning.scope in SCOPES, "pruning.scope", pruning.scope, f"one of {SCOPES}")
     _check(problems, pruning.schedule in SCHEDULES, "pruning.schedule", pruning.schedule, f"one of {SCHEDULES}")
     _check(problems, pruning.rounds >= 1, "pruning.rounds", pruning.rounds, "must be >= 1")
+    _check(problems, 0 <= pruning.seed <= MAX_SEED, "pruning.seed", pruning.seed, f"must be in [0, {MAX_SEED}]")
     if pruning.schedule in SCHEDULES and pruning.rounds >= 1:  # the schedule checks its own arguments
         try:
             pruning_schedule(pruning)
