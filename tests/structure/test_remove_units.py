@@ -145,3 +145,60 @@ def test_other_families_compact_exactly(family: str) -> None:
     prune_units(model, groups, 0.5)
     small = remove_units(model, (), example)
     _assert_close(outputs(model, other), outputs(small, other))
+
+
+def test_load_compact_gives_an_eval_model_in_the_saved_dtype_and_refuses_what_it_cannot_pass(tmp_path) -> None:
+    model, example, other = BUILDERS["bert"]()
+    model = model.to(torch.bfloat16)
+    prune_units(model, find_units(model, (), example), 0.4, scope="global")
+    small = remove_units(model, (), example)
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path)  # BERT records its per-layer counts
+    assert not loaded.training and next(loaded.parameters()).dtype == torch.bfloat16
+    for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+    assert next(load_compact(type(small), tmp_path, dtype=torch.float32).parameters()).dtype == torch.float32
+    with pytest.raises(TypeError, match=r"load_compact cannot pass \['device_map'\]"):
+        load_compact(type(small), tmp_path, device_map="cpu")
+
+
+def test_groups_given_in_any_order_and_subset_load_back(tmp_path) -> None:
+    model, example, other = BUILDERS["llama"]()
+    groups = find_units(model, (), example, kinds=["neurons"]) + find_units(model, (), example, kinds=["heads"])
+    prune_units(model, groups, 0.4, scope="global")
+    small = remove_units(model, (), example, groups=groups)
+    assert small.config.lightprune_kept_units == [g.count for g in find_units(small, (), example)]
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path)
+    for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_vision_transformer_loads_back(tmp_path) -> None:
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, image_size=16, patch_size=8
+    )
+    torch.manual_seed(0)
+    model = transformers.ViTModel(config).eval()
+    example = {"pixel_values": torch.randn(2, 3, 16, 16)}
+    prune_units(model, find_units(model, (), example), 0.5)
+    small = remove_units(model, (), example)
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(transformers.ViTModel, tmp_path)
+    for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_forward_that_reads_a_count_remove_units_cannot_change_is_refused() -> None:
+    """Phi-3 splits its fused qkv projection by ``config.num_attention_heads`` in its forward."""
+    config = transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=40, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    example = {"input_ids": torch.randint(3, 64, (2, 7))}
+    groups = [g for g in find_units(model, (), example) if g.kind == "heads"]
+    prune_units(model, groups, 0.5)
+    with pytest.raises(CompactError, match=r"compact Phi3ForCausalLM does not run on the example inputs"):
+        remove_units(model, (), example, groups=groups)

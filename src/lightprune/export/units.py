@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,12 +123,19 @@ def _set_head_attributes(model: nn.Module, group: UnitGroup, units: int) -> None
                 setattr(module, attribute, new)
 
 
-def _update_config(model: nn.Module, groups: Sequence[UnitGroup], counts: list[int]) -> None:
-    """Write uniform counts into the config if a model built from it has the compact shapes; else record counts."""
+def _update_config(
+    model: nn.Module, groups: Sequence[UnitGroup], counts: list[int], all_counts: Callable[[], list[int]]
+) -> None:
+    """Write uniform counts into the config if a model built from it has the compact shapes; else record the kept
+    units of every group of the compact model (``all_counts()``, in :func:`find_units`' order, which
+    :func:`load_compact` follows), whatever subset or order of groups ``groups`` was."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return
     if list(counts) == [group.count for group in groups]:
+        return
+    if getattr(config, KEPT_UNITS, None) is not None:  # removed before: the record covers every group again
+        setattr(config, KEPT_UNITS, all_counts())
         return
     changes: dict[str, Any] = {}
     for kind, names, scale in (
@@ -152,7 +159,7 @@ def _update_config(model: nn.Module, groups: Sequence[UnitGroup], counts: list[i
         for name, value in changes.items():
             setattr(config, name, value)
     else:
-        setattr(config, KEPT_UNITS, list(counts))
+        setattr(config, KEPT_UNITS, all_counts())
 
 
 def _config_fits(model: nn.Module, config: Any, changes: Mapping[str, Any]) -> bool:
@@ -229,14 +236,19 @@ def remove_units(
     compact = plain_copy(model).eval()
     removed = [_removable(compact, group) for group in groups]
     _shrink(compact, groups, removed)
-    _update_config(compact, groups, [int((~gone).sum()) for gone in removed])
     was_training = model.training
     model.eval()
     try:
         want = _outputs(model, args, kwargs)
     finally:
         model.train(was_training)
-    got = _outputs(compact, args, kwargs)
+    try:
+        got = _outputs(compact, args, kwargs)
+    except Exception as err:  # the model's code derives a shape from a count the removal could not change
+        raise CompactError(
+            f"the compact {type(model).__name__} does not run on the example inputs ({type(err).__name__}: {err}): "
+            "its forward reads a head or width count that remove_units does not know; keep its units"
+        ) from err
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         scale = max(float(a.abs().max()) if a.numel() else 0.0, 1e-30)
         tolerance = max(rtol, 16 * torch.finfo(a.dtype).eps) * scale
@@ -245,6 +257,12 @@ def remove_units(
                 f"the compact {type(model).__name__}'s output {i} differs from the masked model's on the example "
                 "inputs; please report this model"
             )
+    _update_config(
+        compact,
+        groups,
+        [int((~gone).sum()) for gone in removed],
+        lambda: [group.count for group in find_units(compact, args, kwargs)],
+    )
     return compact
 
 
@@ -252,8 +270,11 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     """Load a model saved with ``save_pretrained`` after :func:`remove_units`, whatever its per-layer counts.
 
     Where the config holds the compact sizes this is ``model_class.from_pretrained(path, **kwargs)``. Where it
-    records ``lightprune_kept_units`` (per-layer counts, or BERT's heads), the model is built from the config, its
-    units found on its ``dummy_inputs`` and cut to the recorded counts, and the saved weights loaded into it.
+    records ``lightprune_kept_units`` (per-layer counts, or BERT's heads), the model is built from the config (in the
+    saved dtype, or ``dtype=``; ``attn_implementation=`` is honoured too, other arguments are refused), its units
+    found on an example input (its ``dummy_inputs``, or zero images for a model whose main input is
+    ``pixel_values``) and cut to the recorded counts, and the saved weights loaded into it. Either way the model
+    comes back in eval mode, as ``from_pretrained`` gives it.
 
     Example:
         >>> import tempfile
@@ -274,8 +295,16 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     counts = getattr(config, KEPT_UNITS, None)
     if counts is None:
         return model_class.from_pretrained(path, **kwargs)
-    model = model_class(config)
-    groups = find_units(model, (), dict(model.dummy_inputs))
+    accepted = {key: kwargs.pop(key) for key in ("dtype", "torch_dtype", "attn_implementation") if key in kwargs}
+    if kwargs:
+        raise TypeError(
+            f"load_compact cannot pass {sorted(kwargs)} on for {path}, whose config records per-layer counts "
+            f"({KEPT_UNITS}): load it, then move or convert the model"
+        )
+    if accepted.get("dtype", accepted.get("torch_dtype")) == "auto":  # the saved dtype, as config.dtype says
+        accepted.pop("dtype", None), accepted.pop("torch_dtype", None)
+    model = model_class._from_config(config, **accepted)
+    groups = find_units(model, (), _example_inputs(model, path))
     if len(groups) != len(counts):
         raise CompactError(f"{path}: the config records {len(counts)} unit groups, the model has {len(groups)}")
     removed = []
@@ -290,10 +319,42 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     for file in sorted(os.listdir(path)):
         if file.endswith(".safetensors"):
             state |= load_file(os.path.join(path, file))
+    state = {_own_names(model).get(key, key): value for key, value in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or any(key not in tied for key in missing):
         raise CompactError(f"{path}: the saved weights do not fit (missing {missing}, unexpected {unexpected})")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    return model
+    return model.eval()
+
+
+def _own_names(model: nn.Module) -> dict[str, str]:
+    """The model's state_dict key of each name ``save_pretrained`` wrote (transformers renames some models' weights
+    on saving, e.g. ViT's, and renames them back in ``from_pretrained``); renames only, as the tensors tell."""
+    own = model.state_dict()
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+    except ImportError:  # a transformers without renaming on save
+        return {}
+    saved = revert_weight_conversion(model, dict(own))
+    key_of = {id(tensor): key for key, tensor in own.items()}
+    return {name: key_of[id(tensor)] for name, tensor in saved.items() if id(tensor) in key_of}
+
+
+def _example_inputs(model: nn.Module, path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """Keyword inputs of one forward of a Hugging Face model built from its config, to find its units on."""
+    main = getattr(model, "main_input_name", "input_ids")
+    dummy = dict(getattr(model, "dummy_inputs", {}) or {})
+    if main in dummy:
+        return dummy
+    config = model.config  # type: ignore[union-attr]
+    if main == "pixel_values" and hasattr(config, "num_channels") and hasattr(config, "image_size"):
+        size = config.image_size if isinstance(config.image_size, int) else tuple(config.image_size)
+        height, width = (size, size) if isinstance(size, int) else size
+        reference = next(model.parameters())
+        return {main: torch.zeros(1, config.num_channels, height, width, dtype=reference.dtype)}
+    raise CompactError(
+        f"{path}: cannot build an example input {main!r} for {type(model).__name__} to find its units on; load it "
+        "with the model's own code and remove_units again"
+    )
