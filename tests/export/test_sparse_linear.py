@@ -118,3 +118,15 @@ def test_hugging_face_conv1d_layers_count_as_linear():
     assert not by_name["lm_head"].converted  # dense: below min_sparsity
     with torch.no_grad():
         assert torch.allclose(fast(ids).logits, model(ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_dtype_without_a_sparse_kernel_stays_dense_and_says_why(dtype: torch.dtype) -> None:
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(dtype)
+    prune.l1_unstructured(net[0], "weight", amount=0.95)
+    x = torch.randn(16, 64, dtype=dtype)
+    fast, decisions = to_sparse_linear(net, x, repeats=2, margin=0.0)
+    first = decisions[0]
+    assert (first.converted, first.dense_s, first.sparse_s) == (False, None, None)
+    assert first.note.startswith(f"kept dense: no sparse kernel for {dtype} on cpu")
+    assert torch.equal(fast(x), net.eval()(x))

@@ -86,8 +86,10 @@ class LayerDecision:
         name: Qualified module name.
         sparsity: Fraction of zero weights.
         dense_s: Median seconds of the dense layer on the layer's own example input.
-        sparse_s: Median seconds of the CSR layer (None when not timed: sparsity below ``min_sparsity``).
+        sparse_s: Median seconds of the CSR layer (None when not timed: sparsity below ``min_sparsity``, or no
+            sparse kernel for the layer's dtype and device).
         converted: Whether the layer was replaced by :class:`SparseLinear`.
+        note: Why a layer above ``min_sparsity`` was not timed (empty otherwise).
     """
 
     name: str
@@ -95,6 +97,7 @@ class LayerDecision:
     dense_s: float | None
     sparse_s: float | None
     converted: bool
+    note: str = ""
 
 
 def to_sparse_linear(
@@ -177,7 +180,16 @@ def to_sparse_linear(
             decisions.append(LayerDecision(name, sparsity, None, None, False))
             continue
         sparse = SparseLinear(weight, bias)
-        dense = nn.Linear(sparse.in_features, sparse.out_features, bias=bias is not None)
+        try:
+            with torch.no_grad():
+                sparse(seen[name])
+        except (RuntimeError, NotImplementedError) as err:  # e.g. no CSR matmul for bfloat16 on the CPU
+            note = f"kept dense: no sparse kernel for {weight.dtype} on {weight.device.type} ({type(err).__name__})"
+            decisions.append(LayerDecision(name, sparsity, None, None, False, note))
+            continue
+        dense = nn.Linear(
+            sparse.in_features, sparse.out_features, bias=bias is not None, dtype=weight.dtype, device=weight.device
+        )
         dense.load_state_dict({"weight": weight, **({"bias": bias} if bias is not None else {})})
         times = compare_latency({"dense": dense.eval(), "sparse": sparse}, seen[name], repeats=repeats, warmup=2)
         converted = times["dense"].median >= margin * times["sparse"].median
