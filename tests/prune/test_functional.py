@@ -476,3 +476,33 @@ def test_global_unstructured_over_tied_owners_equals_torch_over_the_distinct_ten
     assert torch.equal(embed.weight_mask.to(reference_embed.weight_mask.dtype), reference_embed.weight_mask)
     assert torch.equal(other.weight_mask.to(reference_other.weight_mask.dtype), reference_other.weight_mask)
     assert torch.equal(head.weight, reference_embed.weight)
+
+
+@pytest.mark.parametrize(
+    "prune_it",
+    [
+        lambda m: lp.l1_unstructured(m, "weight", amount=0.5),
+        lambda m: lp.random_unstructured(m, "weight", amount=3),
+        lambda m: lp.ln_structured(m, "weight", amount=1, n=2, dim=0),
+        lambda m: lp.random_structured(m, "weight", amount=0.5, dim=1),
+    ],
+)
+def test_a_meta_skeleton_is_pruned_then_filled_from_a_pruned_state_dict(prune_it) -> None:
+    """Torch's pattern: prune a model built on ``meta``, ``to_empty``, load a pruned checkpoint into it."""
+    torch.manual_seed(0)
+    source = nn.Linear(4, 3)
+    prune_it(source)
+    with torch.device("meta"):
+        skeleton = nn.Linear(4, 3)
+    prune_it(skeleton)
+    assert skeleton.weight_mask.is_meta and sorted(skeleton.state_dict()) == sorted(source.state_dict())
+    skeleton.to_empty(device="cpu")
+    skeleton.load_state_dict(source.state_dict())
+    x = torch.randn(2, 4)
+    assert torch.equal(skeleton(x), source(x))
+
+
+def test_global_unstructured_takes_pairs_as_lists_as_torch_does() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    lp.global_unstructured([[net[0], "weight"], [net[1], "weight"]], lp.L1Unstructured, amount=12)
+    assert int((net[0].weight == 0).sum() + (net[1].weight == 0).sum()) == 12

@@ -341,6 +341,8 @@ def next_mask(
     """
     with torch.no_grad():
         scores = scores.detach()
+        if scores.is_meta:  # a skeleton (built on "meta", then to_empty and a pruned state_dict): no values to rank
+            return torch.empty(scores.shape, dtype=dtype, device="meta")
         if _has_fast_path(method):
             mask = method._next_mask(scores, current, dtype)  # type: ignore[attr-defined]
         elif current is None:

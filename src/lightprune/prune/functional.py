@@ -314,7 +314,7 @@ def global_unstructured(
     seen: set[tuple[int, str]] = set()
     attachments: list[_Attachment] = []
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):  # torch unpacks any pair: [module, name] too
             raise TypeError(f"global_unstructured(): each parameter must be a (module, name) pair, got {pair!r}")
         module, name = pair
         if (id(module), name) in seen:
