@@ -506,3 +506,15 @@ def test_global_unstructured_takes_pairs_as_lists_as_torch_does() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     lp.global_unstructured([[net[0], "weight"], [net[1], "weight"]], lp.L1Unstructured, amount=12)
     assert int((net[0].weight == 0).sum() + (net[1].weight == 0).sum()) == 12
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool])
+@pytest.mark.parametrize("channels", [4, 64])  # 64: a weight large enough for the bit-select path of bool masks
+def test_a_channels_last_weight_keeps_its_layout(mask_dtype: torch.dtype | None, channels: int) -> None:
+    conv = nn.Conv2d(channels, channels, 3).to(memory_format=torch.channels_last)
+    with lp.mask_dtype(mask_dtype):
+        lp.l1_unstructured(conv, "weight", amount=0.5)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    lp.remove(conv, "weight")
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert int((conv.weight == 0).sum()) == conv.weight.numel() // 2

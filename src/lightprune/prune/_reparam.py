@@ -505,6 +505,9 @@ class _Attachment:
             raise ValueError(f"mask shape {tuple(mask.shape)} differs from {name!r}'s shape {tuple(self.orig.shape)}")
         if mask.device != self.orig.device:
             mask = mask.to(self.orig.device)
+        if mask.stride() != self.orig.stride() and not self.orig.is_contiguous():
+            # the parameter's layout (channels_last): the masked tensor and, after remove, the Parameter keep it
+            mask = torch.empty_like(self.orig, dtype=mask.dtype).copy_(mask)
         if self.hook is None:
             position = list(module._parameters).index(name)
             module.register_parameter(name + "_orig", self.orig)
