@@ -541,8 +541,14 @@ SCRIPT = shutil.which("lightprune-experiment")
 """The console script (on PATH when the package is installed); the multirun test falls back to ``python -m``."""
 
 
-def run_cli(command: list[str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, check=False)
+def run_cli(
+    command: list[str], *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env)
+
+
+DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+"""What an earlier in-process DDP test leaves in ``os.environ`` (Lightning sets them): a new run must pick its own."""
 
 
 @pytest.mark.slow
@@ -573,7 +579,8 @@ def test_two_processes_train_together_and_the_first_writes_the_outputs(tmp_path:
         f"cache.dir={cache_dir}",
         f"hydra.run.dir={run_dir}",
     ]
-    result = run_cli(PYTHON_M, *overrides, timeout=240)
+    env = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_VARIABLES}
+    result = run_cli(PYTHON_M, *overrides, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("outputs: ") == 1  # the summary table and outputs once, by the first process
     summary = RunSummary.load(run_dir / "summary.json")
