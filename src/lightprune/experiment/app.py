@@ -538,7 +538,6 @@ def _dense_phase(
 def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.utilities import rank_zero_only
 
     from lightprune.callback import PruningCallback
     from lightprune.experiment.learning_rates import HoldLearningRate, final_learning_rates
@@ -603,7 +602,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     summary.run_dir = str(output_dir.resolve())
     summary.dense_cache = dense_how
     summary.dense_time_s = dense_time
-    if rank_zero_only.rank != 0:  # several processes (trainer.devices > 1): the first writes the outputs
+    if not trainer.is_global_zero:  # several processes (trainer.devices > 1): the first writes the outputs
         return summary
     if cfg.save_model:
         torch.save(network.state_dict(), output_dir / "model.pt")
