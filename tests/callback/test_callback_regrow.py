@@ -228,3 +228,95 @@ def test_rigl_erk_on_a_tiny_gpt2_keeps_counts_ties_and_zeroes_adams_moments() ->
     assert model.model.lm_head.weight is model.model.transformer.wte.weight or torch.equal(
         model.model.lm_head.weight, model.model.transformer.wte.weight
     )  # the tie holds through the moving masks
+
+
+def _fit_state(model: L.LightningModule, callbacks: list[Any], **options: Any) -> dict[str, Tensor]:
+    quiet_trainer(callbacks, **{"max_steps": 12, **options}).fit(model)
+    return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+def test_rigl_on_a_tied_weight_sums_the_gradient_of_every_owner() -> None:
+    """Reparametrized, each module holding the tied tensor computes with its own masked copy: the dense gradient
+    is the sum over the owners, as the in-place mode's hook on the Parameter sees it, so both modes move alike."""
+    transformers = pytest.importorskip("transformers")
+
+    class TiedGPT2(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            ids = torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+
+    states = {
+        masking: _fit_state(
+            TiedGPT2(),
+            [
+                PruningCallback(
+                    0.8,
+                    regrow="rigl",
+                    regrow_every=2,
+                    regrow_until=1.0,
+                    masking=masking,
+                    include=r"model\.lm_head\.weight",
+                    module_types=None,
+                )
+            ],
+        )
+        for masking in ("reparametrize", "inplace")
+    }
+    for key, value in states["inplace"].items():
+        torch.testing.assert_close(states["reparametrize"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_regrown_entries_start_at_zero_in_the_averaged_copy_too() -> None:
+    """EMA beside SET: the reparametrized average must not bring back its old values at regrown entries."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    states = {
+        masking: _fit_state(
+            TinyNet(),
+            [
+                EMAWeightAveraging(decay=0.9, use_buffers=False),
+                PruningCallback(
+                    0.8, regrow="set", regrow_every=2, regrow_fraction=0.3, regrow_until=0.9, masking=masking
+                ),
+            ],
+        )
+        for masking in ("reparametrize", "inplace")
+    }
+    for key, value in states["inplace"].items():
+        torch.testing.assert_close(states["reparametrize"][key], value, msg=key)
+
+
+def test_rigl_refuses_what_it_cannot_collect_and_regrowth_refuses_adapters() -> None:
+    from lightprune.adapters import AdaptedWeight
+
+    class Attending(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(8, 2)
+
+    callback = PruningCallback(0.5, regrow="rigl", include=r"attention\.out_proj\.weight")
+    with pytest.raises(ValueError, match=r"misses the MultiheadAttention projections .*out_proj"):
+        quiet_trainer([callback], max_steps=2).fit(Attending())
+
+    class Adapted(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net[0] = AdaptedWeight(nn.Linear(8, 16), rank=2)
+
+    with pytest.raises(ValueError, match=r"regrow='set' cannot move the masks of adapted \(LoRA\) base weights"):
+        quiet_trainer([PruningCallback(0.5, regrow="set")], max_steps=2).fit(Adapted())
+    with pytest.raises(ValueError, match=r"method='semi_structured': regrow=set .* semi_structured is n:m"):
+        PruningCallback(0.5, regrow="set", method="semi_structured")

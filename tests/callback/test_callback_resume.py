@@ -103,3 +103,55 @@ def test_a_resumed_fit_is_exact_unless_lightning_trains_past_an_epochs_end_and_t
         assert (bound, checkpoint) == ("max_steps", "at an epoch's end")
         assert message.startswith("PruningCallback: Lightning is training batch 8 of epoch 0, past the epoch's 8")
         assert "every_n_train_steps" in message and "max_epochs" in message
+
+
+def _zeros(model: L.LightningModule) -> list[int]:
+    return [int((layer.weight == 0).sum()) for layer in model.net if isinstance(layer, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_a_checkpoint_saved_after_fit_holds_the_masks_and_resumes_with_them(tmp_path: Path, masking: str) -> None:
+    """With ``make_permanent=True`` the masks are gone when ``trainer.save_checkpoint`` (or ``save_last`` at the
+    end of training) writes: the saved masks come from the weights' zeros, and a longer fit resumed from it keeps
+    them, as an uninterrupted fit does."""
+    schedule = Linear(final=0.6, start=0, end=12, frequency=4)
+    whole = TinyNet()
+    quiet_trainer([PruningCallback(schedule, masking=masking)], max_epochs=3).fit(whole, loader())
+    first = TinyNet()
+    trainer = quiet_trainer([PruningCallback(schedule, masking=masking)], max_epochs=2)
+    trainer.fit(first, loader())
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    saved = torch.load(tmp_path / "after_fit.ckpt", weights_only=False)
+    (state_of,) = [v for k, v in saved["callbacks"].items() if k.startswith("PruningCallback")]
+    assert sum(int((~mask.bool()).sum()) for mask in state_of["masks"].values()) == sum(_zeros(first))
+    resumed = TinyNet()
+    again = quiet_trainer([PruningCallback(schedule, masking=masking)], max_epochs=3)
+    again.fit(resumed, loader(), ckpt_path=tmp_path / "after_fit.ckpt")
+    assert _zeros(resumed) == _zeros(whole)
+    for a, b in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_validate_with_a_checkpoint_after_fit_evaluates_that_checkpoint(tmp_path: Path, masking: str) -> None:
+    """``fit``, then ``validate(ckpt_path=...)`` / ``test`` of an earlier checkpoint on the same Trainer: the
+    checkpoint's weights as saved, not the fit's final masks, and the model stays plain for the next call."""
+
+    class Evaluated(TinyNet):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y))
+
+        test_step = validation_step
+
+    checkpoints = ModelCheckpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)
+    schedule = Linear(final=0.8, start=0, end=16, frequency=4)
+    model = Evaluated()
+    callbacks = [PruningCallback(schedule, masking=masking), checkpoints]
+    trainer = quiet_trainer(callbacks, max_epochs=2, enable_checkpointing=True)
+    trainer.fit(model, loader())
+    early = tmp_path / "epoch=0-step=4.ckpt"
+    reference = quiet_trainer().validate(Evaluated.load_from_checkpoint(early), loader(), verbose=False)
+    assert trainer.validate(model, loader(), ckpt_path=early, verbose=False) == reference
+    assert sorted(model.state_dict()) == sorted(Evaluated().state_dict())  # plain keys: no mask put back
+    assert trainer.test(model, loader(), ckpt_path=early, verbose=False)[0]["val_loss"] == reference[0]["val_loss"]

@@ -28,6 +28,7 @@ from lightprune.callback.mask_strategy import (
     bias_name,
     exact_increment,
     mask_of,
+    owner_in,
     share_mask,
 )
 from lightprune.callback.options import is_n_m
@@ -354,6 +355,9 @@ class MaskedSelection:
                 parameter = prune.original(*targets[qualified])
                 parameter.masked_fill_(where.to(parameter.device), 0)
                 zero_optimizer_state(optimizers, parameter, where)
+                for average in self.averages:  # EMA / SWA copies: regrown weights start at zero there too
+                    copy = prune.original(owner_in(average, qualified), targets[qualified][1])
+                    copy.masked_fill_(where.to(copy.device), 0)
         return shares
 
     def _check_caps(self, target: float) -> None:
@@ -443,6 +447,31 @@ class MaskedSelection:
             for key, mask in found.items()
             if mask is not None
         }
+
+    def masks_or_zeros(self) -> dict[str, Tensor]:
+        """:meth:`masks`; once the pruning was made permanent (a checkpoint written after fit's training, by
+        ``save_last`` or ``trainer.save_checkpoint``), masks read from the plain weights' zeros, so that a fit resumed
+        from it keeps them.
+
+        Example:
+            >>> layer = nn.Linear(4, 2)
+            >>> masked = MaskedSelection([("fc.weight", layer, "weight")], [], [], prune.L1Unstructured, {},
+            ...                          "layerwise", torch.bool, 0)
+            >>> masked.prune_to(0.5, event=0)
+            >>> masked.make_permanent()
+            >>> masked.masks(), int((~masked.masks_or_zeros()["fc.weight"]).sum())
+            ({}, 4)
+        """
+        if not self.permanent or self.strategy.collective:
+            return self.masks()
+        targets = self.mask_targets()
+        dtype = self.mask_dtype
+        with torch.no_grad():
+            return {
+                key: (prune.original(module, name) != 0).to(dtype or prune.original(module, name).dtype)
+                for key, (module, name) in targets.items()
+                if name == "weight" or module in self.biases
+            }
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
         """Put a checkpoint's masks back, checked first (``owner`` names the state in messages), all or nothing."""

@@ -355,8 +355,8 @@ class PruningCallback(Callback):
                 regrow_every,
                 regrow_fraction,
                 regrow_until,
-                method=method_name(self.method) or self.method.__name__,
-                kind=self.method.PRUNING_TYPE,
+                method=self.units or method_name(self.method) or self.method.__name__,
+                kind="units" if self.units else (entry.kind if entry is not None else self.method.PRUNING_TYPE),
                 scope=scope,
             )
         )
@@ -441,6 +441,7 @@ class PruningCallback(Callback):
         self._plain_state_dict_handle: Any = None
         self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
         self._restored_masks: dict[str, Tensor] | None = None
+        self._fitting = False  # between setup("fit") and the fit's end: a checkpoint's masks are put back only then
         self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
         self._resolved: Schedule | None = None
         self._last_event = -1
@@ -483,6 +484,7 @@ class PruningCallback(Callback):
         if stage == "fit":
             setup_checks.refuse_strategy(trainer.strategy)
             self._reset()
+            self._fitting = True
             neighbours.run_after_weight_averaging(trainer, self)
 
     @override
@@ -605,6 +607,7 @@ class PruningCallback(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._fitting = False  # validate/test(ckpt_path=...) restore this state too: their masks are not put back
         if neighbours.spawned(trainer):
             # Lightning hands rank zero's state_dict to the main process after teardown and loads it there with
             # strict=False: keep it plain, or the main process would silently keep its untrained dense weights
@@ -619,6 +622,7 @@ class PruningCallback(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._fitting = False
         self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
         self._remove_step_handles()
         self._importance.close()
@@ -639,7 +643,7 @@ class PruningCallback(Callback):
         state = {
             "last_event": self._last_event,
             "rewind_snapshot": self._rewind_snapshot,
-            "masks": {} if self._masked is None else self._masked.masks(),
+            "masks": {} if self._masked is None else self._masked.masks_or_zeros(),
             "sharded_masks": list(self._sharded_masks_in),
             "last_regrow": self._last_regrow,
         }
@@ -787,6 +791,8 @@ class PruningCallback(Callback):
             biases = setup_checks.channel_biases(selection)
         ties = setup_checks.find_ties(selection, parameter_owners(model))
         adapted = setup_checks.check_adapters(selection, model, self._importance.kind)
+        if self.regrow is not None:
+            setup_checks.check_regrowth(selection, model, self.regrow, self.masking, adapted)
         return MaskedSelection(
             selection,
             ties,
@@ -837,7 +843,7 @@ class PruningCallback(Callback):
 
     def _apply_restored_masks(self) -> None:
         """Put the masks of a checkpoint back on the selected tensors (resume), once both are known."""
-        if self._restored_masks is not None and self._masked is not None:
+        if self._restored_masks is not None and self._masked is not None and self._fitting:
             restored, self._restored_masks = self._restored_masks, None
             self._masked.restore(restored, self.state_key)
 
@@ -892,7 +898,10 @@ class PruningCallback(Callback):
                 f"{clock.clock_name(trainer, 'step')} is unknown ({total!r}): set max_steps or max_epochs"
             )
         self._plan.resolve(int(total))
-        self._grads = DenseGradients(self._masked.selection) if self.regrow == "rigl" else None
+        if self.regrow == "rigl":
+            self._grads = DenseGradients(self._masked.selection, self._masked.ties)
+        else:
+            self._grads = None
 
     def _move(self, trainer: Trainer) -> None:
         """Dynamic sparse training: after an update step's optimizer step, move every tensor's mask (once)."""

@@ -23,8 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -87,8 +88,14 @@ class DenseGradients:
         [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
     """
 
-    def __init__(self, selection: list[tuple[str, nn.Module, str]]) -> None:
+    def __init__(
+        self,
+        selection: list[tuple[str, nn.Module, str]],
+        ties: Sequence[tuple[nn.Module, str, list[tuple[str, nn.Module, str]]]] = (),
+    ) -> None:
         self.selection = selection
+        # tied weights: every other module holding a selected tensor computes with its own masked copy of it
+        self.others = {(id(module), name): [(o, n) for _, o, n in owners] for module, name, owners in ties}
         self.sums: dict[str, Tensor] = {}
         self._handles: list[Any] = []
 
@@ -110,7 +117,9 @@ class DenseGradients:
                     if isinstance(tensor, Tensor) and tensor.requires_grad and not tensor.is_leaf:
                         tensor.register_hook(add)
 
-                self._handles.append(module.register_forward_hook(on_forward))
+                for owner, owner_name in [(module, name), *self.others.get((id(module), name), [])]:
+                    hook = functools.partial(on_forward, name=owner_name)
+                    self._handles.append(owner.register_forward_hook(hook))
             else:
                 parameter = prune.original(module, name)
                 if parameter.requires_grad:

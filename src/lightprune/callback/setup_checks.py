@@ -336,6 +336,41 @@ up.weight (ConvTranspose1d, weight (4, 2, 1)) runs over its inputs: exclude it o
     return biases
 
 
+def check_regrowth(
+    selection: Selection, model: nn.Module, regrow: str, masking: str, adapted: Mapping[str, Any]
+) -> None:
+    """Refuse what dynamic sparse training would get wrong: adapted (LoRA) base weights, whose effective weight a
+    regrown entry would not start at zero in; and, for RigL under the reparametrization (whose dense gradients come
+    from the forwards of the modules holding each tensor), the ``out_proj`` of ``nn.MultiheadAttention``, which its
+    parent reads without calling it.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> check_regrowth([("0.weight", net[0], "weight")], net, "rigl", "reparametrize", {})
+        >>> attention = nn.MultiheadAttention(4, 2)
+        >>> check_regrowth([("out_proj.weight", attention.out_proj, "weight")], attention, "rigl", "reparametrize",
+        ...                {})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: regrow='rigl' with masking='reparametrize' collects dense gradients from each module's own ...
+    """
+    if adapted:
+        raise ValueError(
+            f"regrow={regrow!r} cannot move the masks of adapted (LoRA) base weights {sorted(adapted)[:3]}: a regrown "
+            "entry would start at the adapter's update, not at zero; exclude them or merge the adapters first"
+        )
+    if regrow != "rigl" or masking == "inplace":
+        return
+    out_projections = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    unseen = [q for q, module, _ in selection if id(module) in out_projections]
+    if unseen:
+        raise ValueError(
+            f"regrow='rigl' with masking='reparametrize' collects dense gradients from each module's own forward, "
+            f"which misses the MultiheadAttention projections {unseen[:3]} (their parent computes with them): use "
+            "masking='inplace', whose gradient hooks sit on the Parameters"
+        )
+
+
 def check_n_m_layout(selection: Selection, method: str, m: int) -> None:
     """N:M groups (of ``method``) run along each layer's input dim, which ``m`` must divide; refuse, naming the first
     that fails.
