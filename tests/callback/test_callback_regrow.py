@@ -172,28 +172,33 @@ def test_an_unknown_run_length_is_refused_before_the_first_step() -> None:
         quiet_trainer([callback], max_epochs=-1, max_steps=-1).fit(TinyNet())
 
 
+class TinyGPT2(L.LightningModule):
+    """GPT-2 from a config (no download): transformers' Conv1D layers, the lm_head tied to the embedding."""
+
+    def __init__(self, optimizer: Any = None) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.optimizer = optimizer or (lambda parameters: torch.optim.AdamW(parameters, lr=1e-3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer(self.parameters())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 64, (32, 12), generator=generator)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+
+
 def test_rigl_erk_on_a_tiny_gpt2_keeps_counts_ties_and_zeroes_adams_moments() -> None:
     """GPT-2 from a config: transformers' Conv1D layers, the lm_head tied to the embedding, AdamW's two moments."""
-    transformers = pytest.importorskip("transformers")
-
-    class TinyGPT2(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-            self.model = transformers.GPT2LMHeadModel(config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-            (ids,) = batch
-            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self) -> torch.utils.data.DataLoader:
-            generator = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, 64, (32, 12), generator=generator)
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+    pytest.importorskip("transformers")
 
     callback = PruningCallback(
         0.8,
@@ -238,29 +243,11 @@ def _fit_state(model: L.LightningModule, callbacks: list[Any], **options: Any) -
 def test_rigl_on_a_tied_weight_sums_the_gradient_of_every_owner() -> None:
     """Reparametrized, each module holding the tied tensor computes with its own masked copy: the dense gradient
     is the sum over the owners, as the in-place mode's hook on the Parameter sees it, so both modes move alike."""
-    transformers = pytest.importorskip("transformers")
-
-    class TiedGPT2(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
-            self.model = transformers.GPT2LMHeadModel(config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-            (ids,) = batch
-            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self) -> torch.utils.data.DataLoader:
-            ids = torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+    pytest.importorskip("transformers")
 
     states = {
         masking: _fit_state(
-            TiedGPT2(),
+            TinyGPT2(lambda parameters: torch.optim.SGD(parameters, lr=0.1)),
             [
                 PruningCallback(
                     0.8,
