@@ -155,3 +155,17 @@ def test_validate_with_a_checkpoint_after_fit_evaluates_that_checkpoint(tmp_path
     assert trainer.validate(model, loader(), ckpt_path=early, verbose=False) == reference
     assert sorted(model.state_dict()) == sorted(Evaluated().state_dict())  # plain keys: no mask put back
     assert trainer.test(model, loader(), ckpt_path=early, verbose=False)[0]["val_loss"] == reference[0]["val_loss"]
+
+
+def test_masks_read_from_zeros_cover_every_selected_name() -> None:
+    """Not only ``weight``: an attention's ``in_proj_weight`` too, once the pruning is permanent."""
+    from lightprune import prune
+    from lightprune.callback.masked_selection import MaskedSelection
+
+    attention = torch.nn.MultiheadAttention(8, 2)
+    selection = [("attention.in_proj_weight", attention, "in_proj_weight")]
+    masked = MaskedSelection(selection, [], [], prune.L1Unstructured, {}, "layerwise", torch.bool, 0)
+    masked.prune_to(0.5, event=0)
+    before = masked.masks()["attention.in_proj_weight"].clone()
+    masked.make_permanent()
+    assert torch.equal(masked.masks_or_zeros()["attention.in_proj_weight"], before)

@@ -470,7 +470,6 @@ class MaskedSelection:
             return {
                 key: (prune.original(module, name) != 0).to(dtype or prune.original(module, name).dtype)
                 for key, (module, name) in targets.items()
-                if name == "weight" or module in self.biases
             }
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
