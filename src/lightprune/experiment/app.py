@@ -555,9 +555,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     datamodule = _datamodule(cfg)
     module, network, input_shape, num_classes = _module(cfg, datamodule)
     initial_weights = PruningCallback.snapshot_weights(module)
-    example = getattr(module, "example_input_array", None)
-    if example is None and input_shape is not None:
-        example = torch.zeros(1, *input_shape)
+    example = _example_input(module, network, input_shape)
     plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None, example=example)
     _check_optimization(cfg, module)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -654,19 +652,27 @@ def _remove_stale_outputs(output_dir: Path, phases: Sequence[str], since: float)
         log.warning("removed outputs of an earlier run in %s that this run did not write: %s", output_dir, names)
 
 
-def _export(
-    summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool, units: bool = False
-) -> None:
-    """``model.safetensors`` (and the compact model of a structured or unit run), with the measured ratios in the
-    summary."""
+def _example_input(module: Any, network: nn.Module, shape: Any) -> Any:
+    """One input of the model: the module's ``example_input_array``, else zeros of the data's shape (a batch of one,
+    in the network's dtype and device), else ``None``."""
     import torch
-
-    from lightprune.experiment.exporting import export_run
 
     example = getattr(module, "example_input_array", None)
     if example is None and shape is not None:
         reference = next(iter(network.parameters()))
         example = torch.zeros(1, *shape, dtype=reference.dtype, device=reference.device)
+    return example
+
+
+def _export(
+    summary: Any, network: nn.Module, module: Any, output_dir: Path, shape: Any, structured: bool, units: bool = False
+) -> None:
+    """``model.safetensors`` (and the compact model of a structured or unit run), with the measured ratios in the
+    summary."""
+
+    from lightprune.experiment.exporting import export_run
+
+    example = _example_input(module, network, shape)
     try:
         result = export_run(network, output_dir, example, structured=structured, units=units)
     except Exception as err:  # a state_dict safetensors cannot store: the run's other outputs still count

@@ -319,7 +319,8 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     for file in sorted(os.listdir(path)):
         if file.endswith(".safetensors"):
             state |= load_file(os.path.join(path, file))
-    state = {_own_names(model).get(key, key): value for key, value in state.items()}
+    own_names = _own_names(model)
+    state = {own_names.get(key, key): value for key, value in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or any(key not in tied for key in missing):
@@ -350,8 +351,8 @@ def _example_inputs(model: nn.Module, path: str | os.PathLike[str]) -> dict[str,
         return dummy
     config = model.config  # type: ignore[union-attr]
     if main == "pixel_values" and hasattr(config, "num_channels") and hasattr(config, "image_size"):
-        size = config.image_size if isinstance(config.image_size, int) else tuple(config.image_size)
-        height, width = (size, size) if isinstance(size, int) else size
+        size = config.image_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
         reference = next(model.parameters())
         return {main: torch.zeros(1, config.num_channels, height, width, dtype=reference.dtype)}
     raise CompactError(
