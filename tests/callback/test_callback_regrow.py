@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.callback.inplace import InPlaceMasks
+from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.callback.regrowth import DenseGradients
 from tiny_lightning import N, TinyNet, folded, quiet_trainer, state
 
@@ -79,7 +80,8 @@ class After(L.Callback):
         for qualified, module, name in masked.selection:
             parameter = prune.original(module, name)
             self.masks[step][qualified] = masked.mask(module, name).bool().clone()
-            self.weights[step][qualified] = getattr(module, name).detach().clone()
+            # the effective weight now (a reparametrized module's attribute is recomputed at the next forward only)
+            self.weights[step][qualified] = torch.where(self.masks[step][qualified], parameter.detach(), 0)
             self.momentum[step][qualified] = optimizer.state[parameter]["momentum_buffer"].clone()
 
 
@@ -116,14 +118,48 @@ def test_masks_move_at_update_steps_only_with_exact_counts(regrow: str, masking:
                 assert not bool(grown.any()), (t, qualified)
                 continue
             share = 0.3 / 2 * (1 + math.cos(math.pi * t / until))
-            assert int(grown.sum()) == min(round(share * active), old[qualified].numel() - active)
+            k = min(round(share * active), old[qualified].numel() - active)
+            assert int(grown.sum()) <= k  # fewer where a dropped weight was regrown by the same update
             assert bool((after.weights[t][qualified][grown] == 0).all())  # regrown weights start at zero
             assert bool((after.momentum[t][qualified][grown] == 0).all())  # and so does their optimizer state
-            dropped = old[qualified] & ~new[qualified]
+            dropped, kept = old[qualified] & ~new[qualified], old[qualified] & new[qualified]
             magnitude = before.weights[t][qualified].abs()
-            if dropped.any():  # dropped: the smallest active magnitudes right after the optimizer step
-                assert magnitude[dropped].max() <= magnitude[old[qualified] & new[qualified]].min()
+            if dropped.any():  # dropped: among the k smallest active magnitudes right after the optimizer step
+                assert magnitude[dropped].max() <= magnitude[old[qualified]].sort().values[k - 1]
+            torch.testing.assert_close(after.weights[t][qualified][kept], before.weights[t][qualified][kept])
     assert any(bool((after.masks[t][q] != after.masks[t - 1][q]).any()) for t in updates for q in after.masks[t])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(("dropped_gradient", "moves"), [(9.0, False), (0.5, True)])
+def test_a_dropped_weight_among_the_largest_gradients_is_regrown_with_its_value_and_state(
+    inplace: bool, dropped_gradient: float, moves: bool
+) -> None:
+    """RigL's Algorithm 1: the regrowth candidates are the entries inactive after the drop, so a dropped weight whose
+    dense gradient ranks in the top k stays, with its value and optimizer state (nothing moved)."""
+    layer = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[0.1, 2.0, 3.0, 0.01]]))
+    masked = MaskedSelection(
+        [("fc.weight", layer, "weight")], [], [], prune.L1Unstructured, {}, "layerwise", torch.bool, 0, inplace=inplace
+    )
+    masked.prune_to(0.25, event=0)  # 0.01 is pruned: the mask is [1, 1, 1, 0]
+    parameter = prune.original(layer, "weight")
+    optimizer = torch.optim.SGD([parameter], lr=0.0, momentum=0.9)
+    parameter.grad = torch.ones_like(parameter)
+    optimizer.step()  # momentum 1 everywhere, the weights unchanged
+    grads = {"fc.weight": torch.tensor([[dropped_gradient, 0.0, 0.0, 1.0]])}
+    shares = masked.move(0.34, step=1, grads=grads, optimizers=[optimizer])  # k = round(0.34 * 3) = 1
+
+    mask = masked.mask(layer, "weight").bool()
+    momentum = optimizer.state[parameter]["momentum_buffer"]
+    if moves:  # 0.1 dropped, the pruned entry regrown at zero with zero momentum
+        assert mask.tolist() == [[False, True, True, True]] and shares == {"fc.weight": pytest.approx(1 / 3)}
+        assert layer.weight[0, 3].item() == 0.0 and momentum[0, 3].item() == 0.0
+    else:  # 0.1 dropped and regrown: it keeps its value and momentum
+        assert mask.tolist() == [[True, True, True, False]] and shares == {"fc.weight": 0.0}
+        assert layer.weight[0, 0].item() == pytest.approx(0.1) and momentum[0, 0].item() == 1.0
+    assert int(mask.sum()) == 3
 
 
 @pytest.mark.parametrize("regrow", ["rigl", "set"])

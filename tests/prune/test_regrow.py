@@ -11,15 +11,15 @@ from lightprune.prune.regrow import drop_and_grow, moved_count
 
 
 def reference(weight: torch.Tensor, mask: torch.Tensor, k: int, grads: torch.Tensor) -> torch.Tensor:
-    """Drop the k active entries of smallest |w| (earlier index first on ties), regrow the k inactive entries of
-    largest |g| (earlier index first on ties)."""
+    """Drop the k active entries of smallest |w| (earlier index first on ties), then regrow the k entries inactive
+    after the drop (the dropped ones included, as in RigL's Algorithm 1) of largest |g| (earlier index first)."""
     w, m, g = weight.reshape(-1).tolist(), mask.reshape(-1).tolist(), grads.reshape(-1).tolist()
     active = sorted((abs(w[i]), i) for i in range(len(w)) if m[i])
-    inactive = sorted((-abs(g[i]), i) for i in range(len(w)) if not m[i])
     new = list(m)
     for _, i in active[:k]:
         new[i] = False
-    for _, i in inactive[:k]:
+    candidates = sorted((-abs(g[i]), i) for i in range(len(w)) if not new[i])
+    for _, i in candidates[:k]:
         new[i] = True
     return torch.tensor(new).reshape(mask.shape)
 
@@ -54,10 +54,23 @@ def test_set_regrows_k_inactive_entries_drawn_from_the_generator(seed: int, n: i
     new, grown = drop_and_grow(weight, mask, k, generator=torch.Generator().manual_seed(seed))
     again, _ = drop_and_grow(weight, mask, k, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(new, again)  # the same seed, the same draw (every DDP rank, a resumed run)
-    assert int(new.sum()) == active and int(grown.sum()) == k and not bool((grown & mask).any())
+    assert int(new.sum()) == active and torch.equal(grown, new & ~mask)
     dropped = mask & ~new
-    kept = weight[mask & new].abs()
-    assert int(dropped.sum()) == k and (k == 0 or kept.numel() == 0 or weight[dropped].abs().max() <= kept.min())
+    assert int(dropped.sum()) == int(grown.sum()) <= k
+    smallest = weight[mask].abs().sort().values  # dropped: among the k smallest active magnitudes
+    assert k == 0 or not dropped.any() or weight[dropped].abs().max() <= smallest[k - 1]
+
+
+def test_set_draws_among_the_dropped_weights_too() -> None:
+    """SET's candidates are the entries inactive after the drop: over seeds, a dropped weight is sometimes drawn
+    again (it then stays: fewer than k move) and sometimes not."""
+    weight, mask = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0]), torch.tensor([True, True, True, False, False])
+    moved = set()
+    for seed in range(40):
+        new, grown = drop_and_grow(weight, mask, 2, generator=torch.Generator().manual_seed(seed))
+        assert int(new.sum()) == 3 and bool(new[2])  # the largest weight is never dropped
+        moved.add(int(grown.sum()))
+    assert moved == {0, 1, 2}
 
 
 def test_moved_count_and_refusal() -> None:

@@ -318,7 +318,8 @@ class MaskedSelection:
         drawn from ``(seed, step)`` alone, so every DDP rank and a resumed run draw the same. The new masks replace
         the old ones (a fresh ``CustomFromMask`` each, as a restore does: masks are no longer monotone); regrown
         weights start at zero and their optimizer state (momentum, Adam's moments) is zeroed. Every tensor keeps its
-        count of active weights. Returns the share of each tensor's active weights that moved.
+        count of active weights. Returns the share of each tensor's active weights that moved: at most
+        ``fraction``, less where a dropped weight was regrown by the same update (it keeps its value and state).
 
         Example:
             >>> layer = nn.Linear(10, 10)
@@ -341,11 +342,12 @@ class MaskedSelection:
             weight = prune.original(module, name)
             active = int(torch.count_nonzero(mask))
             k = moved_count(fraction, active, mask.numel() - active)
-            shares[qualified] = k / active if active else 0.0
+            shares[qualified] = 0.0
             if k == 0:
                 continue
             scores = None if grads is None else grads[qualified]
             fresh, grown[qualified] = drop_and_grow(weight, mask, k, grow_scores=scores, generator=generator)
+            shares[qualified] = int(grown[qualified].sum()) / active
             new[qualified] = fresh.to(mask.dtype)
         if new:
             self.restore(new, "dynamic sparse training")

@@ -4,16 +4,24 @@ SET (Mocanu et al. 2018) regrows at random; RigL (Evci et al. 2020) where the de
 a tensor's count of active weights is unchanged, so its sparsity (and the total) stays at the target.
 
 Ties are broken by flat index, as everywhere in :mod:`lightprune.prune.k_smallest`: among active weights of equal
-magnitude the ones earlier in the tensor are dropped first, among inactive entries of equal gradient magnitude the
-ones earlier in the tensor are regrown first. Entries inactive before the update are the only candidates for
-regrowth, so a weight dropped by an update is not regrown by the same update and exactly ``k`` weights move.
+magnitude the ones earlier in the tensor are dropped first, among candidates of equal gradient magnitude the ones
+earlier in the tensor are regrown first.
+
+The candidates for regrowth are the entries inactive *after* the drop, as in RigL's Algorithm 1 (the top ``k`` over
+the entries outside the active set the drop leaves) and its reference code, which does the same for SET: a dropped
+weight whose dense gradient is among the ``k`` largest is regrown by the same update. It then keeps its value and
+optimizer state (the reference code's default, ``reinit_when_same=False``): it has not moved. So at most ``k``
+weights move, and the count of active weights is unchanged.
 
 Example:
     >>> weight = torch.tensor([0.5, -0.1, 0.0, 0.0, 2.0])
     >>> mask = torch.tensor([True, True, False, False, True])
-    >>> new, grown = drop_and_grow(weight, mask, 1, grow_scores=torch.tensor([9.0, 9.0, 0.1, -3.0, 9.0]))
+    >>> new, grown = drop_and_grow(weight, mask, 1, grow_scores=torch.tensor([9.0, 1.0, 0.1, -3.0, 9.0]))
     >>> new.tolist(), grown.tolist()
     ([True, False, False, True, True], [False, False, False, True, False])
+    >>> new, grown = drop_and_grow(weight, mask, 1, grow_scores=torch.tensor([9.0, 5.0, 0.1, -3.0, 9.0]))
+    >>> new.tolist(), grown.tolist()  # the dropped -0.1 has the largest gradient: it stays, nothing moves
+    ([True, True, False, False, True], [False, False, False, False, False])
 """
 
 from __future__ import annotations
@@ -44,18 +52,21 @@ def drop_and_grow(
     grow_scores: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The new mask after dropping the ``k`` smallest active ``|weight|`` and regrowing ``k`` inactive entries.
+    """The new mask after dropping the ``k`` smallest active ``|weight|`` and regrowing ``k`` entries inactive after
+    the drop (the dropped ones included: see the module's docstring).
 
     Args:
         weight: the tensor's current values (only the active entries' magnitudes are read).
         mask: the current mask (true or nonzero where active).
         k: how many weights move (:func:`moved_count`); at most the number of inactive entries.
-        grow_scores: RigL: regrow the inactive entries with the largest ``|grow_scores|`` (the dense gradient).
-        generator: SET (when ``grow_scores`` is ``None``): regrow uniformly at random, drawn from this generator
-            (on the CPU: the same seed gives the same draw on every device and process).
+        grow_scores: RigL: regrow the candidates with the largest ``|grow_scores|`` (the dense gradient).
+        generator: SET (when ``grow_scores`` is ``None``): regrow uniformly at random among the candidates, drawn
+            from this generator (on the CPU: the same seed gives the same draw on every device and process).
 
     Returns:
-        ``(new mask, grown)``: bool tensors of ``weight``'s shape; ``grown`` marks the regrown entries.
+        ``(new mask, grown)``: bool tensors of ``weight``'s shape; ``grown`` marks the new connections (inactive
+        before the update): the entries whose value and optimizer state start at zero. A weight dropped and regrown
+        by the same update is active in the new mask and not in ``grown``.
 
     Raises:
         ValueError: ``k`` is more than the active or the inactive entries.
@@ -63,8 +74,8 @@ def drop_and_grow(
     Example:
         >>> new, grown = drop_and_grow(torch.ones(6), torch.tensor([1, 1, 1, 0, 0, 0]), 2,
         ...                            generator=torch.Generator().manual_seed(0))
-        >>> int(new.sum()), int(grown.sum()), bool((grown & torch.tensor([1, 1, 1, 0, 0, 0]).bool()).any())
-        (3, 2, False)
+        >>> int(new.sum()), int(grown.sum()) <= 2, bool((grown & torch.tensor([1, 1, 1, 0, 0, 0]).bool()).any())
+        (3, True, False)
     """
     active = mask.detach() != 0
     inactive = ~active
@@ -74,12 +85,14 @@ def drop_and_grow(
     if k == 0:
         return active.clone(), torch.zeros_like(active)
     (drop,) = select_smallest([weight.detach()], k, eligible=[active], magnitude=True)
+    kept = active & ~drop
+    candidates = ~kept
     if grow_scores is not None:
-        (grown,) = select_smallest([grow_scores.detach()], k, eligible=[inactive], magnitude=True, largest=True)
+        (regrown,) = select_smallest([grow_scores.detach()], k, eligible=[candidates], magnitude=True, largest=True)
     else:
-        candidates = inactive.reshape(-1).nonzero().squeeze(1).cpu()
-        chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:k]]
-        grown = torch.zeros(active.numel(), dtype=torch.bool)
-        grown[chosen] = True
-        grown = grown.reshape(active.shape).to(active.device)
-    return (active & ~drop) | grown, grown
+        where = candidates.reshape(-1).nonzero().squeeze(1).cpu()
+        chosen = where[torch.randperm(where.numel(), generator=generator)[:k]]
+        regrown = torch.zeros(active.numel(), dtype=torch.bool)
+        regrown[chosen] = True
+        regrown = regrown.reshape(active.shape).to(active.device)
+    return kept | regrown, regrown & inactive
