@@ -252,10 +252,11 @@ class PruningCallback(Callback):
             spanning ``2 * lambda`` whose mean (weighted by size) is the target's (default 0.08), before the caps.
         regrow: dynamic sparse training (:mod:`lightprune.callback.regrowth`): ``None`` (masks only grow, the
             default), ``"rigl"`` or ``"set"``. Every ``regrow_every`` optimizer steps before ``regrow_until``, each
-            pruned tensor drops its ``k`` smallest active weights and regrows ``k`` inactive ones, where the dense
-            gradient of that step is largest (RigL, Evci et al. 2020) or at random from ``(seed, step)`` (SET,
-            Mocanu et al. 2018), so every tensor keeps its count and the total stays at the target. Regrown weights
-            start at zero with their optimizer state (momentum, Adam's moments) zeroed. The new mask replaces the old
+            pruned tensor drops its ``k`` smallest active weights and regrows ``k`` of the entries then inactive,
+            where the dense gradient of that step is largest (RigL, Evci et al. 2020) or at random from
+            ``(seed, step)`` (SET, Mocanu et al. 2018), so every tensor keeps its count and the total stays at the
+            target. Regrown weights start at zero with their optimizer state (momentum, Adam's moments) zeroed; a
+            dropped weight regrown by the same update keeps both, as in RigL's reference. The new mask replaces the old
             one (a fresh ``CustomFromMask``, as a resume does): masks are no longer monotone, and the checkpoint
             state holds the current ones. Typically with a one-shot schedule at step 0 and ``scope="erk"`` (sparse
             from the start). Unstructured methods, any scope but ``"row"``; sharded selections are refused. Logs

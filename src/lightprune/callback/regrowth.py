@@ -1,7 +1,7 @@
 """Dynamic sparse training in ``PruningCallback``: when masks move, by how much, and RigL's dense gradients.
 
 Every ``every`` optimizer steps before ``until`` (a fraction of the run), each selected tensor drops its ``k``
-smallest active weights and regrows ``k`` inactive ones (:mod:`lightprune.prune.regrow`), with
+smallest active weights and regrows ``k`` of the entries inactive after the drop (:mod:`lightprune.prune.regrow`), with
 ``k = round(f(t) * active)`` and the share ``f`` decayed by a cosine from ``fraction`` at step 0 to 0 at ``until``
 (RigL's schedule)::
 
