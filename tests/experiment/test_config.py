@@ -329,7 +329,14 @@ def test_removing_every_weight_is_valid_but_warned() -> None:
     (message,) = config_warnings(cfg)
     assert message.startswith("pruning.final_sparsity=1.0 removes every selected weight")
     assert config_warnings(compose_app("pruning=one_shot", "pruning.final_sparsity=0.99")) == []
-    assert config_warnings(compose_app("pruning=none", "pruning.final_sparsity=1.0")) == []  # nothing is pruned
+    (unused,) = config_warnings(compose_app("pruning=none", "pruning.final_sparsity=1.0"))  # nothing is pruned
+    assert unused.startswith("pruning.final_sparsity=1.0 is not used with pruning=none: the model stays dense")
+
+
+def test_a_sparsity_given_to_the_dense_baseline_is_warned_as_unused() -> None:
+    (message,) = config_warnings(compose_app("pruning=none", "pruning.final_sparsity=0.5"))
+    assert message.startswith("pruning.final_sparsity=0.5 is not used with pruning=none")
+    assert config_warnings(compose_app("pruning=none")) == []
 
 
 def test_a_limit_on_the_bundled_digits_is_warned_as_unused() -> None:

@@ -538,6 +538,11 @@ def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
             f"pruning.final_sparsity={cfg.pruning.final_sparsity} removes every selected weight: "
             "the pruned layers will output only their biases"
         )
+    if cfg.pruning.preset == "none" and cfg.pruning.final_sparsity != 0:
+        messages.append(
+            f"pruning.final_sparsity={cfg.pruning.final_sparsity} is not used with pruning=none: the model stays dense "
+            "(choose a pruning preset, e.g. pruning=gmp_cubic, to prune)"
+        )
     if is_bundled(cfg.data) and cfg.data.get("name") == "digits" and cfg.data.get("limit") is not None:
         messages.append(f"data.limit={cfg.data.limit} is not used with data=digits (1,797 examples, all used)")
     return messages
