@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
 from lightprune.structure import UnitError
+from tiny_lightning import ResumableBatches
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,6 +186,46 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path: Any) -> None:
     whole = run(None, save=True)
     first = sorted(tmp_path.glob("epoch=0*.ckpt"))[0]
     resumed = run(str(first), save=False)
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)
+
+
+class SeenBatches(Callback):
+    """The first input id of every training batch, with the step it trained: which data each step saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        self.seen.append((trainer.global_step, int(batch[0][0, 0])))
+
+
+@pytest.mark.parametrize("example_inputs", [None, "fixed"])
+def test_a_fit_resumed_mid_epoch_finds_its_units_without_using_up_the_loaders_position(
+    tmp_path: Any, example_inputs: str | None
+) -> None:
+    """Units are found on a training batch; resumed mid-epoch from a resumable loader, the fit must still train on
+    the batches the uninterrupted fit trained on, and end with its masks and weights."""
+    fixed = (data(1).dataset.tensors[0][:2],) if example_inputs else None
+
+    def run(ckpt: str | None, save: bool) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+        pruning = PruningCallback(
+            Cubic(final=0.5, start=0, end=6, frequency=2), method="neurons", example_inputs=fixed, summary=False
+        )
+        seen = SeenBatches()
+        callbacks: list[Callback] = [pruning, seen]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1))
+        module = Lit("llama")  # (no dropout: Lightning does not restore the random generators)
+        batches = ResumableBatches(data(4))
+        trainer(callbacks, max_epochs=2, enable_checkpointing=save).fit(module, batches, ckpt_path=ckpt)
+        return masks_and_weights(module), seen.seen
+
+    whole, seen_whole = run(None, save=True)
+    (middle,) = tmp_path.glob("epoch=0-step=3.ckpt")  # after the 3rd of 4 batches of epoch 0
+    resumed, seen_resumed = run(str(middle), save=False)
+    assert seen_resumed == seen_whole[3:]  # the same batches after the checkpoint
     assert whole.keys() == resumed.keys()
     for name in whole:
         torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)

@@ -230,8 +230,9 @@ class PruningCallback(Callback):
         example_inputs: with ``"neurons"``/``"heads"``, the inputs of the forward traced to find the units: a
             callable ``batch -> inputs`` or fixed inputs (a tensor, a tuple of positional arguments, a dict of
             keyword arguments). Default: the first training batch, a dict passed as keyword arguments (Hugging
-            Face style), a tensor as the one argument, a tuple or list by its first element (``(inputs, targets)``).
-            A model whose units cannot be found is refused when training starts, naming it.
+            Face style), a tensor as the one argument, a tuple or list by its first element (``(inputs, targets)``);
+            a resumed fit reads the first batch it trains on (a resumable loader's position is not used up). A model
+            whose units cannot be found is refused when training starts, naming it.
         max_layer_sparsity: the largest share of any one tensor's units (weights, or channels) that may be pruned,
             in (0, 1]; 1.0 (the default) is no cap. A global ranking can otherwise take every weight of a layer
             whose weights are small next to the others' (layer collapse: a collapsed output layer outputs its bias
@@ -442,6 +443,7 @@ class PruningCallback(Callback):
         self._plain_state_dict_handle: Any = None
         self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
         self._restored_masks: dict[str, Tensor] | None = None
+        self._units_pending = False  # a resumed fit with unit methods: units are found on its first training batch
         self._fitting = False  # between setup("fit") and the fit's end: a checkpoint's masks are put back only then
         self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
         self._resolved: Schedule | None = None
@@ -504,17 +506,15 @@ class PruningCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        resumed = trainer.global_step > 0 or clock.now(trainer, "step") > 0 or self._last_event >= 0
         if self.units is not None and self._masked is None:
-            self._select_units(trainer, pl_module)
-        self._load_sharded_masks(trainer)
-        self._load_sharded_sums(trainer)
-        self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
-        if self._masked is not None:
-            self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
+            if resumed and (self.example_inputs is None or callable(self.example_inputs)):
+                # a batch drawn here would use up a resumed loader's position: the first training batch serves
+                self._units_pending = True
+            else:
+                self._select_units(trainer, pl_module)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
-        if self._masked is not None and self.max_layer_sparsity < 1:  # resumed: the masks are back, counts hold them
-            counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
-            setup_checks.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
+        self._start_masks(trainer, pl_module)
         windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES or self._importance.activations is not None
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
@@ -540,6 +540,11 @@ class PruningCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._units_pending:  # a resumed fit finds its units on the batch it trains on
+            self._units_pending = False
+            self._select_units(trainer, pl_module, batch)
+            self._start_masks(trainer, pl_module)
+            self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
         if batch_idx >= trainer.num_training_batches:  # (inf for a loader without length)
             reporting.warn_batch_past_epoch_end(trainer.current_epoch, batch_idx, int(trainer.num_training_batches))
         self._stale.refresh()
@@ -644,7 +649,7 @@ class PruningCallback(Callback):
         state = {
             "last_event": self._last_event,
             "rewind_snapshot": self._rewind_snapshot,
-            "masks": {} if self._masked is None else self._masked.masks_or_zeros(),
+            "masks": dict(self._restored_masks or {}) if self._masked is None else self._masked.masks_or_zeros(),
             "sharded_masks": list(self._sharded_masks_in),
             "last_regrow": self._last_regrow,
         }
@@ -684,6 +689,7 @@ class PruningCallback(Callback):
         self._restored_masks = None
         self._sharded_masks_in = []
         self._masked = None
+        self._units_pending = False
         self._stale.reset()
         self._importance.unbind()
         self._events = []
@@ -694,10 +700,9 @@ class PruningCallback(Callback):
             self._grads.stop()
         self._grads = None
 
-    def _select_units(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Find the unit groups on the first training batch (or ``example_inputs``) and attach to them."""
-        batch = None
-        if self.example_inputs is None or callable(self.example_inputs):
+    def _select_units(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
+        """Find the unit groups on ``batch``, the first training batch or ``example_inputs`` and attach to them."""
+        if batch is None and (self.example_inputs is None or callable(self.example_inputs)):
             batch = first_batch(trainer)
         args, kwargs = example_from_batch(batch, self.example_inputs)
         assert self.units is not None
@@ -808,6 +813,19 @@ class PruningCallback(Callback):
             adapted=adapted,
             owl=(self.owl_threshold, self.owl_lambda),
         )
+
+    def _start_masks(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Once the selection exists: put a checkpoint's masks back, attach the strategy's step hooks, and check the
+        cap against the restored counts."""
+        if self._masked is None:
+            return
+        self._load_sharded_masks(trainer)
+        self._load_sharded_sums(trainer)
+        self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
+        self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
+        if self.max_layer_sparsity < 1 and self._resolved is not None:  # resumed: the counts hold the masks
+            counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
+            setup_checks.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
 
     def _load_sharded_masks(self, trainer: Trainer) -> None:
         """Resuming from a distributed checkpoint: read this rank's shard of every mask saved beside the weights."""
