@@ -268,6 +268,12 @@ def test_a_stopped_search_continues_from_sqlite_storage(tmp_path: Path, monkeypa
     markdown = (sweep_dir / "report.md").read_text()
     assert "Skipped 1 run(s)" in markdown and "2-" in markdown.split("Skipped 1 run(s)")[1]
 
+    complete = tmp_path / "complete"
+    sweep(complete, *search)  # the study has its 4 trials: nothing runs, the results are written all the same
+    assert summaries(complete) == {} and summaries(sweep_dir).keys() == runs.keys()
+    again = read_optimization_results(complete)
+    assert again is not None and again.best_value == results.best_value
+
 
 @pytest.mark.slow
 def test_parallel_trials_with_the_joblib_launcher(tmp_path: Path) -> None:

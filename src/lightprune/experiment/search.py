@@ -205,7 +205,8 @@ def continue_study(sweeper: Any) -> None:
     ended, and is started again):
 
     * trials still marked running (their process was killed) are marked failed: no sweep is running them now;
-    * ``n_trials`` counts the study's trials in all: only the missing ones run (none when the study has them);
+    * ``n_trials`` counts the study's trials in all: only the missing ones run (none when the study has them: the
+      results are still written);
     * job numbers go on from the study's trial count, so job ``N`` is the study's trial ``N`` and the run
       directories of earlier invocations are never reused;
     * a seeded sampler is seeded anew from its seed and the trial count (reproducible, and another stream), so it
@@ -238,6 +239,8 @@ def continue_study(sweeper: Any) -> None:
     )  # fmt: skip
     sweeper.n_trials = remaining
     sweeper.job_idx = len(trials)
+    if remaining == 0 and sweeper.config is not None:  # no job creates the sweep directory the results go into
+        Path(str(sweeper.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     node = sweeper.config.hydra.sweeper.get("sampler") if sweeper.config is not None else None
     if node is not None and node.get("seed") is not None and not node.get("_partial_", False):
         import numpy as np
