@@ -32,7 +32,7 @@ from lightprune.experiment import load_run
 from lightprune.experiment.app import config_dir, main, run_experiment
 from lightprune.experiment.config import ConfigError, register_configs
 from lightprune.experiment.data import write_idx
-from lightprune.experiment.report import RunSummary
+from lightprune.experiment.report import RunSummary, scan_runs
 
 TINY = ["experiment=smoke", "data.batch_size=256"]
 """1 dense epoch and 2 pruning epochs of 5 steps each, one CPU thread: a run takes a second or two."""
@@ -397,6 +397,20 @@ def test_config_errors_print_one_line_and_exit_2(
     assert len(err.splitlines()) == 1, err
     assert err.startswith("lightprune-experiment: ") and message in err, err
     assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
+
+
+def test_a_failed_run_into_an_earlier_runs_directory_leaves_no_summary_to_report(tmp_path: Path) -> None:
+    """Hydra replaces ``.hydra/`` when a run starts: an earlier run's ``summary.json`` left beside a failed run would
+    be reported as its result, under its configuration."""
+    assert main([*TINY, f"hydra.run.dir={tmp_path}"]) == 0
+    assert (tmp_path / "summary.json").is_file()
+    assert main([*TINY, "pruning.final_sparsity=1.5", f"hydra.run.dir={tmp_path}"]) == 2
+    assert not (tmp_path / "summary.json").exists()
+    (job_log,) = tmp_path.glob("*.log")
+    assert "removed the summary.json of an earlier run" in job_log.read_text()
+    runs, skipped = scan_runs(tmp_path)
+    assert runs == [] and [Path(s.run_dir) for s in skipped] == [tmp_path]
+    assert "pruning.final_sparsity=1.5" in skipped[0].reason
 
 
 def test_config_error_with_debug_raises_with_traceback(

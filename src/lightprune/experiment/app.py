@@ -476,10 +476,14 @@ def run_experiment(cfg: DictConfig, output_dir: str | Path, *, overrides: Sequen
     Returns:
         The :class:`~lightprune.experiment.summary.RunSummary` written to ``summary.json``.
 
+    A ``summary.json`` an earlier run left in ``output_dir`` is removed first: if this run fails, nothing there
+    reads as its result.
+
     Raises:
         ConfigError: the config is invalid (every problem is listed), the data files are missing, or the pruning
             method or selection does not fit the model; nothing has been trained or written then.
     """
+    _forget_earlier_summary(Path(output_dir))
     validate_config(cfg)
     preflight(cfg)
     for message in config_warnings(cfg):
@@ -632,6 +636,17 @@ STALE_CANDIDATES = (
 earlier run's removes those it did not write itself, so no file contradicts its ``summary.json``."""
 
 
+def _forget_earlier_summary(output_dir: Path) -> None:
+    """Remove the ``summary.json`` an earlier run left in ``output_dir``: this run writes its own when it succeeds,
+    and if it fails, ``report`` must list the directory as failed, not the earlier run's results under this run's
+    configuration (Hydra has replaced ``.hydra/`` already)."""
+    earlier = output_dir / "summary.json"
+    if earlier.is_file():
+        earlier.unlink()
+        log.warning("removed the summary.json of an earlier run in %s: this run writes its own when it finishes",
+                    output_dir)  # fmt: skip
+
+
 def _remove_stale_outputs(output_dir: Path, phases: Sequence[str], since: float) -> None:
     """Remove what an earlier run left in ``output_dir`` and this one did not write (older than ``since``, a
     ``time.time()``): the :data:`STALE_CANDIDATES` and the logs of phases this run does not have."""
@@ -747,6 +762,7 @@ def _hydra_main(argv: Sequence[str]) -> int:
         from lightprune.experiment.search import check_directions, objective_value
 
         hydra_cfg = HydraConfig.get()
+        _forget_earlier_summary(Path(hydra_cfg.runtime.output_dir))
         try:
             validate_config(cfg)  # before importing Lightning: a config error is reported in a moment
             check_directions(cfg.objective, hydra_cfg.sweeper)
