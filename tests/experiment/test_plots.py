@@ -11,6 +11,7 @@ from lightprune.experiment.plots import (
     Arm,
     draw_accuracy_vs_sparsity,
     draw_layer_sparsity,
+    draw_pareto,
     draw_training_curves,
     plot_accuracy_vs_sparsity,
     read_phases,
@@ -143,6 +144,23 @@ def test_accuracy_vs_sparsity_one_line_per_arm_with_error_bars_and_dense_referen
     assert global_line.get_xdata() == pytest.approx([kept * 1.025**-0.5 for kept in (0.5, 0.1, 0.01)])
     dense = [line for line in ax.lines if line.get_gid() == "dense-reference"]
     assert len(dense) == 1 and dense[0].get_ydata()[0] == pytest.approx(96.0)
+
+
+@pytest.mark.parametrize("draw", ["arms", "pareto"])
+def test_a_fully_pruned_run_is_drawn_past_the_sparsest_at_a_tick_that_says_so(draw: str) -> None:
+    if draw == "arms":
+        fig = draw_accuracy_vs_sparsity([Arm("a", [(0.5, [0.9]), (0.9, [0.8]), (1.0, [0.1])], [0.95])])
+        xs = list(fig.axes[0].containers[0].lines[0].get_xdata())
+    else:
+        fig = draw_pareto([(0.5, 0.9), (0.9, 0.8), (1.0, 0.1)], front=[0, 1, 2])
+        xs = sorted((x for line in fig.axes[0].lines for x in line.get_xdata()), reverse=True)
+    ax = fig.axes[0]
+    assert xs[:2] == pytest.approx([0.5, 0.1]) and 0 < xs[2] <= 0.05  # past 90%, within a decade or so
+    label = ax.xaxis.get_major_formatter()
+    labels = {round(tick, 6): label(tick, 0) for tick in ax.get_xticks()}
+    assert labels[round(xs[2], 6)] == "0%\n(100%)"
+    assert [text for tick, text in labels.items() if tick < 0.1] == ["0%\n(100%)"]  # no tick reading 99% there
+    assert ax.get_xlim()[1] < xs[2]  # inside the axes
 
 
 def test_accuracy_vs_sparsity_dense_lines_per_arm_when_they_differ(tmp_path: Path) -> None:

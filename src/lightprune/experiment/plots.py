@@ -609,16 +609,28 @@ def _kept(sparsity: float, floor: float) -> float:
 
 def _kept_axis(ax: Any, sparsities: Sequence[float]) -> float:
     """A logarithmic x axis of the weights kept (``1 - sparsity``), decreasing so that sparsity grows to the right,
-    ticks naming the weights kept and the sparsity; returns the floor where a fully pruned run is drawn."""
+    ticks naming the weights kept and the sparsity; returns the floor where a fully pruned run is drawn: past the
+    sparsest other run (at most half its kept fraction, rounded down to a power of ten), at a tick of its own that
+    reads ``0% (100%)``."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
     ax.set_xscale("log")
-    floor = 10 ** math.floor(math.log10(max(1e-4, min(_kept(s, 1e-4) for s in sparsities)) / 2))
+    partial = [1.0 - s for s in sparsities if 1.0 - s > 0]
+    floor = 10 ** math.floor(math.log10(max(1e-4, min(partial, default=1.0)) / 2))
+    full = len(partial) < len(sparsities)
     lo = min(_kept(s, floor) for s in sparsities)
     ax.set_xlim(1.25, lo / 1.6)  # decreasing: sparsity grows to the right
     ticks = [t for t in (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 1e-4) if t >= lo / 1.5]
+    if full:  # no ordinary tick past the sparsest other run: the axis reads as a sparsity the last one does not have
+        ticks = [t for t in ticks if t >= min(partial, default=1.0) / 1.5] + [floor]
+
+    def label(x: float, _: Any) -> str:
+        if full and math.isclose(x, floor):
+            return "0%\n(100%)"
+        return f"{100 * x:g}%\n({100 * (1 - x):g}%)"
+
     ax.xaxis.set_major_locator(FixedLocator(ticks))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{100 * x:g}%\n({100 * (1 - x):g}%)"))
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("weights kept (sparsity), log scale")
     return floor
@@ -705,7 +717,8 @@ def plot_accuracy_vs_sparsity(
     standard deviation. The dense accuracy is a dashed reference line (its band: the standard deviation over
     seeds); when the arms' dense accuracies differ (they vary the model or data), each arm gets a dotted line in
     its colour. With error bars, the arms' points are nudged apart by 2.5% along the axis so that the bars do not
-    overlap. A run at 100% sparsity is drawn at the left edge (half the smallest kept fraction).
+    overlap. A run at 100% sparsity is drawn past the sparsest other run, at a tick of its own that reads
+    ``0% (100%)``.
 
     Args:
         arms: The lines to draw (see :class:`Arm`).
