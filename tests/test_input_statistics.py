@@ -130,3 +130,19 @@ def test_obs_state_keeps_shares_and_the_hessian_across_a_round_trip() -> None:
     assert restored.shares == {"q.weight": "q.weight", "k.weight": "q.weight"}
     torch.testing.assert_close(restored.hessian("k.weight"), stats.hessian("q.weight"))
     torch.testing.assert_close(restored.hessian("q.weight"), x.T @ x)
+
+
+def test_sums_stay_in_float32_inside_an_autocast_forward() -> None:
+    """A mixed-precision fit runs the recording hooks under autocast, which would compute X^T X in bfloat16."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(64, 4), torch.randn(8, 32, 64)
+    stats = InputStatistics([feature_sums("fc", layer, 64, moments=True, outer=True)])
+    stats.start()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    stats.finish_batch(lambda flat: flat)
+    expected = reference([(x, torch.ones(8, 32, dtype=torch.bool))])
+    for key in ("squares", "outer"):
+        got = stats.totals["fc"][key]
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected[key], rtol=1e-5, atol=1e-3)

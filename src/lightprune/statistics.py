@@ -212,7 +212,9 @@ class InputStatistics:
             pending = self._pending.get(name)
             if pending is None:  # shared until this batch found it reads its own input: it cannot sum it now
                 return
-            with torch.no_grad():
+            # sums in their own dtype: a mixed-precision forward runs its hooks under autocast, whose matmul would
+            # compute X^T X in bfloat16 or float16
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
                 if recorded.tokens:
                     x = real_positions(x.detach(), self._mask)
                 recorded.add(x.detach(), pending)

@@ -293,3 +293,14 @@ def test_composes_with_an_earlier_mask_on_the_module() -> None:
 def test_refusals_name_the_problem(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_the_second_moment_is_summed_in_float32_under_autocast() -> None:
+    """A mixed-precision fit runs forward hooks inside autocast, which would compute a float32 matmul in bfloat16."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(64, 4), torch.randn(256, 64)
+    exact = (x.double().t() @ x.double()).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = prune.input_second_moment(layer, x)
+    assert h.dtype == torch.float32
+    torch.testing.assert_close(h, exact, rtol=1e-5, atol=1e-3)

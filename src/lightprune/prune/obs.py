@@ -185,13 +185,17 @@ def input_second_moment(module: nn.Module, x: Tensor, dtype: torch.dtype = torch
     """``X^T X`` of the inputs ``x`` of ``module`` (one row of ``X`` per token, or per position of a convolution's
     unfolded input), ``(columns, columns)`` in ``dtype``: the ``H`` the OBS functions take. Sums over batches add.
 
+    Computed in ``dtype`` under autocast too (a forward hook of a mixed-precision fit runs inside it, where a float32
+    matmul would be done in bfloat16 or float16).
+
     Example:
         >>> input_second_moment(nn.Linear(2, 1), torch.tensor([[1.0, 2.0], [0.0, 1.0]]))
         tensor([[1., 2.],
                 [2., 5.]])
     """
     rows = _input_rows(module, x.detach()).to(dtype)
-    return rows.t() @ rows
+    with torch.autocast(rows.device.type, enabled=False):
+        return rows.t() @ rows
 
 
 # ----------------------------------------------------------------------------------------------------------------
