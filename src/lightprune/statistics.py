@@ -25,14 +25,47 @@ input to them. :func:`feature_sums` declares the usual ones of a layer whose fea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["InputStatistics", "Recorded", "feature_sums", "real_positions"]
+__all__ = ["InputStatistics", "Recorded", "feature_sums", "paused", "real_positions", "recording_paused"]
+
+_PAUSED: ContextVar[bool] = ContextVar("lightprune_recording_paused", default=False)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Forwards run inside this block add to no statistics and no dense gradient: the library's own traces of the
+    model (the unit search, run while another callback may be recording) are not training data.
+
+    Example:
+        >>> layer = nn.Linear(2, 1)
+        >>> stats = InputStatistics([feature_sums("fc", layer, 2)])
+        >>> stats.start()
+        >>> with paused():
+        ...     _ = layer(torch.ones(3, 2))
+        >>> _ = layer(torch.ones(1, 2))
+        >>> stats.finish_batch(lambda flat: flat)
+        >>> stats.totals["fc"]["squares"].tolist()  # the forward in the block did not count
+        [1.0, 1.0]
+    """
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
+
+
+def recording_paused() -> bool:
+    """Whether forwards run now are inside :func:`paused`."""
+    return _PAUSED.get()
+
 
 Reduce = Callable[[Tensor], Tensor]
 Add = Callable[[Tensor, Mapping[str, Tensor]], None]
@@ -205,7 +238,7 @@ class InputStatistics:
 
         def collect(layer: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0] if args else None
-            if not isinstance(x, Tensor):
+            if not isinstance(x, Tensor) or recording_paused():
                 return
             if self.share_inputs and self._owner(recorded, x) != name:
                 return  # the layer that read this very input first sums it for both

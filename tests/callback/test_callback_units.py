@@ -231,6 +231,33 @@ def test_a_fit_resumed_mid_epoch_finds_its_units_without_using_up_the_loaders_po
         torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_resumed_unit_search_does_not_count_in_another_callbacks_statistics(tmp_path: Any) -> None:
+    """Resumed, a unit callback finds its units on the first training batch, when another callback's statistics
+    hooks are attached for that batch: the search's trace must not add to them (the refit's token count would)."""
+
+    def run(ckpt: str | None, save: bool) -> dict[str, torch.Tensor]:
+        schedule = Cubic(final=0.5, start=2, end=10, frequency=2)
+        callbacks: list[Callback] = [
+            PruningCallback(schedule, method="neurons", importance="activation", reconstruct=True, activation_window=2,
+                            name="neurons", summary=False),
+            PruningCallback(schedule, method="heads", name="heads", summary=False),
+        ]  # fmt: skip
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1))
+        module = Lit("gpt2")  # biases: the refit's mean of the inputs reaches the weights
+        for layer in module.modules():
+            if isinstance(layer, nn.Dropout):
+                layer.p = 0.0  # (Lightning does not restore the random generators)
+        trainer(callbacks, max_epochs=3, enable_checkpointing=save).fit(module, data(4), ckpt_path=ckpt)
+        return masks_and_weights(module)
+
+    whole = run(None, save=True)
+    (first,) = tmp_path.glob("epoch=0-*.ckpt")
+    resumed = run(str(first), save=False)
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)
+
+
 class NoUnits(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightprune import prune, rules
 from lightprune.callback.options import raise_problems
 from lightprune.prune.distributed import local_of
+from lightprune.statistics import recording_paused
 
 __all__ = ["DenseGradients", "RegrowPlan", "zero_optimizer_state"]
 
@@ -113,6 +114,8 @@ class DenseGradients:
             if name in prune.pruned_names(module):
 
                 def on_forward(module: nn.Module, args: Any, output: Any, name: str = name, add: Any = add) -> None:
+                    if recording_paused():  # a trace of the model, not a training forward
+                        return
                     tensor = getattr(module, name)
                     if isinstance(tensor, Tensor) and tensor.requires_grad and not tensor.is_leaf:
                         tensor.register_hook(add)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from lightprune import prune
 from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.selection import compile_patterns
+from lightprune.statistics import paused
 from lightprune.structure import Moments, UnitGroup, find_units, prune_units, refit_consumers
 from lightprune.structure.ranking import _per_unit
 
@@ -127,7 +128,7 @@ def find_groups(
     """
     from lightprune.structure import UnitError
 
-    with _eval_mode(model), torch.no_grad():
+    with _eval_mode(model), torch.no_grad(), paused():  # the trace's forward is no training data for any recording
         groups = find_units(model, args, kwargs, kinds=(kind,))
     included = compile_patterns("include", include)
     excluded = compile_patterns("exclude", exclude)
