@@ -170,10 +170,11 @@ def masks_and_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
 
-def test_resume_from_a_checkpoint_is_exact(tmp_path: Any) -> None:
+@pytest.mark.parametrize("importance", ["activation", "magnitude"])  # the refit's moments, whatever ranks
+def test_resume_from_a_checkpoint_is_exact(tmp_path: Any, importance: str) -> None:
     def run(ckpt: str | None, save: bool) -> dict[str, torch.Tensor]:
         pruning = PruningCallback(
-            Cubic(final=0.5, start=0, end=4, frequency=4), method="neurons", importance="activation",
+            Cubic(final=0.5, start=0, end=4, frequency=4), method="neurons", importance=importance,
             reconstruct=True, activation_window=3,  # the window (steps 1-3) spans the checkpoint (after step 3)
         )  # fmt: skip
         callbacks: list[Callback] = [pruning]

@@ -515,7 +515,11 @@ class PruningCallback(Callback):
                 self._select_units(trainer, pl_module)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
         self._start_masks(trainer, pl_module)
-        windowed = self._importance.kind in choices.STATISTICS_IMPORTANCES or self._importance.activations is not None
+        windowed = (  # (a resumed unit fit binds its statistics at its first batch: reconstruct says it will have some)
+            self._importance.kind in choices.STATISTICS_IMPORTANCES
+            or self._importance.activations is not None
+            or (self.units is not None and self.reconstruct)
+        )
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
         fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
@@ -653,8 +657,9 @@ class PruningCallback(Callback):
             "sharded_masks": list(self._sharded_masks_in),
             "last_regrow": self._last_regrow,
         }
-        if self._importance.kind != "magnitude":
-            state["importance"] = self._importance.state_dict()  # statistics collected since the last event
+        statistics = self._importance.state_dict()  # collected since the last event (a refit's too, any importance)
+        if statistics:
+            state["importance"] = statistics
         return state
 
     @override
