@@ -59,6 +59,23 @@ def test_compact_equals_masked_and_shrinks_by_the_pruned_units(name: str, scope:
     assert removed > 0
 
 
+@pytest.mark.parametrize("heads", [1, 4])
+def test_a_gpt2_attention_left_with_one_head_compacts(heads: int) -> None:
+    """One head left (or built): the attention's merge of heads is a view a later flattening view looks like."""
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=heads, n_inner=40)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    example = {"input_ids": torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))}
+    groups = find_units(model, (), example)
+    amounts = {"heads": (heads - 1) / heads, "neurons": 0.5}
+    for group in groups:
+        prune_units(model, [group], amounts[group.kind], scope="layerwise")
+    small = remove_units(model, (), example, groups=groups)
+    _assert_close(outputs(model, example), outputs(small, example))
+    block = small.transformer.h[0]  # Conv1D weights are (in, out)
+    assert block.attn.c_proj.weight.shape[0] == 32 // heads and block.mlp.c_fc.weight.shape[1] == 20
+
+
 def test_the_input_model_is_unchanged_and_units_are_found_again_on_the_copy() -> None:
     model, example, _ = BUILDERS["llama"]()
     prune_units(model, find_units(model, (), example), 0.5)

@@ -476,7 +476,7 @@ def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Project
             merging = bool(in_shape and shape and shape[-1] == heads * head_dim) and (
                 heads * head_dim != in_shape[-1] or (heads == 1 and len(in_shape) > len(shape))
             )
-            if name in _RESHAPES and merging:
+            if name in _RESHAPES and merging and not merged:  # (once merged, later views only flatten tokens)
                 if tuple(in_shape[-2:]) != (heads, head_dim):
                     return None
                 merged = True
