@@ -123,6 +123,44 @@ def test_per_layer_counts_load_with_load_compact(tmp_path, name: str) -> None:
         assert torch.equal(a, b)
 
 
+def _bart() -> nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _distilbert() -> nn.Module:
+    config = transformers.DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, hidden_dim=48)
+    return transformers.DistilBertModel(config)
+
+
+@pytest.mark.parametrize("build", [_bart, _distilbert], ids=["bart", "distilbert"])
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_models_with_nested_ties_and_other_config_names_load_back(tmp_path, build, scope: str) -> None:
+    """BART ties its encoder's and decoder's embeddings in its nested model; DistilBERT and BART name their MLP
+    widths hidden_dim and encoder_ffn_dim / decoder_ffn_dim: the compact model loads back either way."""
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    example = (
+        {"input_ids": ids, "decoder_input_ids": ids}
+        if isinstance(model, transformers.BartPreTrainedModel)
+        else {"input_ids": ids}
+    )
+    prune_units(model, find_units(model, (), example, kinds=["neurons"]), 0.5, scope=scope)
+    small = remove_units(model, (), example)
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path)
+    for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
+        assert torch.equal(a, b)
+    if scope == "layerwise":  # every layer keeps 24 of 48: the config says so, and from_pretrained builds it
+        assert not hasattr(small.config, "lightprune_kept_units")
+        again = type(small).from_pretrained(tmp_path).eval()
+        _assert_close(outputs(small, example), outputs(again, example))
+
+
 def test_heads_that_cannot_shrink_are_refused_by_name() -> None:
     layer, example, _ = BUILDERS["encoder_layer"]()
     prune_units(layer, find_units(layer, (), example, kinds=["heads"]), 1)

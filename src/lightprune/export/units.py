@@ -39,7 +39,10 @@ __all__ = ["load_compact", "remove_units"]
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _WIDTHS = ("split_size", "all_head_size", "inner_dim")
-_CONFIG_NEURONS = ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "dim_feedforward")
+_CONFIG_NEURONS = (
+    "intermediate_size", "n_inner", "d_ff", "ffn_dim", "dim_feedforward", "hidden_dim", "encoder_ffn_dim",
+    "decoder_ffn_dim",
+)  # fmt: skip
 _CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")
 _CONFIG_KV = ("num_key_value_heads",)
 KEPT_UNITS = "lightprune_kept_units"
@@ -322,7 +325,10 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     own_names = _own_names(model)
     state = {own_names.get(key, key): value for key, value in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    # tied copies are not saved; transformers lists every tie (nested models' too) in all_tied_weights_keys
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) | set(
+        getattr(model, "all_tied_weights_keys", None) or []
+    )
     if unexpected or any(key not in tied for key in missing):
         raise CompactError(f"{path}: the saved weights do not fit (missing {missing}, unexpected {unexpected})")
     if hasattr(model, "tie_weights"):
