@@ -493,6 +493,7 @@ class PruningCallback(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after configure_model (layers built there are selected) and after the strategy wrapped the model
+        setup_checks.refuse_hooks_under_compile(pl_module, self._hooked_features())
         if self.units is not None:
             neighbours.refuse_other_pruning(trainer)
             return  # units are found on the first training batch, when training starts
@@ -704,6 +705,18 @@ class PruningCallback(Callback):
         if self._grads is not None:
             self._grads.stop()
         self._grads = None
+
+    def _hooked_features(self) -> list[str]:
+        """The options set that read the model's forwards through hooks attached during training."""
+        features = []
+        if self._importance.kind in choices.STATISTICS_IMPORTANCES:
+            features.append(f"importance={self._importance.kind!r}")
+        if self.reconstruct and (self.units is not None or self._importance.kind != "obs"):
+            features.append("reconstruct=True")
+        if self.regrow == "rigl" and self.masking != "inplace":
+            features.append("regrow='rigl' under masking='reparametrize' (masking='inplace' takes its gradients "
+                            "from the parameters)")  # fmt: skip
+        return features
 
     def _select_units(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
         """Find the unit groups on ``batch``, the first training batch or ``example_inputs`` and attach to them."""

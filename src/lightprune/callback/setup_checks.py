@@ -95,6 +95,49 @@ def refuse_strategy(strategy: Any) -> None:
             raise ValueError(f"PruningCallback does not support {type(strategy).__name__}: {why}")
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs through ``torch.compile``: a LightningModule given to ``fit`` compiled (Lightning keeps
+    the compiled forward in ``_compiler_ctx``), or a compiled submodule (``OptimizedModule``).
+
+    Example:
+        >>> import torch
+        >>> is_compiled(nn.Sequential(nn.Linear(2, 2))), is_compiled(nn.Sequential(torch.compile(nn.Linear(2, 2))))
+        (False, True)
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if getattr(model, "_compiler_ctx", None):
+        return True
+    return any(isinstance(module, OptimizedModule) for module in model.modules())
+
+
+def refuse_hooks_under_compile(model: nn.Module, features: Iterable[str]) -> None:
+    """Refuse ``features`` (descriptions of options that attach hooks during training) on a compiled ``model``.
+
+    Input statistics (activation, OBS, the units' refit, OWL) and RigL's dense gradients under the
+    reparametrization are read by forward hooks attached while a window or an update lasts. torch.compile does not
+    guard on a module's hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a compiled forward never runs hooks
+    added after it was compiled, so the statistics would be empty or partial and the gradients zero, silently.
+
+    Example:
+        >>> import torch
+        >>> refuse_hooks_under_compile(nn.Linear(2, 2), ["importance='activation'"])
+        >>> compiled = torch.compile(nn.Linear(2, 2))
+        >>> refuse_hooks_under_compile(compiled, ["importance='activation'"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: importance='activation' reads the model's forwards through hooks attached during training, ...
+    """
+    features = list(features)
+    if not features or not is_compiled(model):
+        return
+    raise ValueError(
+        f"{' and '.join(features)} reads the model's forwards through hooks attached during training, which a "
+        "torch.compile'd model does not run (it does not recompile when hooks are added), so the statistics would "
+        "be missing or partial: fit the model without torch.compile"
+    )
+
+
 def check_cap(max_layer_sparsity: float, scope: str, final: float, counts: list[tuple[int, int]] | None = None) -> None:
     """Refuse a ``max_layer_sparsity`` under which the schedule's ``final`` sparsity cannot be met, before any step.
 
