@@ -3,13 +3,16 @@
 Weight-averaging callbacks (``EMAWeightAveraging``, any ``WeightAveraging``, ``StochasticWeightAveraging``) keep a
 copy of the model, average its parameters (and buffers) by position, and copy the average back over the model at
 the end of fit. The callback masks their copies with the model's own masks and runs after them, whatever order the
-user gave. Lightning's spawning launchers hand rank zero's state_dict back to the main process after teardown.
+user gave. Lightning's spawning launchers hand rank zero's state_dict back to the main process after teardown. A
+float16 fit's gradient scaler skips the optimizer steps whose gradients overflowed: what the callback reads from
+gradients leaves those steps out too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging
 from torch import nn
@@ -20,6 +23,7 @@ __all__ = [
     "refuse_averaged_bool_buffers",
     "refuse_other_pruning",
     "run_after_weight_averaging",
+    "scaler_skips_step",
     "spawned",
 ]
 
@@ -138,3 +142,26 @@ def spawned(trainer: Trainer) -> bool:
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
     return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
+
+
+def scaler_skips_step(trainer: Trainer, optimizer: Any) -> bool:
+    """Whether the gradient scaler of a float16 mixed-precision fit will skip this step of ``optimizer``: one of its
+    gradients is not finite. Read in ``on_before_optimizer_step``, where Lightning has unscaled them and the scaler
+    decides the same way; ``False`` without an enabled scaler (float32, bfloat16).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> weight = nn.Parameter(torch.ones(2))
+        >>> weight.grad = torch.tensor([1.0, float("inf")])
+        >>> optimizer = torch.optim.SGD([weight], lr=0.1)
+        >>> scaler = SimpleNamespace(is_enabled=lambda: True)
+        >>> scaler_skips_step(SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler)), optimizer)
+        True
+        >>> scaler_skips_step(SimpleNamespace(precision_plugin=SimpleNamespace()), optimizer)
+        False
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return False
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return bool(grads) and not bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())

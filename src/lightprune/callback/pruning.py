@@ -444,6 +444,7 @@ class PruningCallback(Callback):
         self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
         self._restored_masks: dict[str, Tensor] | None = None
         self._units_pending = False  # a resumed fit with unit methods: units are found on its first training batch
+        self._skipped_step = False  # the gradient scaler skips the current optimizer step
         self._fitting = False  # between setup("fit") and the fit's end: a checkpoint's masks are put back only then
         self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
         self._resolved: Schedule | None = None
@@ -600,7 +601,9 @@ class PruningCallback(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._masked is not None:
             self._masked.strategy.before_optimizer_step()  # the gradients are final; clipping and the step follow
-        self._importance.optimizer_step(optimizer)  # movement: the gradients are final (accumulated, unscaled)
+        self._skipped_step = neighbours.scaler_skips_step(trainer, optimizer)
+        if not self._skipped_step:  # (a float16 step the scaler skips: its gradients are inf or NaN)
+            self._importance.optimizer_step(optimizer)  # movement: the gradients are final (accumulated, unscaled)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -948,6 +951,11 @@ class PruningCallback(Callback):
         if not self._plan.is_update(step) or step <= self._last_regrow:
             return
         grads = None if self._grads is None else self._grads.take(self._reducer(trainer, "mean"))
+        if self._skipped_step:  # the scaler skipped this optimizer step: its gradients are inf or NaN
+            self._last_regrow = step
+            rank_zero_warn(f"{self._title()}: the masks did not move at step {step}, whose optimizer step the float16 "
+                           "gradient scaler skipped (gradients not finite)")  # fmt: skip
+            return
         fraction = self._plan.fraction_at(step)
         shares = self._masked.move(fraction, step, grads, trainer.optimizers)
         self._last_regrow = step
