@@ -120,6 +120,13 @@ def test_fractions_under_manual_optimization_refuse_max_steps() -> None:
         trainer.fit(TwoOptimizers())
 
 
+def test_regrowth_under_manual_optimization_with_max_steps_says_what_sets_its_length() -> None:
+    callback = PruningCallback(0.5, regrow="set", summary=False)
+    trainer = quiet_trainer([callback], max_epochs=-1, max_steps=30)
+    with pytest.raises(ValueError, match=r"regrow_until=0\.75 .* training batches is unknown .*set max_epochs"):
+        trainer.fit(TwoOptimizers())
+
+
 def test_max_steps_beyond_the_batches_keeps_the_batch_count(plain: Counts) -> None:
     counts = _fit(EveryOtherBatch(), max_steps=1000)  # never reached: 20 optimizer steps in 40 batches
     assert counts.pruned == plain.pruned
@@ -177,3 +184,38 @@ def test_fractions_beside_a_gradient_accumulation_scheduler_count_its_steps() ->
     changes = [step for step in sorted(zeros) if step and zeros[step] != zeros.get(step - 1, 0)]
     assert changes == [3, 6, 9, 11]  # a quarter of the run's 12 steps apart, the last at its last tick (1.0)
     assert zeros[12] == round(0.8 * N)
+
+
+class Steps(L.pytorch.loggers.Logger):
+    """A logger recording the step of every metric it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[str, list[int]] = {}
+
+    @property
+    def name(self) -> str:
+        return "steps"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for key in metrics:
+            self.steps.setdefault(key, []).append(int(step if step is not None else -1))
+
+
+@pytest.mark.parametrize("module", [TinyNet, TwoOptimizers, EveryOtherBatch], ids=["one", "two", "every other"])
+def test_sparsities_are_logged_on_the_runs_clock_as_the_regrowth(module: type[L.LightningModule]) -> None:
+    """The callback logs on one axis: the run clock (training batches under manual optimization), the axis of its
+    events and of the regrowth logs, whatever global_step counts."""
+    logger = Steps()
+    callback = PruningCallback(0.5, regrow="set", regrow_every=4, regrow_until=0.5, log_every_n_steps=5, summary=False)
+    quiet_trainer([callback], max_epochs=2, logger=logger).fit(module())
+    sparsity, regrown = logger.steps["pruning/sparsity/total"], logger.steps["pruning/regrown/fraction"]
+    assert regrown == [4]  # batch 4 (the update at batch 8 is past regrow_until: half of 16 batches)
+    assert sparsity == [0, 5, 10, 15]  # the one-shot event at batch 0, then every 5 batches

@@ -33,6 +33,7 @@ __all__ = [
     "resolve_rewind",
     "resolve_schedule",
     "schedule_for_run",
+    "unknown_length_hint",
 ]
 
 
@@ -268,6 +269,22 @@ def check_n_m_schedule(schedule: Schedule, method: str, n: int, m: int) -> None:
     raise_problems(problems)
 
 
+def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = None) -> str:
+    """What fixes a run whose length in ``unit`` is unknown, for a message; ``alternative`` is offered last.
+
+    Under manual optimization the step clock counts training batches, so ``max_steps`` (``optimizer.step()`` calls)
+    cannot give it.
+    """
+    if clock.counts_batches(trainer, unit):
+        hint = (
+            "under manual optimization the step clock counts training batches and max_steps counts "
+            "optimizer.step() calls: set max_epochs (and limit_train_batches) instead"
+        )
+    else:
+        hint = "set max_steps or max_epochs"
+    return f"{hint}, or {alternative}" if alternative else hint
+
+
 def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:
     """``schedule`` with fractional times fixed to this run's length, checked against the run.
 
@@ -277,15 +294,10 @@ def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: in
     total = clock.run_length(trainer, unit)
     if not schedule.is_resolved:
         if total is None or total < 1 or total == float("inf"):
-            hint = "set max_steps/max_epochs or give integer times"
-            if clock.counts_batches(trainer, unit):
-                hint = (
-                    "under manual optimization the step clock counts training batches and max_steps counts "
-                    "optimizer.step() calls: set max_epochs (and limit_train_batches) instead, or give integer times"
-                )
             raise ValueError(
                 f"the schedule {schedule!r} gives times as fractions of the run, but the run length in "
-                f"{clock.clock_name(trainer, unit)} is unknown ({total!r}): {hint}"
+                f"{clock.clock_name(trainer, unit)} is unknown ({total!r}): "
+                f"{unknown_length_hint(trainer, unit, 'give integer times')}"
             )
         schedule = schedule.resolve(int(total))
     validate = getattr(schedule, "validate", None)

@@ -43,6 +43,7 @@ from lightprune.callback.options import (
     resolve_rewind,
     resolve_schedule,
     schedule_for_run,
+    unknown_length_hint,
 )
 from lightprune.callback.reconstruction import blocks
 from lightprune.callback.regrowth import DenseGradients, RegrowPlan
@@ -935,7 +936,7 @@ class PruningCallback(Callback):
         if total is None or not 1 <= total < float("inf"):
             raise ValueError(
                 f"regrow_until={self.regrow_until} is a fraction of the run, whose length in "
-                f"{clock.clock_name(trainer, 'step')} is unknown ({total!r}): set max_steps or max_epochs"
+                f"{clock.clock_name(trainer, 'step')} is unknown ({total!r}): {unknown_length_hint(trainer, 'step')}"
             )
         self._plan.resolve(int(total))
         if self.regrow == "rigl":
@@ -1068,9 +1069,11 @@ class PruningCallback(Callback):
             values = {total_key: values[total_key]}
         values[self._log_prefix + "target"] = float(target)
         self._last_logged = clock.now(trainer, "step")
-        if trainer.is_global_zero:
+        if (
+            trainer.is_global_zero
+        ):  # on the run clock, as the events and the regrowth (batches under manual optimization)
             for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.global_step)
+                logger.log_metrics(values, step=self._last_logged)
         if log_to_module:
             # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
             pl_module.log(
