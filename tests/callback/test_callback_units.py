@@ -259,6 +259,19 @@ def test_a_resumed_unit_search_does_not_count_in_another_callbacks_statistics(tm
         torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize(("method", "scope", "message"), [
+    ("heads", "layerwise", r"final target 1\.0: amount=1\.0 prunes all 4 heads of 'model\.model\.layers\.0\."),
+    ("neurons", "global", r"final target 0\.99: amount=0\.99 prunes 48 of 48 units; every group must keep"),
+])  # fmt: skip
+def test_a_final_target_that_empties_a_group_is_refused_before_training(method: str, scope: str, message: str) -> None:
+    final = 1.0 if scope == "layerwise" else 0.99
+    callback = PruningCallback(Cubic(final=final, start=4, end=8, frequency=2), method=method, scope=scope)
+    fit = trainer([callback], max_steps=10)
+    with pytest.raises(ValueError, match=message):
+        fit.fit(Lit("llama"), data(4))
+    assert fit.global_step == 0
+
+
 class NoUnits(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -844,6 +844,8 @@ class PruningCallback(Callback):
         self._load_sharded_masks(trainer)
         self._load_sharded_sums(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
+        if isinstance(self._masked, UnitSelection) and self._resolved is not None:
+            self._masked.check_final(self._resolved.final_sparsity)
         self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
         if self.max_layer_sparsity < 1 and self._resolved is not None:  # resumed: the counts hold the masks
             counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None

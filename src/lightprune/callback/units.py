@@ -25,7 +25,7 @@ from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.selection import compile_patterns
 from lightprune.statistics import paused
 from lightprune.structure import Moments, UnitGroup, find_units, prune_units, refit_consumers
-from lightprune.structure.ranking import _per_unit
+from lightprune.structure.ranking import _per_unit, check_unit_amount
 
 __all__ = ["UnitRanking", "UnitSelection", "example_from_batch", "find_groups"]
 
@@ -244,6 +244,13 @@ class UnitSelection(MaskedSelection):
                     raise ValueError("reconstruct=True needs the consumers' input moments of the window")
                 refit_consumers(self.model, self.groups, keeps, ranking.moments)
             self.share_everywhere()
+
+    def check_final(self, final: float) -> None:
+        """Refuse, before training, a schedule whose final target would prune every unit of a group."""
+        try:
+            check_unit_amount(self.groups, final, self.scope if self.scope == "global" else "layerwise")
+        except ValueError as err:
+            raise ValueError(f"the schedule's final target {final}: {err}") from None
 
     def table_rows(self) -> list[tuple[str, tuple[int, ...], int, int]]:
         """``(group module, (count,), units, pruned)`` rows for the summary table."""

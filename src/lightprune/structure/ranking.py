@@ -27,7 +27,7 @@ from lightprune.prune.amount import _compute_nparams_toprune
 from lightprune.structure.statistics import Moments
 from lightprune.structure.units import Slice, UnitGroup
 
-__all__ = ["IMPORTANCES", "SCOPES", "group_masks", "prune_units", "unit_scores"]
+__all__ = ["IMPORTANCES", "SCOPES", "check_unit_amount", "group_masks", "prune_units", "unit_scores"]
 
 IMPORTANCES = ("magnitude", "activation", "taylor")
 SCOPES = ("layerwise", "global")
@@ -133,21 +133,40 @@ def group_masks(model: nn.Module, group: UnitGroup, keep: Tensor) -> dict[tuple[
     return masks
 
 
-def _prune_counts(groups: Sequence[UnitGroup], scores: list[Tensor], amount: int | float, scope: str) -> list[int]:
+def check_unit_amount(groups: Sequence[UnitGroup], amount: int | float, scope: str = "layerwise") -> None:
+    """Refuse an ``amount`` that would prune every unit of a group: of each group (``"layerwise"``) or of all of
+    them together, every group keeping its best unit (``"global"``).
+
+    Raises:
+        ValueError: naming the amount and the group (layerwise) or the counts (global).
+
+    Example:
+        >>> group = UnitGroup("neurons", "mlp", 4, 1, (), ())
+        >>> check_unit_amount([group], 0.5)
+        >>> check_unit_amount([group], 0.9)
+        Traceback (most recent call last):
+        ...
+        ValueError: amount=0.9 prunes all 4 neurons of 'mlp'; keep at least one
+    """
     if scope == "layerwise":
-        counts = []
         for group in groups:
-            count = _compute_nparams_toprune(amount, group.count)
-            if count >= group.count:
+            if _compute_nparams_toprune(amount, group.count) >= group.count:
                 raise ValueError(
                     f"amount={amount!r} prunes all {group.count} {group.kind} of {group.module!r}; keep at least one"
                 )
-            counts.append(count)
-        return counts
+        return
     total = sum(group.count for group in groups)
     target = _compute_nparams_toprune(amount, total)
     if target > total - len(groups):
         raise ValueError(f"amount={amount!r} prunes {target} of {total} units; every group must keep at least one")
+
+
+def _prune_counts(groups: Sequence[UnitGroup], scores: list[Tensor], amount: int | float, scope: str) -> list[int]:
+    check_unit_amount(groups, amount, scope)
+    if scope == "layerwise":
+        return [_compute_nparams_toprune(amount, group.count) for group in groups]
+    total = sum(group.count for group in groups)
+    target = _compute_nparams_toprune(amount, total)
     # each group's best unit is kept; the rest are ranked together, ties by (group, index)
     pool = []
     for g, values in enumerate(scores):
