@@ -25,7 +25,7 @@ import lightprune.experiment.app as app
 from lightprune.experiment.app import config_dir, main
 from lightprune.experiment.config import OBJECTIVES, ConfigError, ExperimentConfig, register_configs, validate_config
 from lightprune.experiment.plots import draw_pareto
-from lightprune.experiment.report import RunSummary, collect_runs
+from lightprune.experiment.report import RunSummary, collect_runs, write_report
 from lightprune.experiment.search import objective_value, pareto_front, read_optimization_results
 
 optuna = pytest.importorskip("optuna")
@@ -324,6 +324,40 @@ def test_the_pareto_plot_joins_the_front_and_shows_every_trial() -> None:
         "dense",
     ]
     assert ax.get_ylabel() == "final test accuracy (%)" and "log scale" in ax.get_xlabel()
+
+
+def test_the_pareto_plot_draws_dense_accuracies_that_differ_as_a_range() -> None:
+    """A search over the model or the data has trials with other dense phases: no one line stands for them."""
+    fig = draw_pareto([(0.5, 0.9), (0.9, 0.8)], front=[0, 1], dense=[0.8663, 0.1643, 0.8663])
+    ax = fig.axes[0]
+    assert "dense-reference" not in {line.get_gid() for line in ax.get_lines()}
+    (band,) = [patch for patch in ax.patches if patch.get_gid() == "dense-range"]
+    assert band.get_y() == pytest.approx(16.43) and band.get_y() + band.get_height() == pytest.approx(86.63)
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-1].startswith("dense: 16.43-86.63%")
+
+
+def _trial(root: Path, invocation: str, job: int, sparsity: float, storage: str | None) -> None:
+    run = root / invocation / str(job)
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(f"- pruning.final_sparsity={sparsity}\n")
+    sweeper = {"_target_": "hydra_plugins.lightprune_optuna_sweeper.LightpruneOptunaSweeper",
+               "storage": storage, "study_name": "sparsity_search"}  # fmt: skip
+    (run / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": sweeper}}))
+    RunSummary(total_sparsity=sparsity, final_test_acc=0.9, dense_test_acc=0.95).to_json(run / "summary.json")
+
+
+@pytest.mark.parametrize("storage", [None, "sqlite:///study.db"])
+def test_a_report_covers_one_search_and_refuses_separate_ones(tmp_path: Path, storage: str | None) -> None:
+    """Two invocations are one study when a storage continues it; without one, each is a search of its own."""
+    for invocation in ("first", "second"):
+        for job in range(2):
+            _trial(tmp_path, invocation, job + 2 * (invocation == "second"), 0.5 + 0.1 * job, storage)
+    if storage is None:
+        with pytest.raises(ValueError, match=r"holds the trials of 2 separate Optuna searches \(first, second\)"):
+            write_report(tmp_path)
+        assert "4 run(s)" not in write_report(tmp_path / "first")  # each folder on its own
+    else:
+        assert "4 run(s)" in write_report(tmp_path)
 
 
 def test_optimization_results_of_a_single_objective(tmp_path: Path) -> None:

@@ -776,9 +776,12 @@ def draw_pareto(
             label=f"Pareto front ({len(on_front)} of {len(points)} trials)", gid="pareto-front")  # fmt: skip
     ax.plot([_kept(points[i][0], floor) for i in others], [100 * points[i][1] for i in others], linestyle="none",
             marker="o", markersize=5, color=TRIAL_COLOR, alpha=0.6, label="other trials", gid="trials")  # fmt: skip
-    if dense:
-        mean, _ = _mean_std(list(dense))
-        ax.axhline(100 * mean, color="0.3", linestyle="--", linewidth=1.2, label="dense", gid="dense-reference")
+    if dense and max(dense) - min(dense) < 1e-9:
+        ax.axhline(100 * dense[0], color="0.3", linestyle="--", linewidth=1.2, label="dense", gid="dense-reference")
+    elif dense:  # the trials' dense phases differ (the search varies the model, the data or the dense training)
+        low, high = 100 * min(dense), 100 * max(dense)
+        label = f"dense: {low:.2f}-{high:.2f}% (the trials' dense phases differ)"
+        ax.axhspan(low, high, color="0.3", alpha=0.15, linewidth=0, gid="dense-range", label=label)
     ax.set_ylabel("final test accuracy (%)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -803,7 +806,8 @@ def plot_pareto(
         points: ``(sparsity, final accuracy)`` per trial, fractions.
         front: the indices of ``points`` on the Pareto front (:func:`lightprune.experiment.search.pareto_front`).
         out_png: Output PNG path.
-        dense: dense test accuracies (their mean is the dashed reference line).
+        dense: the trials' dense test accuracies: one value, a dashed reference line; values that differ (the
+            search varies the dense phase), a band from the lowest to the highest.
         title: Figure title.
 
     Example:

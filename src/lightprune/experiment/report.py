@@ -309,6 +309,42 @@ def _is_optuna_search(root: Path, results: OptimizationResults | None) -> bool:
     return False
 
 
+def _study_of(run_dir: Path, root: Path) -> str:
+    """Which Optuna study a search's run belongs to: its storage and study name from the job's ``.hydra/hydra.yaml``,
+    or, for a study kept in memory (no storage: each invocation is a study of its own), its invocation's folder."""
+    import yaml
+
+    for folder in (run_dir, *run_dir.parents):
+        candidate = folder / ".hydra" / "hydra.yaml"
+        if candidate.is_file():
+            try:
+                sweeper = ((yaml.safe_load(candidate.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}
+            except yaml.YAMLError:
+                sweeper = {}
+            storage = sweeper.get("storage")
+            if storage:
+                return f"{sweeper.get('study_name')!r} in {storage}"
+            return _relative(folder.parent, root)
+        if folder == root:
+            break
+    return _relative(run_dir.parent, root)
+
+
+def _refuse_separate_studies(runs: Sequence[RunSummary], root: Path) -> None:
+    """One search per report: the trials of separate studies (searches run again without a storage, or other study
+    names) have no common front, and the sweeper's result covers one of them only."""
+    studies: dict[str, None] = {}
+    for run in runs:
+        if run.run_dir is not None:
+            studies.setdefault(_study_of(Path(run.run_dir), root), None)
+    if len(studies) > 1:
+        names = ", ".join(list(studies)[:4]) + (" ..." if len(studies) > 4 else "")
+        raise ValueError(
+            f"{root} holds the trials of {len(studies)} separate Optuna searches ({names}); a search is continued "
+            "only through a storage (hydra.sweeper.storage): report each search's folder on its own"
+        )
+
+
 def _search_lines(
     runs: Sequence[RunSummary], front: Sequence[int], results: OptimizationResults | None, root: Path
 ) -> list[str]:
@@ -347,8 +383,9 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     and sparsity, the plot (:func:`~lightprune.experiment.plots.plot_pareto`) draws every trial with the front
     joined, and the report names the runs of the sweeper's result (its best trial, or its Pareto front of its own
     objectives).
-    ``multirun_dir`` may hold several invocations of one study (a stopped search continued): all their runs count,
-    and the newest ``optimization_results.yaml`` (the whole study's) is read.
+    ``multirun_dir`` may hold several invocations of one study (a stopped search continued through a storage): all
+    their runs count, and the newest ``optimization_results.yaml`` (the whole study's) is read. The trials of
+    separate studies (a search started again without a storage is a new study) are refused.
 
     Args:
         multirun_dir: The sweep directory.
@@ -360,7 +397,8 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
 
     Raises:
         FileNotFoundError: The directory does not exist or holds no ``summary.json``.
-        ValueError: A ``summary.json`` is corrupt (the message names it).
+        ValueError: A ``summary.json`` is corrupt (the message names it), or the directory holds the trials of
+            separate Optuna searches (the message names them).
 
     Example:
         >>> import tempfile
@@ -392,6 +430,8 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
     measured = any(run.file_size_ratio is not None or run.latency_ratio is not None for run in runs)
     results = read_optimization_results(root)
     search = _is_optuna_search(root, results)
+    if search:
+        _refuse_separate_studies(runs, root)
     front = pareto_front([(run.final_test_acc, run.total_sparsity) for run in runs]) if search else []
     header = ["run", *keys, "sparsity", "dense acc", "final acc", "compression", "speed-up"]
     header += ["file size", "latency"] if measured else []
