@@ -580,9 +580,10 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
         lrs = final_learning_rates(trainer)
         phases.append((phase, trainer.global_step))
         final_acc = _test_accuracy(trainer, module, datamodule)
-        if target is not None:
+        if target is not None:  # a round's measured sparsity (zeros of the selection) beside its target
             metrics[f"{phase}/test_acc"] = final_acc
-            metrics[f"{phase}/sparsity"] = target
+            metrics[f"{phase}/sparsity"] = summarize(module, parameters=callback.selection).total_sparsity
+            metrics[f"{phase}/target_sparsity"] = target
     last_callback = plan[-1][2]
     structured = last_callback is not None and last_callback.structured
     units = last_callback is not None and last_callback.units is not None
