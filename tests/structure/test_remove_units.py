@@ -161,6 +161,33 @@ def test_models_with_nested_ties_and_other_config_names_load_back(tmp_path, buil
         _assert_close(outputs(small, example), outputs(again, example))
 
 
+class Wrapper(nn.Module):
+    """A LightningModule's shape: the Hugging Face model as ``self.model``, no config of its own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_a_wrapped_models_config_is_updated_so_its_save_loads_back(tmp_path, scope: str) -> None:
+    model, example, other = BUILDERS["llama"]()
+    wrapper = Wrapper(model)
+    prune_units(wrapper, find_units(wrapper, (), example), 0.5 if scope == "layerwise" else 0.4, scope=scope)
+    small = remove_units(wrapper, (), example)
+    small.model.save_pretrained(tmp_path)
+    loaded = load_compact(type(small.model), tmp_path).eval()
+    for a, b in zip(outputs(small.model, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+    if scope == "layerwise":  # uniform counts: written into the inner config, so from_pretrained builds it too
+        assert small.model.config.intermediate_size == 20
+        again = type(small.model).from_pretrained(tmp_path).eval()
+        _assert_close(outputs(small.model, other), outputs(again, other))
+
+
 def test_heads_that_cannot_shrink_are_refused_by_name() -> None:
     layer, example, _ = BUILDERS["encoder_layer"]()
     prune_units(layer, find_units(layer, (), example, kinds=["heads"]), 1)

@@ -261,12 +261,26 @@ def remove_units(
                 "inputs; please report this model"
             )
     _update_config(
-        compact,
+        _config_owner(compact, groups),
         groups,
         [int((~gone).sum()) for gone in removed],
         lambda: [group.count for group in find_units(compact, args, kwargs)],
     )
     return compact
+
+
+def _config_owner(model: nn.Module, groups: Sequence[UnitGroup]) -> nn.Module:
+    """The module whose config describes ``groups``: ``model`` itself, or the one Hugging Face model it wraps (a
+    LightningModule's ``self.model``) when every group lies inside it; else ``model`` (then no config is updated)."""
+    if hasattr(getattr(model, "config", None), "to_dict"):
+        return model
+    owners = [(name, m) for name, m in model.named_modules() if name and hasattr(getattr(m, "config", None), "to_dict")]
+    outermost = [(name, m) for name, m in owners if not any(name.startswith(other + ".") for other, _ in owners)]
+    if len(outermost) == 1:
+        name, inner = outermost[0]
+        if all(group.module == name or group.module.startswith(name + ".") for group in groups):
+            return inner
+    return model
 
 
 def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
