@@ -343,7 +343,7 @@ def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightprune.callback.setup_checks import check_sharded
+    from lightprune.callback.setup_checks import check_sharded, refuse_sharded_units
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -360,6 +360,13 @@ def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path
             check_sharded(selection, parallel, prune.Identity, None)
         with pytest.raises(ValueError, match=r"does not rewind sharded.*rewind='init'"):
             check_sharded(selection, parallel, prune.L1Unstructured, "init")
+        rows = nn.Linear(4, 3)  # tensor parallelism's row-wise layout: its input dim sharded
+        rows.weight = nn.Parameter(distribute_tensor(rows.weight.detach(), mesh, [Shard(1)]))
+        with pytest.raises(ValueError, match=r"cannot prune fc2\.weight: .*placed Shard\(0\).*got S\(1\)"):
+            check_sharded([*selection, ("fc2.weight", rows, "weight")], parallel, prune.L1Unstructured, None)
+        with pytest.raises(ValueError, match=r"method='neurons' does not support models sharded .*such as weight"):
+            refuse_sharded_units(layer, "neurons")
+        refuse_sharded_units(layer, None)
     finally:
         dist.destroy_process_group()
 

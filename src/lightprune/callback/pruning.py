@@ -496,6 +496,7 @@ class PruningCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after configure_model (layers built there are selected) and after the strategy wrapped the model
         setup_checks.refuse_hooks_under_compile(pl_module, self._hooked_features())
+        setup_checks.refuse_sharded_units(pl_module, self.units)
         if self.units is not None:
             neighbours.refuse_other_pruning(trainer)
             return  # units are found on the first training batch, when training starts

@@ -181,7 +181,7 @@ def check_sharded(
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lightprune.prune.distributed import is_sharded
+    from lightprune.prune.distributed import is_sharded, placement_problem
 
     sharded = [qualified for qualified, module, name in selection if is_sharded(prune.original(module, name))]
     if not sharded:
@@ -191,6 +191,15 @@ def check_sharded(
             f"PruningCallback does not support parameters sharded as DTensor outside ModelParallelStrategy (got "
             f"{type(strategy).__name__}); sharded: {sharded[:5]}{' ...' if len(sharded) > 5 else ''}. Shard with "
             "ModelParallelStrategy and fully_shard in configure_model, or exclude them."
+        )
+    placed = [(q, placement_problem(prune.original(m, n))) for q, m, n in selection]
+    placed = [(q, problem) for q, problem in placed if problem is not None]
+    if placed:
+        qualified, problem = placed[0]
+        raise ValueError(
+            f"PruningCallback cannot prune {qualified}: {problem}"
+            f"{f' ({len(placed) - 1} more tensors alike)' if len(placed) > 1 else ''}. Tensor parallelism and 2-D "
+            "meshes are not supported: exclude these tensors, or shard with fully_shard alone"
         )
     supported = [entry.load() for entry in registry.METHODS.values() if entry.sharded]
     if method not in supported:
@@ -202,6 +211,25 @@ def check_sharded(
         raise ValueError(f"PruningCallback does not rewind sharded (DTensor) parameters yet (rewind={rewind!r})")
     if owners is not None and find_ties(selection, owners):
         raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
+
+
+def refuse_sharded_units(model: nn.Module, units: str | None) -> None:
+    """Unit methods (``"neurons"``, ``"heads"``) find their units by tracing the model, which a model sharded as
+    DTensor cannot be: refused, naming a sharded parameter.
+
+    Example:
+        >>> refuse_sharded_units(nn.Linear(2, 2), "neurons")
+    """
+    from lightprune.prune.distributed import is_sharded
+
+    if units is None:
+        return
+    sharded = [name for name, parameter in model.named_parameters() if is_sharded(parameter)]
+    if sharded:
+        raise ValueError(
+            f"method={units!r} does not support models sharded as DTensor (FSDP2, ModelParallelStrategy), such as "
+            f"{sharded[0]}: prune the units before sharding, or use an unstructured or Ln-structured method"
+        )
 
 
 def refuse_sharded_criteria(

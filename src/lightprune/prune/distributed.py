@@ -148,6 +148,31 @@ def _world(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+def placement_problem(tensor: Any) -> str | None:
+    """Why sharded pruning cannot take this DTensor (``None`` when it can, or for a plain tensor): it supports a 1-D
+    device mesh with ``Shard(0)`` (FSDP2's layout) or ``Replicate()``, not tensor parallelism's other dims nor 2-D
+    meshes (FSDP with tensor parallelism, HSDP).
+
+    Example:
+        >>> placement_problem(torch.ones(2)) is None
+        True
+    """
+    if not is_sharded(tensor):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(tensor.placements)
+    if tensor.device_mesh.ndim != 1 or len(placements) != 1:
+        return (
+            f"sharded pruning supports DTensors on a 1-D device mesh; got a mesh of shape "
+            f"{tuple(tensor.device_mesh.shape)} with placements {placements}"
+        )
+    placement = placements[0]
+    if isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0):
+        return None
+    return f"sharded pruning supports DTensors placed Shard(0) (FSDP2's layout) or Replicate(); got {placement}"
+
+
 def local_piece(tensor: Tensor, group: Any = None) -> Piece:
     """This rank's :class:`Piece` of ``tensor``: a DTensor's local shard, or a plain tensor as a replicated one.
 
@@ -165,22 +190,15 @@ def local_piece(tensor: Tensor, group: Any = None) -> Piece:
     """
     if not is_sharded(tensor):
         return Piece(tensor, 0, _rank(group) == 0, True, tensor.shape)
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
+    problem = placement_problem(tensor)
+    if problem is not None:
+        raise NotImplementedError(problem)
     placements = tuple(tensor.placements)
-    if tensor.device_mesh.ndim != 1 or len(placements) != 1:
-        raise NotImplementedError(
-            f"sharded pruning supports DTensors on a 1-D device mesh; got a mesh of shape "
-            f"{tuple(tensor.device_mesh.shape)} with placements {placements}"
-        )
-    placement = placements[0]
     local = tensor.to_local()
-    if isinstance(placement, Replicate):
+    if isinstance(placements[0], Replicate):
         return Piece(local, 0, tensor.device_mesh.get_local_rank() == 0, True, tensor.shape)
-    if not (isinstance(placement, Shard) and placement.dim == 0):
-        raise NotImplementedError(
-            f"sharded pruning supports DTensors placed Shard(0) (FSDP2's layout) or Replicate(); got {placement}"
-        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
