@@ -188,6 +188,22 @@ def test_a_wrapped_models_config_is_updated_so_its_save_loads_back(tmp_path, sco
         _assert_close(outputs(small.model, other), outputs(again, other))
 
 
+def test_load_compact_crosses_the_base_model_prefix_as_from_pretrained_does(tmp_path) -> None:
+    """A save of GPT2LMHeadModel (keys under ``transformer.``) loads as GPT2Model, and a GPT2Model save as the model
+    with its head (the head then tied to the loaded embedding)."""
+    model, example, other = BUILDERS["gpt2"]()
+    prune_units(model, find_units(model, (), example), 0.4, scope="global")
+    small = remove_units(model, (), example)
+    small.save_pretrained(tmp_path / "with_head")
+    base = load_compact(transformers.GPT2Model, tmp_path / "with_head")
+    for a, b in zip(outputs(small.transformer, other), outputs(base, other), strict=True):
+        assert torch.equal(a, b)
+    small.transformer.save_pretrained(tmp_path / "base")
+    again = load_compact(transformers.GPT2LMHeadModel, tmp_path / "base")
+    for a, b in zip(outputs(small, other), outputs(again, other), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_heads_that_cannot_shrink_are_refused_by_name() -> None:
     layer, example, _ = BUILDERS["encoder_layer"]()
     prune_units(layer, find_units(layer, (), example, kinds=["heads"]), 1)

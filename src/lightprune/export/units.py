@@ -337,7 +337,7 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
         if file.endswith(".safetensors"):
             state |= load_file(os.path.join(path, file))
     own_names = _own_names(model)
-    state = {own_names.get(key, key): value for key, value in state.items()}
+    state = _with_prefix_of(model, {own_names.get(key, key): value for key, value in state.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     # tied copies are not saved; transformers lists every tie (nested models' too) in all_tied_weights_keys
     tied = set(getattr(model, "_tied_weights_keys", None) or []) | set(
@@ -348,6 +348,22 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model.eval()
+
+
+def _with_prefix_of(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` keyed as ``model``'s own state_dict across a base-model prefix, as ``from_pretrained`` loads a base
+    model (``GPT2Model``) from a save of a model with a head (``GPT2LMHeadModel``: ``transformer.`` prefixed, plus the
+    head's tensors, left out), and the other way round."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    own = set(model.state_dict())
+    if not prefix or any(key in own for key in state):
+        return state
+    head = prefix + "."
+    stripped = {key.removeprefix(head): value for key, value in state.items() if key.startswith(head)}
+    if stripped and any(key in own for key in stripped):
+        return stripped
+    prefixed = {head + key: value for key, value in state.items()}
+    return prefixed if any(key in own for key in prefixed) else state
 
 
 def _own_names(model: nn.Module) -> dict[str, str]:
