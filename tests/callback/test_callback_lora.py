@@ -317,6 +317,7 @@ def test_resume_is_exact(tmp_path: Path) -> None:
         ),
         ({"lora_bias": True}, {}, r"attention\.self\.query' has lora_bias=True"),
         ({}, {"importance": "movement", "schedule": Constant(0.5, at=2)}, "importance='movement' ranks by the"),
+        ({}, {"importance": "obs", "calibration_batches": 1}, r"importance='obs' ranks and rebuilds .* base W alone"),
         (
             {"target_modules": ["query", "value", "word_embeddings"]},
             {"include": r".*(query\.base_layer|word_embeddings\.base_layer)\.weight", "module_types": None},

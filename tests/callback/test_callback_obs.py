@@ -212,10 +212,24 @@ class WithConv3d(Frozen):
         self.conv = nn.Conv3d(2, 2, 1)
 
 
+class Tied(Frozen):
+    """The last layer's weight is an embedding's too, as GPT-2's lm_head is its input embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(4, 12)
+        self.embedding.weight = self.net[4].weight
+
+
 @pytest.mark.parametrize(
     ("kwargs", "model", "message"),
     [
         ({"schedule": 0.5}, Frozen, r"importance='obs' needs input statistics.*calibration_batches"),
+        (
+            {"schedule": 0.5, "calibration_batches": 1},
+            Tied,
+            r"reconstruct=True rewrites the kept weights of Linear\.weight, which is tied to \['embedding\.weight'\]",
+        ),
         ({"schedule": Constant(0.5, at=1)}, WithConv3d, r"OBS pruning cannot handle conv\.weight \(Conv3d\)"),
         (
             {"schedule": Constant(0.5, at=1), "sequential": True, "calibration_batches": 1, "scope": "row"},

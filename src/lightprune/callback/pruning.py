@@ -819,6 +819,8 @@ class PruningCallback(Callback):
         if self.prune_channel_bias:
             biases = setup_checks.channel_biases(selection)
         ties = setup_checks.find_ties(selection, parameter_owners(model))
+        if self.reconstruct:
+            setup_checks.refuse_reconstructing_ties(ties)
         adapted = setup_checks.check_adapters(selection, model, self._importance.kind)
         if self.regrow is not None:
             setup_checks.check_regrowth(selection, model, self.regrow, self.masking, adapted)

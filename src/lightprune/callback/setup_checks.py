@@ -340,6 +340,12 @@ def check_adapters(selection: Selection, model: nn.Module, importance: str) -> d
             f"importance='movement' ranks by the weights' gradients, which the frozen base weights under adapters "
             f"{sorted(adapted)[:3]} do not have: use 'magnitude' or 'activation', or exclude them"
         )
+    if importance == "obs":
+        raise ValueError(
+            f"importance='obs' ranks and rebuilds a layer's weight from its inputs, but the adapted layers "
+            f"{sorted(adapted)[:3]} compute with W + s*B*A, of which OBS would see the base W alone: use 'magnitude' "
+            "or 'activation', or exclude them"
+        )
     sharded = [q for q, layer in adapted.items() if is_sharded(prune.original(adapters.base_of(layer), "weight"))]
     if sharded:
         raise ValueError(
@@ -490,6 +496,23 @@ def find_ties(
         if others:
             ties.append((module, name, others))
     return ties
+
+
+def refuse_reconstructing_ties(ties: list[tuple[nn.Module, str, list[tuple[str, nn.Module, str]]]]) -> None:
+    """OBS's reconstruction rewrites the kept weights for the selected layer's own output; a tensor tied to another
+    module (GPT-2's ``lm_head`` is its input embedding) would change there too, for inputs the update never saw.
+
+    Example:
+        >>> refuse_reconstructing_ties([])
+    """
+    if not ties:
+        return
+    module, name, others = ties[0]
+    raise ValueError(
+        f"reconstruct=True rewrites the kept weights of {type(module).__name__}.{name}, which is tied to "
+        f"{[q for q, _, _ in others][:3]}: the update fits this layer's output only and would change theirs too; "
+        "exclude the tied tensor or set reconstruct=False"
+    )
 
 
 def warn_small_share(selection: Selection, owners: Mapping[int, Selection]) -> None:
