@@ -582,7 +582,8 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
         final_acc = _test_accuracy(trainer, module, datamodule)
         if target is not None:  # a round's measured sparsity (zeros of the selection) beside its target
             metrics[f"{phase}/test_acc"] = final_acc
-            metrics[f"{phase}/sparsity"] = summarize(module, parameters=callback.selection).total_sparsity
+            measured = summarize(module, parameters=callback.selection).total_sparsity
+            metrics[f"{phase}/sparsity"] = float("nan") if measured is None else measured
             metrics[f"{phase}/target_sparsity"] = target
     last_callback = plan[-1][2]
     structured = last_callback is not None and last_callback.structured
