@@ -510,9 +510,9 @@ class PruningCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        resumed = trainer.global_step > 0 or clock.now(trainer, "step") > 0 or self._last_event >= 0
+        fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
         if self.units is not None and self._masked is None:
-            if resumed and (self.example_inputs is None or callable(self.example_inputs)):
+            if not fresh and (self.example_inputs is None or callable(self.example_inputs)):
                 # a batch drawn here would use up a resumed loader's position: the first training batch serves
                 self._units_pending = True
             else:
@@ -526,7 +526,6 @@ class PruningCallback(Callback):
         )
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
-        fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
         self._check_first_event(fresh)
         if fresh and self.sequential:
             self._sequential_first_event(trainer, pl_module)
@@ -1076,9 +1075,7 @@ class PruningCallback(Callback):
             values = {total_key: values[total_key]}
         values[self._log_prefix + "target"] = float(target)
         self._last_logged = clock.now(trainer, "step")
-        if (
-            trainer.is_global_zero
-        ):  # on the run clock, as the events and the regrowth (batches under manual optimization)
+        if trainer.is_global_zero:  # on the run clock, as events and regrowth: batches under manual optimization
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=self._last_logged)
         if log_to_module:
