@@ -84,18 +84,36 @@ def _natural_key(path: Path) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.as_posix())]
 
 
+def _job_file(run_dir: Path, stop: Path, name: str) -> Path | None:
+    """The run's Hydra job file ``.hydra/<name>``, looked up from ``run_dir`` towards ``stop``; ``None`` if none."""
+    for folder in (run_dir, *run_dir.parents):
+        candidate = folder / ".hydra" / name
+        if candidate.is_file():
+            return candidate
+        if folder == stop:
+            break
+    return None
+
+
 def _read_overrides(run_dir: Path, stop: Path) -> list[str] | None:
     """The run's ``.hydra/overrides.yaml``, looked up from ``run_dir`` towards ``stop``; ``None`` if none."""
     import yaml
 
-    for folder in (run_dir, *run_dir.parents):
-        candidate = folder / ".hydra" / "overrides.yaml"
-        if candidate.is_file():
-            loaded = yaml.safe_load(candidate.read_text()) or []
-            return [str(item) for item in loaded]
-        if folder == stop:
-            break
-    return None
+    found = _job_file(run_dir, stop, "overrides.yaml")
+    if found is None:
+        return None
+    return [str(item) for item in yaml.safe_load(found.read_text()) or []]
+
+
+def _sweeper_node(hydra_yaml: Path) -> dict[str, Any] | None:
+    """The ``hydra.sweeper`` node of a job's ``.hydra/hydra.yaml`` (empty when it has none); ``None`` if the file is
+    not valid YAML."""
+    import yaml
+
+    try:
+        return ((yaml.safe_load(hydra_yaml.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}
+    except yaml.YAMLError:
+        return None
 
 
 def _failure_reason(run_dir: Path) -> str:
@@ -296,38 +314,24 @@ def _seed_table(runs: Sequence[RunSummary]) -> list[str]:
 def _is_optuna_search(root: Path, results: OptimizationResults | None) -> bool:
     """Whether the runs under ``root`` come from Hydra's Optuna sweeper: it wrote its results, or a job's
     ``.hydra/hydra.yaml`` names it (a search that is still running or was stopped)."""
-    import yaml
-
     if results is not None:
         return True
     for path in sorted(root.rglob(".hydra/hydra.yaml"), key=_natural_key)[:1]:  # the jobs of a sweep share it
-        try:
-            sweeper = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}
-        except yaml.YAMLError:
-            return False
-        return "optuna" in str(sweeper.get("_target_", "")).lower()
+        sweeper = _sweeper_node(path)
+        return sweeper is not None and "optuna" in str(sweeper.get("_target_", "")).lower()
     return False
 
 
 def _study_of(run_dir: Path, root: Path) -> str:
     """Which Optuna study a search's run belongs to: its storage and study name from the job's ``.hydra/hydra.yaml``,
     or, for a study kept in memory (no storage: each invocation is a study of its own), its invocation's folder."""
-    import yaml
-
-    for folder in (run_dir, *run_dir.parents):
-        candidate = folder / ".hydra" / "hydra.yaml"
-        if candidate.is_file():
-            try:
-                sweeper = ((yaml.safe_load(candidate.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}
-            except yaml.YAMLError:
-                sweeper = {}
-            storage = sweeper.get("storage")
-            if storage:
-                return f"{sweeper.get('study_name')!r} in {storage}"
-            return _relative(folder.parent, root)
-        if folder == root:
-            break
-    return _relative(run_dir.parent, root)
+    found = _job_file(run_dir, root, "hydra.yaml")
+    if found is None:
+        return _relative(run_dir.parent, root)
+    sweeper = _sweeper_node(found) or {}
+    if sweeper.get("storage"):
+        return f"{sweeper.get('study_name')!r} in {sweeper['storage']}"
+    return _relative(found.parent.parent.parent, root)  # the invocation's folder, above the job's
 
 
 def _refuse_separate_studies(runs: Sequence[RunSummary], root: Path) -> None:
