@@ -461,6 +461,44 @@ def test_global_unstructured_masks_a_tied_parameter_once_in_every_owner() -> Non
     assert head.weight is embed.weight  # the tie survives remove
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+def test_global_unstructured_over_tied_owners_pruned_apart_brings_nothing_back(mask_dtype) -> None:
+    """Owners of a tied Parameter with their own masks: the global call ranks what all of them keep."""
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight
+    with lp.mask_dtype(mask_dtype):
+        lp.l1_unstructured(embed, "weight", amount=0.2)
+        lp.random_unstructured(head, "weight", amount=0.5)
+    kept_by_both = (embed.weight_mask != 0) & (head.weight_mask != 0)
+    lp.global_unstructured([(embed, "weight"), (head, "weight")], pruning_method=lp.L1Unstructured, amount=4)
+    assert embed.weight_mask is head.weight_mask
+    kept = embed.weight_mask != 0
+    assert not bool((kept & ~kept_by_both).any())  # nothing pruned through either owner comes back
+    assert int(kept.sum()) == int(kept_by_both.sum()) - 4
+    dropped = kept_by_both & ~kept  # the 4 smallest magnitudes among the entries both kept
+    magnitudes = embed.weight_orig.detach().abs()
+    assert float(magnitudes[dropped].max()) <= float(magnitudes[kept].min())
+
+
+def test_global_unstructured_reads_a_tied_parameters_scores_under_any_owner() -> None:
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(6, 4), torch.nn.Linear(4, 6, bias=False)
+    head.weight = embed.weight
+    scores = torch.arange(24.0).reshape(6, 4)  # the first entries rank lowest, whatever the weights
+    pairs = [(embed, "weight"), (head, "weight")]
+    lp.global_unstructured(
+        pairs, pruning_method=lp.L1Unstructured, amount=5, importance_scores={(head, "weight"): scores}
+    )
+    assert (embed.weight_mask.flatten() == 0).nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"importance_scores differ for two owners of one tied Parameter"):
+        lp.global_unstructured(
+            pairs, pruning_method=lp.L1Unstructured, amount=1,
+            importance_scores={(embed, "weight"): scores, (head, "weight"): -scores},
+        )  # fmt: skip
+    assert int((embed.weight_mask == 0).sum()) == 5  # the refused call changed nothing
+
+
 def test_global_unstructured_over_tied_owners_equals_torch_over_the_distinct_tensors() -> None:
     """Differential: giving a tied Parameter under both owners prunes what torch prunes given it once."""
     torch.manual_seed(1)

@@ -457,6 +457,7 @@ class _Attachment:
     hook: BasePruningMethod | None
     mask: Tensor | None = None
     requested_dtype: torch.dtype | None = None  # for a fresh tensor's mask; None: the parameter's dtype
+    shared_mask: Tensor | None = None  # a tied Parameter's owners pruned apart: what all their masks keep
 
     @classmethod
     def plan(
@@ -475,6 +476,8 @@ class _Attachment:
 
     @property
     def current_mask(self) -> Tensor | None:
+        if self.shared_mask is not None:
+            return self.shared_mask
         return None if self.hook is None else self.module._buffers[self.name + "_mask"]
 
     def default_scores(self, method: BasePruningMethod) -> Tensor:
@@ -488,6 +491,8 @@ class _Attachment:
         if self.hook is None or not _ranks_current_values(method):
             return self.orig
         with torch.no_grad():
+            if self.shared_mask is not None:
+                return self.orig * self.shared_mask
             return self.hook.apply_mask(self.module)
 
     def mask_dtype(self) -> torch.dtype:

@@ -248,8 +248,11 @@ def global_unstructured(
     A Parameter registered on several modules (tied weights, e.g. an embedding and an output layer) may be given
     under each of its owners: it is ranked once, counted once, and every owner gets the same mask tensor, so every
     module computes with the same masked values (torch prunes each owner separately, from the same entries counted
-    twice). A tied Parameter pruned through one owner only leaves the others computing with the dense tensor: give
-    every owner.
+    twice). Owners pruned apart before (each its own mask, e.g. by per-module calls) are ranked from the entries that
+    all of their masks keep, so the shared mask never brings back an entry pruned through one of them. Its
+    ``importance_scores`` may be given under any one owner (two different tensors for one Parameter are refused). A
+    tied Parameter pruned through one owner only leaves the others computing with the dense tensor: give every
+    owner.
 
     A global ranking may take every weight of a parameter whose values are small next to the others' (layer
     collapse: a collapsed output layer outputs its bias alone, whatever the input). The result is the ranking's, as
@@ -324,13 +327,13 @@ def global_unstructured(
     if not attachments:
         return
     # a Parameter registered on several modules (tied weights) is ranked once and all its owners share one mask
-    first: dict[int, _Attachment] = {}
+    owners: dict[int, list[_Attachment]] = {}
     for attachment in attachments:
-        first.setdefault(id(attachment.orig), attachment)
-    unique = list(first.values())
+        owners.setdefault(id(attachment.orig), []).append(attachment)
+    unique = [_tied_owners(group) for group in owners.values()]
     scores = []
-    for attachment in unique:
-        score = importance_scores.get((attachment.module, attachment.name))
+    for attachment, group in zip(unique, owners.values(), strict=True):
+        score = _tied_scores(group, importance_scores)
         if score is None:
             score = attachment.default_scores(method)
         _check_same_shape(score, attachment.orig, "importance_scores", f"parameter {attachment.name!r}")
@@ -353,6 +356,40 @@ def global_unstructured(
         # later call or a conversion (.half(), .to()) replaces it, one more full mask per pruning step
         attachment.method.mask = None
     warn_collapsed(collapsed, "global_unstructured()")
+
+
+def _tied_owners(group: list[_Attachment]) -> _Attachment:
+    """The attachment that ranks a Parameter given under ``group``'s owners (one owner: itself).
+
+    Owners pruned apart before (each its own mask, as per-module calls leave them) rank from what every one of them
+    keeps, so no entry pruned through one owner comes back through the shared mask.
+    """
+    first = group[0]
+    masks = [a.current_mask for a in group if a.current_mask is not None]
+    if len(masks) > 1 and any(m is not masks[0] for m in masks[1:]):
+        shared = masks[0].clone()
+        for mask in masks[1:]:
+            shared.mul_(mask.to(device=shared.device, dtype=shared.dtype))  # (a logical and for bool masks)
+        first.shared_mask = shared
+    elif masks and first.current_mask is None:
+        first.shared_mask = masks[0]
+    return first
+
+
+def _tied_scores(group: list[_Attachment], importance_scores: dict[Any, Tensor]) -> Tensor | None:
+    """The importance scores given for a Parameter under any of its owners' ``(module, name)``, or ``None``."""
+    given = [(a, importance_scores[(a.module, a.name)]) for a in group if (a.module, a.name) in importance_scores]
+    if not given:
+        return None
+    first, score = given[0]
+    for other, another in given[1:]:
+        if another is not score and not (another.shape == score.shape and torch.equal(another, score)):
+            raise ValueError(
+                "global_unstructured(): importance_scores differ for two owners of one tied Parameter "
+                f"(({type(first.module).__name__}, {first.name!r}) and ({type(other.module).__name__}, "
+                f"{other.name!r})); it is ranked once: give its scores under one owner"
+            )
+    return score
 
 
 def _newly_collapsed(attachments: list[_Attachment], masks: list[Tensor], pairs: list[Any]) -> list[str]:
