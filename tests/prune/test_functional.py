@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune as tp
 
 from lightprune import prune as lp
+from lightprune.prune.functional import remove_masked
 
 
 def distinct(shape: tuple[int, ...], offset: int = 0, dtype: torch.dtype = torch.float32, seed: int = 0) -> Tensor:
@@ -303,6 +304,36 @@ def test_remove_of_an_unpruned_tensor_is_a_value_error() -> None:
         lp.remove(layer, "bias")
     with pytest.raises(ValueError, match=r"'nothing' of Linear is not pruned"):
         lp.remove(layer, "nothing")
+
+
+def test_remove_calls_a_torch_style_override_of_remove() -> None:
+    """A method written for torch overrides ``remove(self, module)``: both removals call it with torch's signature."""
+    calls = []
+
+    class LoggedL1(lp.L1Unstructured):
+        def remove(self, module):
+            calls.append(type(module).__name__)
+            super().remove(module)
+
+    for remove in (lp.remove, remove_masked):
+        layer = nn.Linear(4, 3)
+        LoggedL1.apply(layer, "weight", amount=5)
+        remove(layer, "weight")
+        assert not lp.is_pruned(layer)
+        assert isinstance(layer.weight, nn.Parameter) and int((layer.weight == 0).sum()) == 5
+    assert calls == ["Linear", "Linear"]
+
+
+def test_torchs_helpers_see_lightprunes_pruning() -> None:
+    """torch's is_pruned, its methods on top of ours and its remove treat lightprune's hooks as pruning hooks."""
+    layer = lp.l1_unstructured(nn.Linear(4, 3), "weight", amount=5)
+    assert isinstance(layer._forward_pre_hooks[next(iter(layer._forward_pre_hooks))], tp.BasePruningMethod)
+    assert tp.is_pruned(layer)
+    tp.l1_unstructured(layer, "weight", amount=2)  # torch's container now holds lightprune's method and its own
+    assert int((layer.weight == 0).sum()) == 7
+    tp.remove(layer, "weight")
+    assert not lp.is_pruned(layer)
+    assert isinstance(layer.weight, nn.Parameter) and int((layer.weight == 0).sum()) == 7
 
 
 def test_remove_of_a_torch_pruned_tensor_gives_advice() -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.utils.prune as torch_prune
 from torch import Tensor, nn
 
 from lightprune.prune.masking import masked, masked_
@@ -296,6 +297,11 @@ class PruningContainer(BasePruningMethod):
 
     def __repr__(self) -> str:
         return f"PruningContainer({', '.join(repr(m) for m in self._pruning_methods)})"
+
+
+# Code written against torch's class (torch.nn.utils.prune.is_pruned and remove, Lightning's ModelPruning, a user's
+# isinstance check) sees lightprune's hooks as pruning hooks: the contract above is torch's.
+torch_prune.BasePruningMethod.register(BasePruningMethod)
 
 
 def _defining_class(cls: type, attribute: str) -> type | None:

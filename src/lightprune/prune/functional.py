@@ -519,7 +519,10 @@ def _remove(module: nn.Module, name: str, in_place: bool) -> nn.Module:
     # all or nothing, as for pruning calls: an exception or a KeyboardInterrupt part-way through would leave a
     # plain Parameter next to a hook that still looks for <name>_orig (every forward then fails)
     with transaction([(module, name)]):
-        hook.remove(module, in_place=in_place)
+        if in_place and type(hook).remove is BasePruningMethod.remove:
+            hook.remove(module, in_place=True)
+        else:  # a method written for torch may override remove(self, module), torch's signature
+            hook.remove(module)
         del module._forward_pre_hooks[key]
         uninstall_refresh_if_unpruned(module)
     return module
