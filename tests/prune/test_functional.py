@@ -355,7 +355,7 @@ def test_is_pruned_recognises_its_own_and_torchs_hooks() -> None:
     assert not lp.is_pruned(model)
     lp.identity(model[2], "bias")
     assert lp.is_pruned(model) and lp.is_pruned(model[2]) and not lp.is_pruned(model[0])
-    assert not tp.is_pruned(model)  # torch knows only its own hooks
+    assert tp.is_pruned(model)  # lightprune's methods count as torch's
     lp.remove(model[2], "bias")
     assert not lp.is_pruned(model)
     tp.random_unstructured(model[4], "weight", amount=1)
@@ -587,3 +587,14 @@ def test_a_channels_last_weight_keeps_its_layout(mask_dtype: torch.dtype | None,
     lp.remove(conv, "weight")
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert int((conv.weight == 0).sum()) == conv.weight.numel() // 2
+
+
+def test_pruning_again_under_a_parametrized_orig_is_refused_naming_it() -> None:
+    from torch.nn.utils import parametrize
+
+    layer = lp.l1_unstructured(nn.Linear(4, 3), "weight", amount=5)
+    mask = layer.weight_mask.clone()
+    parametrize.register_parametrization(layer, "weight_orig", nn.Identity())
+    with pytest.raises(ValueError, match=r"'weight_orig' of ParametrizedLinear is not a plain Parameter"):
+        lp.l1_unstructured(layer, "weight", amount=2)
+    assert torch.equal(layer.weight_mask, mask)

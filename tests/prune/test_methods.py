@@ -253,6 +253,40 @@ def test_random_unstructured_compute_mask_matches_torch() -> None:
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool])
+def test_random_unstructured_repeated_matches_torch_with_the_same_seed(dtype, mask_dtype) -> None:
+    """torch draws for the entries still unpruned: the same masks, and the generator left where torch leaves it."""
+    ours, theirs = pair_with(torch.randn(6, 7, dtype=dtype))
+    torch.manual_seed(3)
+    with lp.mask_dtype(mask_dtype):
+        for amount in (0.5, 4, 0.3):
+            lp.random_unstructured(ours, "weight", amount=amount)
+    after_ours = torch.rand(3)
+    torch.manual_seed(3)
+    for amount in (0.5, 4, 0.3):
+        tp.random_unstructured(theirs, "weight", amount=amount)
+    after_theirs = torch.rand(3)
+    assert torch.equal(ours.weight_mask.to(theirs.weight_mask.dtype), theirs.weight_mask)
+    assert torch.equal(after_ours, after_theirs)
+
+
+def test_global_random_repeated_matches_torch_with_the_same_seed() -> None:
+    models = [nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    draws_after = []
+    for impl, model in zip((lp, tp), models, strict=True):
+        torch.manual_seed(0)
+        pairs = [(model[0], "weight"), (model[1], "weight")]
+        impl.l1_unstructured(model[1], "weight", amount=5)  # one tensor pruned before the global calls
+        impl.global_unstructured(pairs, impl.RandomUnstructured, amount=0.5)
+        impl.global_unstructured(pairs, impl.RandomUnstructured, amount=9)
+        draws_after.append(torch.rand(3))
+    for ours, theirs in zip(models[0], models[1], strict=True):
+        assert torch.equal(ours.weight_mask, theirs.weight_mask)
+    assert torch.equal(*draws_after)
+
+
 def test_random_unstructured_repeated_never_unprunes() -> None:
     layer = layer_with(torch.randn(10, 10))
     previous = torch.ones(10, 10)

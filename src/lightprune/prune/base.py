@@ -301,7 +301,7 @@ class PruningContainer(BasePruningMethod):
 
 # Code written against torch's class (torch.nn.utils.prune.is_pruned and remove, Lightning's ModelPruning, a user's
 # isinstance check) sees lightprune's hooks as pruning hooks: the contract above is torch's.
-torch_prune.BasePruningMethod.register(BasePruningMethod)
+torch_prune.BasePruningMethod.register(BasePruningMethod)  # type: ignore[type-abstract]
 
 
 def _defining_class(cls: type, attribute: str) -> type | None:

@@ -24,10 +24,10 @@ and rounded once to the tensor's dtype: equal to ``torch.norm`` up to its own ro
 a single process unless two channel norms are within one rounding step of each other.
 
 Random methods draw identically on every rank from the global generator (seed every rank the same): unstructured
-draws are generated in chunks over each full tensor's flat order, each rank keeping its own run, which gives the
-very numbers ``torch.rand(full shape)`` gives in one process (so the same seed gives the same mask) in bounded
-memory. They come from the CPU generator whatever the device (one process on a GPU draws from the GPU's generator,
-so there the same seed gives other, equally uniform, masks).
+draws are generated in chunks over each full tensor's entries still unpruned, in flat order, each rank keeping its
+own run, which gives the very numbers one process draws (so the same seed gives the same mask) in bounded memory.
+They come from the CPU generator whatever the device (one process on a GPU draws from the GPU's generator, so there
+the same seed gives other, equally uniform, masks).
 
 Supported layouts: DTensors on a one-dimensional device mesh whose placement is ``Shard(0)`` or ``Replicate()``
 (FSDP2's layout), and plain tensors. Other placements raise ``NotImplementedError`` naming them.
@@ -396,22 +396,51 @@ def _local(tensor: Tensor | None) -> Tensor | None:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
-def _local_draws(piece: Piece, dtype: torch.dtype, chunk: int = 1 << 20) -> Tensor:
-    """This piece's run of ``torch.rand(piece.shape)`` from the global generator, drawn chunk by chunk."""
-    total = math.prod(piece.shape)
-    out = torch.empty(piece.local.numel(), dtype=dtype)
-    start, stop = piece.offset, piece.offset + piece.local.numel()
-    pos = 0
+def _draw_run(before: int, count: int, total: int, dtype: torch.dtype, chunk: int = 1 << 20) -> Tensor:
+    """Entries ``before`` to ``before + count`` of ``torch.rand(total)`` from the global generator, drawn chunk by chunk
+    (every rank draws all ``total``, keeping the stream in step)."""
+    out = torch.empty(count, dtype=dtype)
+    stop, pos = before + count, 0
     while pos < total:
         n = min(chunk, total - pos)
-        if pos + n <= start or pos >= stop:
+        if pos + n <= before or pos >= stop:
             torch.rand(n, dtype=dtype)  # not ours: draw to keep the stream in step
         else:
             draws = torch.rand(n, dtype=dtype)
-            lo, hi = max(pos, start), min(pos + n, stop)
-            out[lo - start : hi - start] = draws[lo - pos : hi - pos]
+            lo, hi = max(pos, before), min(pos + n, stop)
+            out[lo - before : hi - before] = draws[lo - pos : hi - pos]
         pos += n
-    return out.view(piece.local.shape).to(piece.local.device)
+    return out
+
+
+def _random_draws(pieces: Sequence[Piece], current: Sequence[Tensor | None], group: Any) -> list[Tensor]:
+    """Each piece's share of what one process draws for its tensor: ``torch.rand`` over the entries still eligible,
+    in the full tensor's flat order (:func:`~lightprune.prune.methods.uniform_draws`); 0 elsewhere.
+
+    The eligible entries before this rank's run are counted with one ``all_gather`` of two integers per tensor.
+    """
+    eligible = [None if c is None else (c if c.dtype == torch.bool else c == 1) for c in current]
+    local = torch.tensor(
+        [[p.offset, p.local.numel() if e is None else int(e.sum())] for p, e in zip(pieces, eligible, strict=True)],
+        dtype=torch.int64,
+    ).reshape(len(pieces), 2)
+    table = _all_gather(local, group) if not all(p.replicated for p in pieces) else local.unsqueeze(0)
+    draws = []
+    for i, (p, e) in enumerate(zip(pieces, eligible, strict=True)):
+        count = int(local[i, 1])
+        if p.replicated:
+            before, total = 0, count
+        else:
+            before = int(table[table[:, i, 0] < p.offset, i, 1].sum())
+            total = int(table[:, i, 1].sum())
+        dtype = torch.float64 if p.local.dtype == torch.float64 else torch.float32
+        run = _draw_run(before, count, total, dtype)
+        if e is None:
+            draws.append(run.view(p.local.shape).to(p.local.device))
+        else:
+            out = torch.zeros(p.local.shape, dtype=dtype, device=p.local.device)
+            draws.append(out.masked_scatter_(e.to(p.local.device), run.to(p.local.device)))
+    return draws
 
 
 def sharded_unstructured_masks(
@@ -470,9 +499,8 @@ def sharded_unstructured_masks(
         raise ValueError(f"got {len(current)} current masks for {len(pieces)} tensors")
     with torch.no_grad():
         if method == "random":
-            for p in pieces:
-                draw_dtype = torch.float64 if p.local.dtype == torch.float64 else torch.float32
-                p.local = _local_draws(p, draw_dtype)
+            for p, draws in zip(pieces, _random_draws(pieces, current, group), strict=True):
+                p.local = draws
         elif importance_scores is not None:
             for p, s in zip(pieces, importance_scores, strict=True):
                 if s is not None:

@@ -61,13 +61,27 @@ def _unstructured_mask(
     return out
 
 
-def uniform_draws(like: Tensor) -> Tensor:
+def uniform_draws(like: Tensor, eligible: Tensor | None = None) -> Tensor:
     """Uniform numbers in [0, 1) of ``like``'s shape and device, in float32 (float64 for a float64 ``like``).
 
-    Never in a 16-bit dtype, whose few distinct values make ties, nor in an integer one.
+    Never in a 16-bit dtype, whose few distinct values make ties, nor in an integer one. With ``eligible`` (a mask:
+    bool, or numeric where 1 means eligible) only the eligible entries are drawn, in flat order, and the others hold
+    0: torch's ``PruningContainer`` draws for the entries still unpruned, so a seed gives torch's mask on an already
+    pruned tensor too and leaves the generator where torch leaves it.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> draws = uniform_draws(torch.zeros(4), eligible=torch.tensor([True, False, True, False]))
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(draws[[0, 2]], torch.rand(2)), draws[[1, 3]].tolist()
+        (True, [0.0, 0.0])
     """
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.rand(like.shape, dtype=dtype, device=like.device)
+    if eligible is None:
+        return torch.rand(like.shape, dtype=dtype, device=like.device)
+    keep = (eligible if eligible.dtype == torch.bool else eligible == 1).to(like.device)
+    draws = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    return draws.masked_scatter_(keep, torch.rand(int(keep.sum()), dtype=dtype, device=like.device))
 
 
 def _active_channels(mask: Tensor | None, dim: int) -> Tensor | None:
@@ -194,7 +208,7 @@ class RandomUnstructured(BasePruningMethod):
         )
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
-        draws = uniform_draws(scores)
+        draws = uniform_draws(scores, eligible=current)
         return _unstructured_mask(
             self.amount, draws, current, restrict=True, dtype=dtype, magnitude=False, largest=True
         )
