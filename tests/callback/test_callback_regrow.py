@@ -130,6 +130,34 @@ def test_masks_move_at_update_steps_only_with_exact_counts(regrow: str, masking:
     assert any(bool((after.masks[t][q] != after.masks[t - 1][q]).any()) for t in updates for q in after.masks[t])
 
 
+class FreezeFirstLayer(L.Callback):
+    """Holds ``net.0`` frozen (as ``BackboneFinetuning`` holds a backbone) from the start of fit."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for parameter in pl_module.net[0].parameters():
+            parameter.requires_grad_(False)
+
+
+@pytest.mark.parametrize(("regrow", "masking"), [("set", "reparametrize"), ("rigl", "inplace")])
+def test_a_frozen_tensor_keeps_its_mask_and_the_total_stays_exact(regrow: str, masking: str) -> None:
+    callback = PruningCallback(
+        0.5, scope="erk", regrow=regrow, regrow_every=2, regrow_fraction=0.3, masking=masking, make_permanent=False
+    )
+    masks: list[dict[str, Tensor]] = []
+
+    class Masks(L.Callback):  # after the pruning callback: the masks after each step's moves
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            masks.append({q: callback._masked.mask(m, n).bool().clone() for q, m, n in callback._masked.selection})
+
+    model = TinyNet()
+    quiet_trainer([FreezeFirstLayer(), callback, Masks()], max_epochs=2).fit(model)
+    assert all(torch.equal(m["net.0.weight"], masks[0]["net.0.weight"]) for m in masks)  # a regrown entry stays 0
+    assert any(not torch.equal(m["net.2.weight"], masks[0]["net.2.weight"]) for m in masks)  # the others move
+    effective = folded(state(model))
+    zeros = sum(int((effective[f"net.{i}.weight"] == 0).sum()) for i in (0, 2, 4))
+    assert zeros == round(0.5 * N)  # every kept weight nonzero: the model is as sparse as reported
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize(("dropped_gradient", "moves"), [(9.0, False), (0.5, True)])
 def test_a_dropped_weight_among_the_largest_gradients_is_regrown_with_its_value_and_state(

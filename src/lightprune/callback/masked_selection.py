@@ -318,8 +318,10 @@ class MaskedSelection:
         drawn from ``(seed, step)`` alone, so every DDP rank and a resumed run draw the same. The new masks replace
         the old ones (a fresh ``CustomFromMask`` each, as a restore does: masks are no longer monotone); regrown
         weights start at zero and their optimizer state (momentum, Adam's moments) is zeroed. Every tensor keeps its
-        count of active weights. Returns the share of each tensor's active weights that moved: at most
-        ``fraction``, less where a dropped weight was regrown by the same update (it keeps its value and state).
+        count of active weights. A frozen tensor (``requires_grad=False``, e.g. a backbone that ``BackboneFinetuning``
+        holds frozen) keeps its mask: its regrown weights could not leave zero. Returns the share of each tensor's
+        active weights that moved: at most ``fraction``, less where a dropped weight was regrown by the same update
+        (it keeps its value and state), 0 for a frozen tensor.
 
         Example:
             >>> layer = nn.Linear(10, 10)
@@ -343,7 +345,7 @@ class MaskedSelection:
             active = int(torch.count_nonzero(mask))
             k = moved_count(fraction, active, mask.numel() - active)
             shares[qualified] = 0.0
-            if k == 0:
+            if k == 0 or not weight.requires_grad:  # frozen (BackboneFinetuning...): a regrown entry would stay 0
                 continue
             scores = None if grads is None else grads[qualified]
             fresh, grown[qualified] = drop_and_grow(weight, mask, k, grow_scores=scores, generator=generator)
