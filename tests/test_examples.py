@@ -194,6 +194,12 @@ def test_own_hydra_app_composes_the_pruning_preset_from_the_package(tmp_path: Pa
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert final_sparsity(result.stdout) == 0.5
+    result = subprocess.run(
+        [sys.executable, str(app / "train.py"), "epochs=1", "pruning=none", f"hydra.run.dir={tmp_path / 'run3'}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]  # the dense baseline: a callback that does nothing
+    assert final_sparsity(result.stdout) == 0.0
 
 
 MINILM_CACHE = Path("~/.cache/lightprune/minilm").expanduser()

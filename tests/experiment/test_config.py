@@ -339,6 +339,18 @@ def test_a_sparsity_given_to_the_dense_baseline_is_warned_as_unused() -> None:
     assert config_warnings(compose_app("pruning=none")) == []
 
 
+def test_adopting_zeros_keeps_a_callback_at_zero_sparsity_and_is_warned_as_unused_without_one() -> None:
+    from lightprune.experiment.app import build_callback, pruning_callback
+
+    callback = build_callback(compose_app("pruning=one_shot", "pruning.final_sparsity=0", "pruning.adopt_zeros=true"))
+    assert callback is not None and callback.adopt_zeros  # fine-tuning a pruned model with its zeros kept
+    assert build_callback(compose_app("pruning=one_shot", "pruning.final_sparsity=0")) is None
+    (message,) = config_warnings(compose_app("pruning=none", "pruning.adopt_zeros=true"))
+    assert message.startswith("pruning.adopt_zeros=true is not used with pruning=none")
+    nothing = pruning_callback(preset="none", final_sparsity=0.0)  # instantiate(cfg.pruning) in a user's own app
+    assert type(nothing).__module__.startswith("lightning") and type(nothing).__name__ == "Callback"
+
+
 def test_a_limit_on_the_bundled_digits_is_warned_as_unused() -> None:
     (message,) = config_warnings(compose_app("data=digits", "data.limit=100"))
     assert message.startswith("data.limit=100 is not used with data=digits")

@@ -130,7 +130,7 @@ def build_callback(
     from lightprune.callback import PruningCallback
 
     p = cfg.pruning
-    if p.preset == "none" or p.final_sparsity == 0:
+    if p.preset == "none" or (p.final_sparsity == 0 and not p.adopt_zeros):
         return None
     if rewind is None and p.rewind is not None:
         rewind = p.rewind
@@ -166,7 +166,8 @@ def pruning_callback(
             defaults).
 
     Returns:
-        The callback, or ``None`` for the ``none`` preset.
+        The callback; for the ``none`` preset (or ``final_sparsity: 0`` without ``adopt_zeros``) a Lightning
+        ``Callback`` that does nothing, so ``callbacks=[instantiate(cfg.pruning)]`` works with every preset.
 
     Raises:
         ConfigError: a key the schema does not have, or a value it rejects (every problem listed).
@@ -186,9 +187,14 @@ def pruning_callback(
     cfg.trainer.log_every_n_steps = log_every_n_steps
     validate_config(cfg)
     try:
-        return build_callback(cfg, module=module)
+        callback = build_callback(cfg, module=module)
     except ValueError as err:
         raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
+    if callback is None:
+        from lightning.pytorch import Callback
+
+        return Callback()
+    return callback
 
 
 def _check_selection(callback: Any, module: nn.Module) -> None:

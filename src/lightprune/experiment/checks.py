@@ -43,7 +43,10 @@ def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | N
     exclude = list(cfg.pruning.exclude) if cfg.pruning.exclude else []
     if cfg.pruning.exclude_classifier:
         if module is None:
-            raise ValueError("pruning.exclude_classifier=true needs the model: pass build_callback(cfg, module=...)")
+            raise ValueError(
+                "pruning.exclude_classifier=true needs the model: pass it, "
+                "hydra.utils.instantiate(cfg.pruning, module=model) (or build_callback(cfg, module=model))"
+            )
         exclude.append(re.escape(classifier_weight(module)))
     return exclude or None
 

@@ -251,8 +251,9 @@ class PruningConfig:
         max_layer_sparsity: the largest share of any one layer's weights (channels) that may be pruned, in (0, 1];
             ``1.0``: no cap. A global ranking can otherwise prune a layer away entirely (layer collapse); with a cap
             the global total stays exact. In ``layerwise``/``row`` scope it may not be below ``final_sparsity``.
-        owl_threshold: OWL's ``M``, for ``scope=owl``: a score above ``M`` times its layer's mean is an outlier.
-        owl_lambda: OWL's ``lambda``, for ``scope=owl``: the layers' sparsities span ``2 * lambda`` around the target.
+        owl_threshold: OWL's ``M``, for ``scope=owl``: a score above ``M`` times its block's mean is an outlier (a
+            block: a transformer block, the tensors named alike up to the first numeric part; else one tensor).
+        owl_lambda: OWL's ``lambda``, for ``scope=owl``: the blocks' sparsities span ``2 * lambda`` around the target.
         regrow: dynamic sparse training during the fine-tuning phase: ``rigl`` (regrow where the dense gradient is
             largest) or ``set`` (at random); ``None``: masks only grow.
         regrow_every: optimizer steps between mask updates.
@@ -542,6 +543,11 @@ def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
         messages.append(
             f"pruning.final_sparsity={cfg.pruning.final_sparsity} is not used with pruning=none: the model stays dense "
             "(choose a pruning preset, e.g. pruning=gmp_cubic, to prune)"
+        )
+    if cfg.pruning.preset == "none" and cfg.pruning.adopt_zeros:
+        messages.append(
+            "pruning.adopt_zeros=true is not used with pruning=none: no callback masks the zeros (choose a preset with "
+            "pruning.final_sparsity=0 to keep them while fine-tuning)"
         )
     if is_bundled(cfg.data) and cfg.data.get("name") == "digits" and cfg.data.get("limit") is not None:
         messages.append(f"data.limit={cfg.data.limit} is not used with data=digits (1,797 examples, all used)")

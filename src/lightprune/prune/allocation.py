@@ -48,10 +48,11 @@ __all__ = [
 ]
 
 OWL_THRESHOLD = 5.0
-"""OWL's ``M``: a score is an outlier when it exceeds ``M`` times its tensor's mean score (the paper's default)."""
+"""OWL's ``M``: a score is an outlier when it exceeds ``M`` times the mean score of its block (:func:`owl_blocks`)
+(the paper's default)."""
 
 OWL_LAMBDA = 0.08
-"""OWL's ``lambda``: the tensors' sparsities span ``2 * lambda`` around the target (the paper's default for LLaMA)."""
+"""OWL's ``lambda``: the blocks' sparsities span ``2 * lambda`` around the target (the paper's default for LLaMA)."""
 
 _BISECTIONS = 200
 
