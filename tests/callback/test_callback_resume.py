@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
+from lightprune import prune
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Linear
 from tiny_lightning import ResumableBatches, TinyNet, folded, loader, quiet_trainer, state
@@ -132,10 +133,15 @@ def test_a_checkpoint_saved_after_fit_holds_the_masks_and_resumes_with_them(tmp_
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
-def test_validate_with_a_checkpoint_after_fit_evaluates_that_checkpoint(tmp_path: Path, masking: str) -> None:
+@pytest.mark.parametrize(
+    ("masking", "make_permanent"), [("reparametrize", True), ("inplace", True), ("reparametrize", False)]
+)
+def test_validate_with_a_checkpoint_after_fit_evaluates_that_checkpoint(
+    tmp_path: Path, masking: str, make_permanent: bool
+) -> None:
     """``fit``, then ``validate(ckpt_path=...)`` / ``test`` of an earlier checkpoint on the same Trainer: the
-    checkpoint's weights as saved, not the fit's final masks, and the model stays plain for the next call."""
+    checkpoint's weights as saved, not the fit's final masks, and the model stays plain for the next call; also when
+    the fit left the model reparametrized (``make_permanent=False``) and the checkpoint is plain."""
 
     class Evaluated(TinyNet):
         def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -147,14 +153,40 @@ def test_validate_with_a_checkpoint_after_fit_evaluates_that_checkpoint(tmp_path
     checkpoints = ModelCheckpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)
     schedule = Linear(final=0.8, start=0, end=16, frequency=4)
     model = Evaluated()
-    callbacks = [PruningCallback(schedule, masking=masking), checkpoints]
+    callbacks = [PruningCallback(schedule, masking=masking, make_permanent=make_permanent), checkpoints]
     trainer = quiet_trainer(callbacks, max_epochs=2, enable_checkpointing=True)
     trainer.fit(model, loader())
+    assert prune.is_pruned(model) == (masking == "reparametrize" and not make_permanent)
     early = tmp_path / "epoch=0-step=4.ckpt"
     reference = quiet_trainer().validate(Evaluated.load_from_checkpoint(early), loader(), verbose=False)
     assert trainer.validate(model, loader(), ckpt_path=early, verbose=False) == reference
     assert sorted(model.state_dict()) == sorted(Evaluated().state_dict())  # plain keys: no mask put back
     assert trainer.test(model, loader(), ckpt_path=early, verbose=False)[0]["val_loss"] == reference[0]["val_loss"]
+
+
+def test_a_failed_fit_resumes_from_its_exception_checkpoint_on_the_same_model(tmp_path: Path) -> None:
+    """A fit that raised leaves the model reparametrized; resuming that very object from the plain checkpoint
+    ``OnExceptionCheckpoint`` wrote (a notebook retry) ends as resuming a fresh model does."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    class FailAt(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 5:
+                raise RuntimeError("failure at step 5")
+
+    schedule = Linear(final=0.6, start=0, end=12, frequency=4)
+    model = TinyNet()
+    crashing = [PruningCallback(schedule), OnExceptionCheckpoint(tmp_path, filename="on_exception"), FailAt()]
+    with pytest.raises(RuntimeError, match="failure at step 5"):
+        quiet_trainer(crashing, max_epochs=3, enable_checkpointing=True).fit(model, loader())
+    assert prune.is_pruned(model)
+    fresh = TinyNet()
+    for resumed in (model, fresh):
+        trainer = quiet_trainer([PruningCallback(schedule)], max_epochs=3)
+        trainer.fit(resumed, loader(), ckpt_path=tmp_path / "on_exception.ckpt")
+    assert _zeros(model) == _zeros(fresh)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_masks_read_from_zeros_cover_every_selected_name() -> None:

@@ -442,6 +442,7 @@ class PruningCallback(Callback):
 
         self._masked: MaskedSelection | None = None
         self._plain_state_dict_handle: Any = None
+        self._plain_load_handle: Any = None
         self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
         self._restored_masks: dict[str, Tensor] | None = None
         self._units_pending = False  # a resumed fit with unit methods: units are found on its first training batch
@@ -486,6 +487,7 @@ class PruningCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._accept_plain_checkpoints(pl_module)
         if stage == "fit":
             setup_checks.refuse_strategy(trainer.strategy)
             self._reset()
@@ -622,6 +624,7 @@ class PruningCallback(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._remove_plain_load()
         if stage != "fit":
             return
         self._fitting = False  # validate/test(ckpt_path=...) restore this state too: their masks are not put back
@@ -641,6 +644,7 @@ class PruningCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._fitting = False
         self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
+        self._remove_plain_load()
         self._remove_step_handles()
         self._importance.close()
         if self._grads is not None:
@@ -887,6 +891,17 @@ class PruningCallback(Callback):
         if self._plain_state_dict_handle is not None:
             self._plain_state_dict_handle.remove()
             self._plain_state_dict_handle = None
+
+    def _accept_plain_checkpoints(self, pl_module: LightningModule) -> None:
+        """Let a model left reparametrized (by a fit with ``make_permanent=False``, or one that failed) load the plain
+        checkpoints this callback writes: Lightning loads a checkpoint's weights before any callback sees it."""
+        if self._plain_load_handle is None and any(prune.pruned_names(m) for m in pl_module.modules()):
+            self._plain_load_handle = pl_module.register_load_state_dict_pre_hook(_adapt_to_checkpoint)
+
+    def _remove_plain_load(self) -> None:
+        if self._plain_load_handle is not None:
+            self._plain_load_handle.remove()
+            self._plain_load_handle = None
 
     def _apply_restored_masks(self) -> None:
         """Put the masks of a checkpoint back on the selected tensors (resume), once both are known."""
@@ -1151,3 +1166,9 @@ def _check_unit_options(
     for key, (value, bad, why) in refused.items():
         if bad:
             raise ValueError(f"{key}={value!r} is not supported with method={method!r}: {why}")
+
+
+def _adapt_to_checkpoint(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook: a plain checkpoint makes the pruning of a reparametrized model permanent first
+    (:func:`~lightprune.prune.prepare_for_state_dict`), so it loads as saved."""
+    prune.prepare_for_state_dict(module, state_dict, prefix)
