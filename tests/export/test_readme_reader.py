@@ -22,6 +22,22 @@ def _reader():
     return namespace["read_sparse_safetensors"]
 
 
+def test_readme_reader_reads_every_dtype_save_sparse_writes(tmp_path):
+    from lightprune.export.sparse_file import _CODES
+
+    read = _reader()
+    tensors = {}
+    for code, dtype in _CODES.items():
+        values = torch.zeros(64)
+        values[::7] = torch.arange(1, 11, dtype=torch.float32)  # mostly zeros: stored sparse
+        tensors[code] = values.to(dtype)
+    path = tmp_path / "dtypes.safetensors"
+    save_sparse(tensors, path)
+    want, got = load_sparse(path), read(str(path))
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
 def test_readme_reader_matches_load_sparse(tmp_path):
     read = _reader()
     torch.manual_seed(0)
