@@ -35,7 +35,8 @@ Arms (``--arms``; see :data:`ARMS`):
 * ``lp_rigl_erk``, ``lp_set_erk`` (run only when named): dynamic sparse training, sparse from the first step: ERK
   amounts at step 0 from the initial weights, then every 100 steps each layer drops 30% of its active weights
   (cosine-decayed to 0 at 75% of the run) and regrows as many where the dense gradient is largest (RigL) or at random
-  (SET); ``--regrow EVERY,FRACTION,UNTIL`` changes these three settings (of these arms only).
+  (SET); ``--regrow EVERY,FRACTION,UNTIL`` changes these three settings (of these arms only), and ``--sparse-init``
+  scales each row's initial weights to its kept fan-in once the first masks are on (Evci et al. 2022).
 * ``lp_rigl_erk_3x``, ``lp_set_erk_3x`` (run only when named): the same in 3x the protocol's epochs (60), the
   regrow schedule scaled with the run.
 * ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
@@ -184,6 +185,7 @@ class Settings:
     threads: int = 1
     masking: str = "reparametrize"  # the lightprune arms' PruningCallback(masking=...)
     importance: str = "magnitude"  # the lightprune arms' PruningCallback(importance=...)
+    sparse_init: bool = False  # dynamic sparse training arms: each row's initial weights scaled to its kept fan-in
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,28 @@ class EpochTimer(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.times.append(time.perf_counter() - self._start[0])
         self.cpu_times.append(time.process_time() - self._start[1])
+
+
+class SparseInit(Callback):
+    """A sparsity-aware initialization (Evci et al. 2022): once the first masks are on, each row of a pruned weight
+    is scaled by ``sqrt(fan_in / kept fan_in)``, giving its pre-activations the dense initialization's variance.
+
+    Runs after the pruning callback's ``on_train_start`` (placed after it), whose first event at step 0 masks.
+    """
+
+    def __init__(self, weights: Sequence[tuple[nn.Module, str]]) -> None:
+        self.weights = list(weights)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightprune import prune
+
+        with torch.no_grad():
+            for module, name in self.weights:
+                weight = prune.original(module, name)
+                mask = getattr(module, name + "_mask", None)
+                kept = (weight != 0) if mask is None else (mask != 0)
+                fan_in = kept.shape[1]
+                weight.mul_(torch.sqrt(fan_in / kept.sum(dim=1).clamp(min=1).to(weight.dtype))[:, None])
 
 
 class EpochCosineLR(Callback):
@@ -540,6 +564,8 @@ def run_one(run: Run) -> dict[str, Any]:
         run.arm, run.sparsity, module, epochs, settings.gradual, settings.masking, settings.importance, settings.regrow
     )
     flops = TrainingFlops(pruned_weights(module))
+    if settings.sparse_init:
+        callbacks.append(SparseInit(pruned_weights(module)))
     trainer = make_trainer(epochs, [timer, flops, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
     start = time.perf_counter()
@@ -974,9 +1000,11 @@ def plan(
             arm_sparsities = [0.0] if arm == "dense" else [FIXED_SPARSITY[arm]] if arm in FIXED_SPARSITY else sparsities
             criteria = importances if arm.startswith("lp_") else ("magnitude",)
             regrow = settings.regrow if arm in DST_ARMS else REGROW  # other arms: cached runs stay valid
+            init = settings.sparse_init and arm in DST_ARMS
             for importance in criteria:
                 for sparsity in arm_sparsities:
-                    runs.append(Run(arm, sparsity, seed, replace(settings, importance=importance, regrow=regrow)))
+                    arm_settings = replace(settings, importance=importance, regrow=regrow, sparse_init=init)
+                    runs.append(Run(arm, sparsity, seed, arm_settings))
     return runs
 
 
@@ -1053,6 +1081,11 @@ def main(argv: list[str] | None = None) -> int:
         default=REGROW,
         help="every,fraction,until of the dynamic sparse training arms (default %(default)s)",
     )
+    parser.add_argument(
+        "--sparse-init",
+        action="store_true",
+        help="dynamic sparse training arms: scale each row's initial weights to its kept fan-in (Evci et al. 2022)",
+    )
     parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
     parser.add_argument("--masking", default="reparametrize", choices=("reparametrize", "inplace"),
                         help="PruningCallback(masking=...) of the lightprune arms")  # fmt: skip
@@ -1074,6 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         val_size=args.val_size,
         gradual=args.gradual,
         regrow=args.regrow,
+        sparse_init=args.sparse_init,
         data_root=args.data_root,
         threads=args.threads,
         masking=args.masking,

@@ -164,6 +164,22 @@ def test_3x_arms_train_three_times_longer_and_regrow_settings_reach_only_dst_arm
     assert quality.EPOCH_MULTIPLIER["lp_rigl_erk_3x"] == 3 and callback.scope == "erk"
 
 
+def test_sparse_init_reaches_only_dst_arms_and_scales_each_row_to_its_kept_fan_in() -> None:
+    quality = _quality_module()
+    runs = {
+        r.arm: r for r in quality.plan(["lp_gradual", "lp_set_erk"], [0.9], [0], quality.Settings(sparse_init=True))
+    }
+    assert runs["lp_set_erk"].settings.sparse_init and not runs["lp_gradual"].settings.sparse_init
+    layer = torch.nn.Linear(8, 3)
+    from lightprune import prune
+
+    prune.custom_from_mask(layer, "weight", torch.tensor([[1.0] * 8, [1.0, 1.0] + [0.0] * 6, [1.0] + [0.0] * 7]))
+    before = layer.weight_orig.detach().clone()
+    quality.SparseInit([(layer, "weight")]).on_train_start(None, None)
+    scale = layer.weight_orig.detach() / before
+    torch.testing.assert_close(scale[:, 0], torch.tensor([1.0, 2.0, 8.0**0.5]))  # sqrt(8 / kept) per row
+
+
 def _entry(accuracy: float, flops: float | None) -> dict:
     return {"accuracy": (accuracy, 0.5, 3), "training_flops": flops, "layer_sparsity": {}, "sparsity_counted": 0.0}
 
