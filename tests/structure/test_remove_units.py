@@ -10,7 +10,7 @@ from tiny_transformers import BUILDERS, outputs, transformers
 from torch import nn
 
 from lightprune.export import CompactError, load_compact, remove_units
-from lightprune.structure import find_units, prune_units
+from lightprune.structure import UnitError, find_units, prune_units
 
 pytestmark = pytest.mark.usefixtures("one_thread_for_module")
 
@@ -300,3 +300,44 @@ def test_a_forward_that_reads_a_count_remove_units_cannot_change_is_refused() ->
     prune_units(model, groups, 0.5)
     with pytest.raises(CompactError, match=r"compact Phi3ForCausalLM does not run on the example inputs"):
         remove_units(model, (), example, groups=groups)
+
+
+def _gpt_neox() -> tuple[nn.Module, dict, dict]:
+    """GPT-NeoX: its heads cannot be followed (its fused query/key/value projection is split per head), its neurons
+    can."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40
+    )
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(2)
+    return model, {"input_ids": torch.randint(0, 64, (2, 7), generator=g)}, {"input_ids": torch.randint(0, 64, (3, 9))}
+
+
+def test_neurons_alone_go_and_load_back_where_heads_cannot_be_followed(tmp_path) -> None:
+    model, example, other = _gpt_neox()
+    with pytest.raises(UnitError, match="attention"):
+        find_units(model, (), example)
+    groups = find_units(model, (), example, kinds=["neurons"])
+    prune_units(model, groups, 0.4, scope="global")  # per-layer counts: the kept units are recorded
+    small = remove_units(model, (), example, groups=groups)
+    assert small.config.lightprune_kept_units == [g.count for g in find_units(small, (), example, kinds=["neurons"])]
+    assert small.config.lightprune_kept_kinds == ["neurons"]
+    _assert_close(outputs(model, other), outputs(small, other))
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path)
+    for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(UnitError, match=r"kinds=\['neurons'\]"):  # without groups: the error says how
+        remove_units(model, (), example)
+
+
+def test_a_record_without_its_kinds_loads_with_every_kind(tmp_path) -> None:
+    model, example, other = BUILDERS["gpt2"]()
+    prune_units(model, find_units(model, (), example), 0.4, scope="global")
+    small = remove_units(model, (), example)
+    del small.config.lightprune_kept_kinds  # as saved before the kinds were recorded
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path)
+    for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)

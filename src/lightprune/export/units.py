@@ -12,7 +12,8 @@ Saving: where every layer keeps the same counts and a model built from the updat
 shapes, the config's sizes are updated (``intermediate_size``, ``num_attention_heads``, ...), and
 ``save_pretrained`` / ``from_pretrained`` round-trip. Otherwise (per-layer counts, or a config that derives the head
 size from the head count, as BERT's does) the config keeps its sizes and records the kept units per group in
-``config.lightprune_kept_units``; :func:`load_compact` rebuilds that shape and loads the weights.
+``config.lightprune_kept_units`` (the groups of the kinds named in ``config.lightprune_kept_kinds``);
+:func:`load_compact` rebuilds that shape and loads the weights.
 
 Refused (:class:`~lightprune.export.CompactError`, naming the module): heads of ``nn.MultiheadAttention`` (its
 forward derives the head size from ``embed_dim``, so heads cannot go without changing the class) and heads that get a
@@ -32,7 +33,7 @@ from torch.utils import _pytree
 
 from lightprune.export.compact import CompactError
 from lightprune.layouts import is_transformers_conv1d
-from lightprune.structure.units import UnitGroup, find_units, plain_copy
+from lightprune.structure.units import UnitError, UnitGroup, find_units, plain_copy
 
 __all__ = ["load_compact", "remove_units"]
 
@@ -46,6 +47,8 @@ _CONFIG_NEURONS = (
 _CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")
 _CONFIG_KV = ("num_key_value_heads",)
 KEPT_UNITS = "lightprune_kept_units"
+KEPT_KINDS = "lightprune_kept_kinds"  # the kinds find_units was asked for to list the groups of KEPT_UNITS
+_ALL_KINDS = ("neurons", "heads")
 
 
 def _per_unit_zero(weight: Tensor, dim: int, offset: int, count: int, per_unit: int) -> Tensor:
@@ -127,18 +130,25 @@ def _set_head_attributes(model: nn.Module, group: UnitGroup, units: int) -> None
 
 
 def _update_config(
-    model: nn.Module, groups: Sequence[UnitGroup], counts: list[int], all_counts: Callable[[], list[int]]
+    model: nn.Module,
+    groups: Sequence[UnitGroup],
+    counts: list[int],
+    all_counts: Callable[[Sequence[str]], list[int]],
 ) -> None:
     """Write uniform counts into the config if a model built from it has the compact shapes; else record the kept
-    units of every group of the compact model (``all_counts()``, in :func:`find_units`' order, which
-    :func:`load_compact` follows), whatever subset or order of groups ``groups`` was."""
+    units of every group of the kinds in ``groups`` in the compact model (``all_counts(kinds)``, in
+    :func:`find_units`' order, which :func:`load_compact` follows), whatever subset or order of groups ``groups``
+    was, and those kinds (:func:`load_compact` finds the groups with those kinds only: a model whose heads cannot be
+    followed still loads back after its neurons went)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return
     if list(counts) == [group.count for group in groups]:
         return
+    kinds = {group.kind for group in groups}
     if getattr(config, KEPT_UNITS, None) is not None:  # removed before: the record covers every group again
-        setattr(config, KEPT_UNITS, all_counts())
+        before = getattr(config, KEPT_KINDS, None)
+        _record(config, all_counts, kinds | set(_ALL_KINDS if before is None else before))
         return
     changes: dict[str, Any] = {}
     for kind, names, scale in (
@@ -162,7 +172,13 @@ def _update_config(
         for name, value in changes.items():
             setattr(config, name, value)
     else:
-        setattr(config, KEPT_UNITS, all_counts())
+        _record(config, all_counts, kinds)
+
+
+def _record(config: Any, all_counts: Callable[[Sequence[str]], list[int]], kinds: set[str]) -> None:
+    ordered = [kind for kind in _ALL_KINDS if kind in kinds]
+    setattr(config, KEPT_UNITS, all_counts(ordered))
+    setattr(config, KEPT_KINDS, ordered)
 
 
 def _config_fits(model: nn.Module, config: Any, changes: Mapping[str, Any]) -> bool:
@@ -235,7 +251,16 @@ def remove_units(
         (4, [2, 32, 2, 32])
     """
     args, kwargs = _inputs(model, example_inputs, example_kwargs)
-    groups = list(groups) if groups is not None else find_units(model, args, kwargs)
+    if groups is None:
+        try:
+            groups = find_units(model, args, kwargs)
+        except UnitError as err:
+            if "attention" not in str(err):
+                raise
+            raise UnitError(
+                f"{err} (to remove one kind of unit only, pass groups=find_units(model, ..., kinds=['neurons']))"
+            ) from err
+    groups = list(groups)
     compact = plain_copy(model).eval()
     removed = [_removable(compact, group) for group in groups]
     _shrink(compact, groups, removed)
@@ -264,7 +289,7 @@ def remove_units(
         _config_owner(compact, groups),
         groups,
         [int((~gone).sum()) for gone in removed],
-        lambda: [group.count for group in find_units(compact, args, kwargs)],
+        lambda kinds: [group.count for group in find_units(compact, args, kwargs, kinds=kinds)],
     )
     return compact
 
@@ -321,7 +346,7 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     if accepted.get("dtype", accepted.get("torch_dtype")) == "auto":  # the saved dtype, as config.dtype says
         accepted.pop("dtype", None), accepted.pop("torch_dtype", None)
     model = model_class._from_config(config, **accepted)
-    groups = find_units(model, (), _example_inputs(model, path))
+    groups = find_units(model, (), _example_inputs(model, path), kinds=getattr(config, KEPT_KINDS, None))
     if len(groups) != len(counts):
         raise CompactError(f"{path}: the config records {len(counts)} unit groups, the model has {len(groups)}")
     removed = []
