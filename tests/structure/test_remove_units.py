@@ -215,6 +215,21 @@ def test_heads_that_cannot_shrink_are_refused_by_name() -> None:
         remove_units(t5, (), example)
 
 
+def test_a_per_head_bias_added_before_the_mask_is_found_and_refused() -> None:
+    """MPNet adds its relative position bias (batch, heads, q, k) to the scores, then the mask (batch, 1, 1, k)."""
+    config = transformers.MPNetConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=40
+    )
+    torch.manual_seed(0)
+    model = transformers.MPNetModel(config).eval()
+    example = {"input_ids": torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(2))}
+    heads = find_units(model, (), example, kinds=["heads"])
+    assert [g.per_head_bias for g in heads] == [True]
+    prune_units(model, heads, 0.5)
+    with pytest.raises(CompactError, match=r"cannot remove heads of 'encoder.layer.0.attention.attn'.*per-head bias"):
+        remove_units(model, (), example, groups=heads)
+
+
 def test_nothing_pruned_gives_an_equal_copy() -> None:
     model, example, _ = BUILDERS["bert"]()
     small = remove_units(model, (), example)

@@ -76,7 +76,8 @@ class UnitGroup:
         heads_per_unit: query heads per unit (heads: the grouped-query ratio; neurons: 1).
         head_dim: features per query head (neurons: 1).
         per_head_bias: heads only: the attention scores get a per-head tensor from outside the projections (T5's
-            relative position bias, shared by every layer): masks are exact, but the heads cannot be removed.
+            and MPNet's relative position bias, shared by every layer): masks are exact, but the heads cannot be
+            removed.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
@@ -366,15 +367,17 @@ def _back_through(node: Any, names: set[str], limit: int = 12) -> fx.Node | None
     return None
 
 
-def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, Any]]:
-    """``(core, q, k, v, bias)`` of every attention: sdpa, or matmul(softmax(matmul(q, k^T) + ...), v)."""
+def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[Any]]]:
+    """``(core, q, k, v, extra)`` of every attention: sdpa, or matmul(softmax(matmul(q, k^T) + ...), v); ``extra``:
+    every other tensor the scores meet on their way to the softmax (sdpa's mask; eager attention's mask, scale and
+    biases, as MPNet adds a per-head position bias and then the mask)."""
     cores = []
     for node in graph.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target in _SDPA:
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-            cores.append((node, node.args[0], node.args[1], node.args[2], mask))
+            cores.append((node, node.args[0], node.args[1], node.args[2], [mask]))
         elif node.target in _MATMUL:
             probs = _back_through(node.args[0], {"dropout", "to", "_to_copy", "type_as", "clone", "contiguous"})
             if probs is None or probs.target not in _SOFTMAX:
@@ -389,7 +392,7 @@ def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, Any]
                     break
                 scores, extra = tensors[0], extra + tensors[1:]
             if isinstance(scores, fx.Node) and scores.target in _MATMUL:
-                cores.append((node, scores.args[0], scores.args[1], node.args[1], extra[0] if extra else None))
+                cores.append((node, scores.args[0], scores.args[1], node.args[1], extra))
     return cores
 
 
@@ -486,7 +489,7 @@ def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Project
 
 def _find_heads(graph: _Graph) -> list[UnitGroup]:
     groups = []
-    for core, q, k, v, bias in _cores(graph):
+    for core, q, k, v, extra in _cores(graph):
         where = graph.where(core)
         q_shape, v_shape = _shape(q), _shape(v)
         if q_shape is None or v_shape is None:
@@ -515,8 +518,8 @@ def _find_heads(graph: _Graph) -> list[UnitGroup]:
             + roles["value"].projection.rows(roles["value"].offset, value_dim)
         )
         consume = (reader.columns(ratio * value_dim),)
-        bias_shape = _shape(bias)
-        per_head_bias = bias_shape is not None and len(bias_shape) >= 3 and bias_shape[-3] > 1
+        shapes = [shape for shape in map(_shape, extra) if shape is not None]
+        per_head_bias = any(len(shape) >= 3 and shape[-3] > 1 for shape in shapes)
         module = _common_module([s.module for s in produce + consume])
         groups.append(UnitGroup("heads", module, kv_heads, produce, consume, ratio, head_dim, per_head_bias))
     return groups
