@@ -209,3 +209,37 @@ def test_multi_query_attention_is_one_unit_of_all_query_heads() -> None:
         ("v_proj", 8),
         ("o_proj", 32),
     }
+
+
+_QK_NORM_BASE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "intermediate_size": 40,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "flag", "norm"),
+    [("Cohere", "use_qk_norm", r"self_attn.q_norm'"), ("StableLm", "qk_layernorm", r"self_attn.q_layernorm.norms'")],
+)
+def test_a_norm_per_head_after_the_split_refuses_the_heads_by_name(family: str, flag: str, norm: str) -> None:
+    """Cohere's q_norm weight is (heads, head_dim); StableLM has one LayerNorm per head: removing heads would keep
+    (or mismatch) the removed heads' norms, so the heads are refused; the neurons stay."""
+    config = getattr(transformers, f"{family}Config")(**_QK_NORM_BASE, **{flag: True})
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    example = {"input_ids": torch.randint(3, 64, (2, 7))}
+    with pytest.raises(UnitError, match=r"query of 'model.layers.0.self_attn' goes through parameters of '.*" + norm):
+        find_units(model, (), example, kinds=["heads"])
+    assert [g.kind for g in find_units(model, (), example, kinds=["neurons"])] == ["neurons"]
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Phi"])
+def test_a_norm_shared_by_every_head_keeps_the_heads(family: str) -> None:
+    extra = {"head_dim": 8} if family == "Qwen3" else {"qk_layernorm": True}
+    config = getattr(transformers, f"{family}Config")(**_QK_NORM_BASE, **extra)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    heads = find_units(model, (), {"input_ids": torch.randint(3, 64, (2, 7))}, kinds=["heads"])
+    assert [(g.count, g.heads_per_unit) for g in heads] == [(2, 2)]

@@ -24,6 +24,7 @@ reshapes, transposes, splits of a fused projection (GPT-2's ``c_attn``, the pack
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -403,8 +404,11 @@ class _Source:
     split_width: int  # features of the projection's output that the view into heads split
 
 
-def _sources(graph: _Graph, node: Any, head_dim: int) -> set[_Source] | None:
-    """The projections a query/key/value tensor comes from, with the offset of its features in their outputs."""
+def _sources(
+    graph: _Graph, node: Any, head_dim: int, between: dict[_Param, tuple[int, ...]] | None = None
+) -> set[_Source] | None:
+    """The projections a query/key/value tensor comes from, with the offset of its features in their outputs.
+    ``between`` (if given) gets the parameters (and their shapes) read after the split into heads (a q/k norm)."""
     found: set[_Source] = set()
     seen: set[tuple[fx.Node, int, bool, int | None]] = set()
 
@@ -415,6 +419,9 @@ def _sources(graph: _Graph, node: Any, head_dim: int) -> set[_Source] | None:
         if key in seen:
             return True
         seen.add(key)
+        param = graph.param(current)
+        if param is not None and split is None and between is not None:
+            between[param] = _shape(current) or ()
         projection = graph.projections.get(current)
         if projection is not None:
             if split is None:
@@ -460,6 +467,21 @@ def _sources(graph: _Graph, node: Any, head_dim: int) -> set[_Source] | None:
     return found if visit(node, 0, None, None) else None
 
 
+def _per_head(between: Mapping[_Param, tuple[int, ...]]) -> list[_Param]:
+    """The parameters read between the split into heads and the attention that are not one set shared by every head:
+    one spanning more than the last (feature) dimension (Cohere's q_norm weight, ``(heads, head_dim)``), or one of
+    several parameters of the same name in different modules (StableLM's LayerNorm per head, ``norms.0.weight``,
+    ``norms.1.weight``, ...). A weight of shape ``(head_dim,)`` shared by every head (Qwen3's q_norm) is fine."""
+    by_name: dict[str, list[_Param]] = {}
+    for param in between:
+        by_name.setdefault(param.name, []).append(param)
+    return [
+        param
+        for param, shape in between.items()
+        if math.prod(shape) != (shape[-1] if shape else 1) or len(by_name[param.name]) > 1
+    ]
+
+
 def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Projection | None:
     """The one projection reading the attention output, after it is merged back from ``(heads, head_dim)``."""
     frontier, merged, reader = [core], False, None
@@ -497,11 +519,21 @@ def _find_heads(graph: _Graph) -> list[UnitGroup]:
         head_dim, value_dim = q_shape[-1], v_shape[-1]
         roles = {}
         for role, node, dim in (("query", q, head_dim), ("key", k, head_dim), ("value", v, value_dim)):
-            found = _sources(graph, node, dim)
+            between: dict[_Param, tuple[int, ...]] = {}
+            found = _sources(graph, node, dim, between)
             if not found or len(found) != 1:
                 raise UnitError(
                     f"cannot follow the attention {role} of {where} back to one projection split into heads "
                     f"of size {dim}; its heads cannot be pruned"
+                )
+            per_head = _per_head(between)
+            if per_head:
+                module = _common_module([param.module for param in per_head])
+                raise UnitError(
+                    f"the attention {role} of {where} goes through parameters of {module!r} that differ from head "
+                    f"to head ({', '.join(sorted(f'{p.module}.{p.name}' for p in per_head)[:4])}"
+                    f"{', ...' if len(per_head) > 4 else ''}: a norm per head) after its split into heads; its heads "
+                    "cannot be pruned (prune its neurons: find_units(..., kinds=['neurons']))"
                 )
             roles[role] = found.pop()
         heads = roles["query"].split_width // head_dim
