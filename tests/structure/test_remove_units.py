@@ -356,3 +356,26 @@ def test_a_record_without_its_kinds_loads_with_every_kind(tmp_path) -> None:
     loaded = load_compact(type(small), tmp_path)
     for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_model_with_a_tied_projection_compacts_without_its_tied_group() -> None:
+    """OPT with word_embed_proj_dim != hidden_size: lm_head (tied to the embedding) reads project_out's rows; that
+    group is left out, so the embedding keeps every feature and the compact model equals the masked one."""
+    config = transformers.OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        ffn_dim=40,
+        num_attention_heads=4,
+        word_embed_proj_dim=16,
+        do_layer_norm_before=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).eval()
+    example = {"input_ids": torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(2))}
+    with pytest.warns(UserWarning, match="tied across modules"):
+        prune_units(model, find_units(model, (), example), 0.5)
+    with pytest.warns(UserWarning, match="tied across modules"):
+        small = remove_units(model, (), example)
+    _assert_close(outputs(model, example), outputs(small, example))
+    assert small.lm_head.weight is small.model.decoder.embed_tokens.weight

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -289,9 +290,19 @@ def remove_units(
         _config_owner(compact, groups),
         groups,
         [int((~gone).sum()) for gone in removed],
-        lambda kinds: [group.count for group in find_units(compact, args, kwargs, kinds=kinds)],
+        lambda kinds: [group.count for group in _found_again(compact, args, kwargs, kinds)],
     )
     return compact
+
+
+def _found_again(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], kinds: Sequence[str] | None
+) -> list[UnitGroup]:
+    """The unit groups of a compact model (or of one rebuilt to be compacted), without warning again about groups
+    left out: the caller was warned when the groups were first found."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="find_units leaves out")
+        return find_units(model, args, kwargs, kinds=kinds)
 
 
 def _config_owner(model: nn.Module, groups: Sequence[UnitGroup]) -> nn.Module:
@@ -346,7 +357,7 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     if accepted.get("dtype", accepted.get("torch_dtype")) == "auto":  # the saved dtype, as config.dtype says
         accepted.pop("dtype", None), accepted.pop("torch_dtype", None)
     model = model_class._from_config(config, **accepted)
-    groups = find_units(model, (), _example_inputs(model, path), kinds=getattr(config, KEPT_KINDS, None))
+    groups = _found_again(model, (), _example_inputs(model, path), getattr(config, KEPT_KINDS, None))
     if len(groups) != len(counts):
         raise CompactError(f"{path}: the config records {len(counts)} unit groups, the model has {len(groups)}")
     removed = []

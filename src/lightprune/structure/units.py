@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -633,6 +634,7 @@ def find_units(
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache") and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
+    tied = _tied(model)  # read before a plain copy, which unties a Parameter pruned under one owner only
     if any(prune.is_pruned(module) for module in model.modules()):
         model = plain_copy(model)  # trace plain Parameters under their plain names
     graph = _Graph(_export(model, args, kwargs), type(model).__name__)
@@ -641,6 +643,15 @@ def find_units(
         groups += _find_heads(graph)
     if "neurons" in kinds:
         groups += _find_neurons(graph)
+    for group in [group for group in groups if _cuts_a_tie(group, tied)]:
+        warnings.warn(
+            f"find_units leaves out the {group.kind} of {group.module or 'the model'!r}: they slice "
+            f"{' = '.join(_cuts_a_tie(group, tied))}, one Parameter tied across modules, and cutting it for one "
+            "holder would cut it for the others; untie it to prune these units",
+            UserWarning,
+            stacklevel=2,
+        )
+        groups.remove(group)
     owner: dict[tuple[str, str, int], str] = {}
     for group in groups:
         for piece in group.slices:
@@ -659,6 +670,32 @@ def find_units(
             f"and none feeds {_WHAT['heads']}"
         )
     return unique
+
+
+def _tied(model: nn.Module) -> dict[tuple[str, str], list[str]]:
+    """``(module, name)`` of every Parameter held by more than one module (an output layer sharing the embedding's
+    weight), pruned ones under their plain name, with every holder's qualified name."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module_name, name.removesuffix("_orig")))
+    return {
+        place: [f"{module}.{name}" if module else name for module, name in places]
+        for places in holders.values()
+        if len(places) > 1
+        for place in places
+    }
+
+
+def _cuts_a_tie(group: UnitGroup, tied: Mapping[tuple[str, str], list[str]]) -> list[str]:
+    """The holders of the tied Parameter ``group`` slices, if any: its units cannot be masked or removed without
+    cutting the same entries from the other holders, which use them in another role."""
+    for piece in group.slices:
+        holders = tied.get((piece.module, piece.name))
+        if holders:
+            return holders
+    return []
 
 
 _WHAT = {
