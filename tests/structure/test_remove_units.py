@@ -379,3 +379,66 @@ def test_a_model_with_a_tied_projection_compacts_without_its_tied_group() -> Non
         small = remove_units(model, (), example)
     _assert_close(outputs(model, example), outputs(small, example))
     assert small.lm_head.weight is small.model.decoder.embed_tokens.weight
+
+
+def _clip() -> tuple[nn.Module, dict]:
+    text = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 40,
+        "max_position_embeddings": 16,
+        "eos_token_id": 2,
+    }
+    vision = {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 40,
+        "image_size": 16,
+        "patch_size": 8,
+    }
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    g = torch.Generator().manual_seed(2)
+    example = {"input_ids": torch.randint(3, 64, (2, 7), generator=g), "pixel_values": torch.randn(2, 3, 16, 16)}
+    return transformers.CLIPModel(config).eval(), example
+
+
+def _whisper() -> tuple[nn.Module, dict]:
+    config = transformers.WhisperConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=40,
+        num_mel_bins=8,
+        max_source_positions=8,
+        max_target_positions=16,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    example = {"input_features": torch.randn(2, 8, 16, generator=g), "decoder_input_ids": torch.randint(3, 64, (2, 5))}
+    return transformers.WhisperForConditionalGeneration(config).eval(), example
+
+
+@pytest.mark.parametrize("build", [_clip, _whisper], ids=["clip", "whisper"])
+def test_a_model_that_needs_more_than_its_dummy_inputs_loads_back_on_inputs_given(tmp_path, build) -> None:
+    model, example = build()
+    prune_units(model, find_units(model, (), example), 0.5)
+    small = remove_units(model, (), example)
+    assert small.config.lightprune_kept_units is not None
+    small.save_pretrained(tmp_path)
+    with pytest.raises(CompactError, match=r"[Pp]ass example_inputs / example_kwargs"):
+        load_compact(type(small), tmp_path)
+    loaded = load_compact(type(small), tmp_path, example_kwargs=example)
+    for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
+        assert torch.equal(a, b)

@@ -319,15 +319,37 @@ def _config_owner(model: nn.Module, groups: Sequence[UnitGroup]) -> nn.Module:
     return model
 
 
-def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
+def load_compact(
+    model_class: Any,
+    path: str | os.PathLike[str],
+    example_inputs: Sequence[Any] | Tensor = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> nn.Module:
     """Load a model saved with ``save_pretrained`` after :func:`remove_units`, whatever its per-layer counts.
 
     Where the config holds the compact sizes this is ``model_class.from_pretrained(path, **kwargs)``. Where it
     records ``lightprune_kept_units`` (per-layer counts, or BERT's heads), the model is built from the config (in the
     saved dtype, or ``dtype=``; ``attn_implementation=`` is honoured too, other arguments are refused), its units
-    found on an example input (its ``dummy_inputs``, or zero images for a model whose main input is
-    ``pixel_values``) and cut to the recorded counts, and the saved weights loaded into it. Either way the model
-    comes back in eval mode, as ``from_pretrained`` gives it.
+    found on example inputs and cut to the recorded counts, and the saved weights loaded into it. Either way the
+    model comes back in eval mode, as ``from_pretrained`` gives it.
+
+    Args:
+        model_class: the Hugging Face model class saved (``type(small)``).
+        path: the directory ``save_pretrained`` wrote.
+        example_inputs: positional inputs of one forward of the model, as for :func:`remove_units` (only for a save
+            that records ``lightprune_kept_units``). By default the model's ``dummy_inputs``, or zero images for a
+            model whose main input is ``pixel_values``; pass inputs for a model whose forward needs more (CLIP's
+            ``input_ids`` and ``pixel_values``, Whisper's ``input_features`` and ``decoder_input_ids``).
+        example_kwargs: keyword inputs of that forward.
+        **kwargs: passed to ``from_pretrained`` (see above for a save with ``lightprune_kept_units``).
+
+    Returns:
+        The compact model, in eval mode.
+
+    Raises:
+        CompactError: the inputs cannot be built (pass them), or the saved weights do not fit the rebuilt model.
+        TypeError: an argument that cannot be passed on.
 
     Example:
         >>> import tempfile
@@ -357,7 +379,18 @@ def load_compact(model_class: Any, path: str | os.PathLike[str], **kwargs: Any) 
     if accepted.get("dtype", accepted.get("torch_dtype")) == "auto":  # the saved dtype, as config.dtype says
         accepted.pop("dtype", None), accepted.pop("torch_dtype", None)
     model = model_class._from_config(config, **accepted)
-    groups = _found_again(model, (), _example_inputs(model, path), getattr(config, KEPT_KINDS, None))
+    given = isinstance(example_inputs, Tensor) or len(example_inputs) > 0 or example_kwargs is not None
+    args, inputs = _inputs(model, example_inputs, example_kwargs) if given else ((), _example_inputs(model, path))
+    try:
+        groups = _found_again(model, args, inputs, getattr(config, KEPT_KINDS, None))
+    except UnitError as err:
+        if given:
+            raise
+        raise CompactError(
+            f"{path}: cannot find the units of {type(model).__name__} on the inputs load_compact built for it "
+            f"({sorted(inputs)}): {err}. Pass example_inputs / example_kwargs that run one forward of the model, "
+            "as for remove_units"
+        ) from err
     if len(groups) != len(counts):
         raise CompactError(f"{path}: the config records {len(counts)} unit groups, the model has {len(groups)}")
     removed = []
@@ -428,6 +461,6 @@ def _example_inputs(model: nn.Module, path: str | os.PathLike[str]) -> dict[str,
         reference = next(model.parameters())
         return {main: torch.zeros(1, config.num_channels, height, width, dtype=reference.dtype)}
     raise CompactError(
-        f"{path}: cannot build an example input {main!r} for {type(model).__name__} to find its units on; load it "
-        "with the model's own code and remove_units again"
+        f"{path}: cannot build an example input {main!r} for {type(model).__name__} to find its units on; pass "
+        "example_inputs / example_kwargs that run one forward of the model to load_compact, as for remove_units"
     )
