@@ -442,3 +442,27 @@ def test_a_model_that_needs_more_than_its_dummy_inputs_loads_back_on_inputs_give
     loaded = load_compact(type(small), tmp_path, example_kwargs=example)
     for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_save_whose_weights_transformers_converts_is_refused_by_load_compact_naming_that(tmp_path) -> None:
+    """transformers fuses Mixtral's experts in the model and saves them one by one: load_compact reads the saved
+    tensors as they are, so it says that it cannot load them instead of listing missing and unexpected names."""
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    example = {"input_ids": torch.randint(3, 64, (2, 7))}
+    prune_units(model, find_units(model, (), example, kinds=["heads"]), 0.5)
+    small = remove_units(model, (), example)
+    assert small.config.lightprune_kept_units is not None  # the kept heads are recorded: load_compact is needed
+    small.save_pretrained(tmp_path)
+    with pytest.raises(CompactError, match=r"transformers converts MixtralForCausalLM's weights on saving"):
+        load_compact(type(small), tmp_path)

@@ -405,13 +405,19 @@ def load_compact(
     for file in sorted(os.listdir(path)):
         if file.endswith(".safetensors"):
             state |= load_file(os.path.join(path, file))
-    own_names = _own_names(model)
+    own_names, converted = _own_names(model)
     state = _with_prefix_of(model, {own_names.get(key, key): value for key, value in state.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     # tied copies are not saved; transformers lists every tie (nested models' too) in all_tied_weights_keys
     tied = set(getattr(model, "_tied_weights_keys", None) or []) | set(
         getattr(model, "all_tied_weights_keys", None) or []
     )
+    if converted & set(unexpected):
+        raise CompactError(
+            f"{path}: transformers converts {type(model).__name__}'s weights on saving (not only renames: "
+            f"{sorted(converted & set(unexpected))[:3]} ...), and load_compact does not convert them back; a save of "
+            "this model with per-layer counts cannot be loaded with load_compact"
+        )
     if unexpected or any(key not in tied for key in missing):
         raise CompactError(f"{path}: the saved weights do not fit (missing {missing}, unexpected {unexpected})")
     if hasattr(model, "tie_weights"):
@@ -435,17 +441,19 @@ def _with_prefix_of(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Ten
     return prefixed if any(key in own for key in prefixed) else state
 
 
-def _own_names(model: nn.Module) -> dict[str, str]:
+def _own_names(model: nn.Module) -> tuple[dict[str, str], set[str]]:
     """The model's state_dict key of each name ``save_pretrained`` wrote (transformers renames some models' weights
-    on saving, e.g. ViT's, and renames them back in ``from_pretrained``); renames only, as the tensors tell."""
+    on saving, e.g. ViT's, and renames them back in ``from_pretrained``); renames only, as the tensors tell. Also the
+    names of the tensors it converts rather than renames (Mixtral's experts, fused in the model, saved one by one)."""
     own = model.state_dict()
     try:
         from transformers.modeling_utils import revert_weight_conversion
     except ImportError:  # a transformers without renaming on save
-        return {}
+        return {}, set()
     saved = revert_weight_conversion(model, dict(own))
     key_of = {id(tensor): key for key, tensor in own.items()}
-    return {name: key_of[id(tensor)] for name, tensor in saved.items() if id(tensor) in key_of}
+    renamed = {name: key_of[id(tensor)] for name, tensor in saved.items() if id(tensor) in key_of}
+    return renamed, {name for name in saved if name not in renamed}
 
 
 def _example_inputs(model: nn.Module, path: str | os.PathLike[str]) -> dict[str, Tensor]:
