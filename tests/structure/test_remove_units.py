@@ -352,6 +352,10 @@ def test_a_record_without_its_kinds_loads_with_every_kind(tmp_path) -> None:
     prune_units(model, find_units(model, (), example), 0.4, scope="global")
     small = remove_units(model, (), example)
     del small.config.lightprune_kept_kinds  # as saved before the kinds were recorded
+    prune_units(small, find_units(small, (), example, kinds=["neurons"]), 0.5)
+    small = remove_units(small, (), example)  # removed again: the record still covers every kind
+    assert not hasattr(small.config, "lightprune_kept_kinds")
+    assert small.config.lightprune_kept_units == [g.count for g in find_units(small, (), example)]
     small.save_pretrained(tmp_path)
     loaded = load_compact(type(small), tmp_path)
     for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):

@@ -134,7 +134,7 @@ def _update_config(
     model: nn.Module,
     groups: Sequence[UnitGroup],
     counts: list[int],
-    all_counts: Callable[[Sequence[str]], list[int]],
+    all_counts: Callable[[Sequence[str] | None], list[int]],
 ) -> None:
     """Write uniform counts into the config if a model built from it has the compact shapes; else record the kept
     units of every group of the kinds in ``groups`` in the compact model (``all_counts(kinds)``, in
@@ -148,8 +148,8 @@ def _update_config(
         return
     kinds = {group.kind for group in groups}
     if getattr(config, KEPT_UNITS, None) is not None:  # removed before: the record covers every group again
-        before = getattr(config, KEPT_KINDS, None)
-        _record(config, all_counts, kinds | set(_ALL_KINDS if before is None else before))
+        before = getattr(config, KEPT_KINDS, None)  # None: a record of every kind find_units finds, as before
+        _record(config, all_counts, None if before is None else kinds | set(before))
         return
     changes: dict[str, Any] = {}
     for kind, names, scale in (
@@ -176,10 +176,11 @@ def _update_config(
         _record(config, all_counts, kinds)
 
 
-def _record(config: Any, all_counts: Callable[[Sequence[str]], list[int]], kinds: set[str]) -> None:
-    ordered = [kind for kind in _ALL_KINDS if kind in kinds]
+def _record(config: Any, all_counts: Callable[[Sequence[str] | None], list[int]], kinds: set[str] | None) -> None:
+    ordered = None if kinds is None else [kind for kind in _ALL_KINDS if kind in kinds]
     setattr(config, KEPT_UNITS, all_counts(ordered))
-    setattr(config, KEPT_KINDS, ordered)
+    if ordered is not None:
+        setattr(config, KEPT_KINDS, ordered)
 
 
 def _config_fits(model: nn.Module, config: Any, changes: Mapping[str, Any]) -> bool:
