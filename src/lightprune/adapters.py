@@ -280,15 +280,26 @@ def _masked_delta_class() -> type:
         def init(module: nn.Module, adapter_name: str, **kwargs: Any) -> None:
             """Nothing to set up: the adapter's ``lora_A`` and ``lora_B`` are LoRA's."""
 
+        # PEFT writes a merge into the base layer's ``weight``; under the pruning reparametrization (a fit with
+        # make_permanent=False) that is recomputed from ``weight_orig`` before every forward, so the Parameter
+        # takes the same change (the masked update is zero where pruned)
+
         def merge_safe(self, module: nn.Module, active_adapter: str, orig_weight: Tensor) -> Tensor:
             update = masked_update(module, active_adapter, self.mask).detach()
-            return orig_weight + update.to(orig_weight.dtype)
+            merged = orig_weight + update.to(orig_weight.dtype)
+            if bool(torch.isfinite(merged).all()):  # PEFT refuses a merge that is not finite: nothing changes then
+                _shift_reparametrized(module, update)
+            return merged
 
         def merge_unsafe(self, module: nn.Module, active_adapter: str, orig_weight: Tensor) -> None:
-            orig_weight.data += masked_update(module, active_adapter, self.mask).detach().to(orig_weight.dtype)
+            update = masked_update(module, active_adapter, self.mask).detach()
+            orig_weight.data += update.to(orig_weight.dtype)
+            _shift_reparametrized(module, update)
 
         def unmerge(self, module: nn.Module, active_adapter: str, orig_weight: Tensor) -> Tensor:
-            return orig_weight - masked_update(module, active_adapter, self.mask).detach().to(orig_weight.dtype)
+            update = masked_update(module, active_adapter, self.mask).detach()
+            _shift_reparametrized(module, -update)
+            return orig_weight - update.to(orig_weight.dtype)
 
         def forward(self, module: nn.Module, active_adapter: str, x: Tensor, result: Tensor, **kwargs: Any) -> Tensor:
             device = module.lora_A[active_adapter].weight.device
@@ -302,6 +313,7 @@ def _masked_delta_class() -> type:
                 # the backward runs one weight-sized product for the input and one for the update, as full
                 # fine-tuning of the weight does (two separate products would cost one more each way)
                 weight = base.weight + update.to(base.weight.dtype)
+                x = x.to(weight.dtype)  # (PEFT casts x to the adapter's dtype, float32 beside a bfloat16 base)
                 return F.linear(x, weight.T if module.fan_in_fan_out else weight, base.bias).to(result.dtype)
             if module.fan_in_fan_out:  # the mask and the update in Conv1D's (in, out) layout
                 update = update.T
@@ -309,6 +321,15 @@ def _masked_delta_class() -> type:
 
     _MaskedDelta.__name__ = _MaskedDelta.__qualname__ = "MaskedDelta"
     return _MaskedDelta
+
+
+def _shift_reparametrized(layer: nn.Module, update: Tensor) -> None:
+    """Add ``update`` to the base weight's ``weight_orig`` if the base weight is under the pruning reparametrization."""
+    base = layer.get_base_layer()
+    if "weight" in prune.pruned_names(base):
+        with torch.no_grad():
+            orig = prune.original(base, "weight")
+            orig += update.to(device=orig.device, dtype=orig.dtype)
 
 
 _MASKED_DELTA_DOC = """The LoRA variant that masks an adapter's update with the base weight's mask: ``M ⊙ s·B·A``.

@@ -43,8 +43,9 @@ def tokens(samples: int = 32, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(torch.randint(0, VOCAB, (samples, SEQ), generator=generator)), batch_size=8)
 
 
-def build(kind: str, **lora: Any) -> nn.Module:
-    """A tiny transformers model of ``kind`` wrapped by PEFT's LoRA (r=4) on its attention projections."""
+def build(kind: str, dtype: torch.dtype = torch.float32, **lora: Any) -> nn.Module:
+    """A tiny transformers model of ``kind`` (its weights in ``dtype``) wrapped by PEFT's LoRA (r=4) on its attention
+    projections; PEFT keeps the adapters in float32."""
     torch.manual_seed(0)
     if kind == "bert":
         config = transformers.BertConfig(
@@ -67,7 +68,7 @@ def build(kind: str, **lora: Any) -> nn.Module:
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
         options = {"target_modules": ["q_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM"}
-    return peft.get_peft_model(model, peft.LoraConfig(**{"r": 4, "lora_alpha": 8, **options, **lora}))
+    return peft.get_peft_model(model.to(dtype), peft.LoraConfig(**{"r": 4, "lora_alpha": 8, **options, **lora}))
 
 
 INCLUDE = {
@@ -211,6 +212,38 @@ def test_peft_merge_and_unload_stays_sparse_too_after_the_fit() -> None:
     merged = module.model.merge_and_unload()
     for name, zeros in pruned.items():
         assert torch.equal(merged.get_parameter(name) == 0, zeros), name
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_peft_merge_after_a_fit_that_kept_the_reparametrization_keeps_the_update(safe_merge: bool) -> None:
+    """With ``make_permanent=False`` the base weight is recomputed from ``weight_orig`` at every forward: PEFT's merge
+    and unmerge must reach that Parameter, or the merged model computes with the pruned base weight alone."""
+    module = Lora("gpt2")
+    quiet_trainer([callback_for("gpt2", schedule=Constant(0.5, at=0), make_permanent=False)], max_steps=6).fit(module)
+    model = module.model.eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        with model.disable_adapter():
+            assert not torch.allclose(model(input_ids=ids).logits, trained, atol=1e-4)  # the adapters matter
+        model.merge_adapter(safe_merge=safe_merge)
+        torch.testing.assert_close(model.base_model.model(input_ids=ids).logits, trained, rtol=1e-5, atol=1e-5)
+        model.unmerge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, trained, rtol=1e-5, atol=1e-5)
+        merged = model.merge_and_unload(safe_merge=safe_merge)
+        torch.testing.assert_close(merged(input_ids=ids).logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_base_with_float32_adapters_trains_and_stays_sparse() -> None:
+    module = Lora("gpt2")
+    module.model = build("gpt2", dtype=torch.bfloat16)
+    layer = next(iter(lora_layers(module.model).values()))
+    assert (
+        layer.get_base_layer().weight.dtype == torch.bfloat16 and layer.lora_A["default"].weight.dtype == torch.float32
+    )
+    quiet_trainer([callback_for("gpt2", schedule=Constant(0.5, at=0))], max_steps=4).fit(module)
+    weights = [prune.original(layer.get_base_layer(), "weight") for layer in lora_layers(module.model).values()]
+    assert sum(int((w == 0).sum()) for w in weights) == sum(w.numel() for w in weights) // 2  # a global half
 
 
 def test_merge_during_training_leaves_the_training_model_alone() -> None:
