@@ -170,7 +170,8 @@ def adapter_problems(selection: Iterable[tuple[str, nn.Module, str]], model: nn.
     Supported: the ``weight`` of the base layer of a PEFT LoRA ``Linear`` (one or more plain LoRA adapters, not
     merged, ``lora_bias=False``) and of a marked module; any tensor outside adapted layers. Refused, by name: the
     adapters' own tensors (``lora_A``, ``lora_B``...), other PEFT layer types (LoRA on embeddings or convolutions,
-    DoRA and other LoRA variants, IA3, LoHa, AdaLoRA...), merged adapters.
+    DoRA and other LoRA variants, IA3, LoHa, AdaLoRA...), merged adapters, and the frozen ``original_module`` copy
+    PEFT keeps of a ``modules_to_save`` layer (its trained copy may be selected).
 
     Example:
         >>> net = nn.Sequential(AdaptedWeight(nn.Linear(4, 3), rank=2))
@@ -178,9 +179,23 @@ def adapter_problems(selection: Iterable[tuple[str, nn.Module, str]], model: nn.
         ["0.A is a tensor of the adapted layer '0' (AdaptedWeight), not its base weight: select '0.base_layer.weight'"]
     """
     layers = dict(adapted_layers(model))
+    frozen_copies = [
+        f"{name}.original_module." if name else "original_module."
+        for name, module in model.named_modules()
+        if type(module).__name__ == "ModulesToSaveWrapper" and type(module).__module__.startswith("peft")
+    ]
     problems = []
     for qualified, module, name in selection:
         owner = _owner_name(qualified)
+        copy = next((prefix for prefix in frozen_copies if qualified.startswith(prefix)), None)
+        if copy is not None:
+            wrapper = copy[: -len("original_module.")]
+            problems.append(
+                f"{qualified} is the frozen copy PEFT keeps under modules_to_save (unused while the adapter is "
+                f"active, dropped by merge_and_unload), not the copy that trains ({wrapper}modules_to_save.<adapter>):"
+                " exclude it, e.g. exclude=r'.*\\.original_module\\..*'"
+            )
+            continue
         for layer_name, layer in layers.items():
             inside = owner == layer_name or owner.startswith(layer_name + ".") if layer_name else True
             if not inside:

@@ -246,6 +246,17 @@ def test_a_bfloat16_base_with_float32_adapters_trains_and_stays_sparse() -> None
     assert sum(int((w == 0).sum()) for w in weights) == sum(w.numel() for w in weights) // 2  # a global half
 
 
+def test_the_frozen_copy_of_a_modules_to_save_layer_is_refused_and_its_trained_copy_prunes() -> None:
+    module = Lora("gpt2", modules_to_save=["c_fc"])
+    selected = {"module_types": [CONV1D], "exclude": [r".*lora_.*"], "summary": False}
+    with pytest.raises(ValueError, match=r"c_fc\.original_module\.weight is the frozen copy PEFT keeps"):
+        quiet_trainer([PruningCallback(Constant(0.5, at=0), **selected)], max_steps=1).fit(module)
+    selected["exclude"] = [r".*lora_.*", r".*\.original_module\..*"]
+    callback = PruningCallback(Constant(0.5, at=0), **selected)
+    quiet_trainer([callback], max_steps=2).fit(module)
+    assert any(".c_fc.modules_to_save.default.weight" in name for name in callback.selection)
+
+
 def test_merge_during_training_leaves_the_training_model_alone() -> None:
     class MergeAt(Callback):
         def __init__(self) -> None:
