@@ -374,6 +374,9 @@ def test_repr_and_equality() -> None:
     assert repr(Points([(1, 0.5)])) == "Points(points=[(1, 0.5)])"
     assert Linear(final=0.5, end=10) != Cubic(final=0.5, end=10)
     assert Linear(final=0.5, end=10) != Linear(final=0.5, end=11)
+    # an int time is a step (or epoch), a float one a fraction of the run: they fire at different steps
+    assert Constant(0.5, at=1) != Constant(0.5, at=1.0) and Linear(final=0.5, end=1) != Linear(final=0.5, end=1.0)
+    assert Constant(1, at=2) == Constant(1.0, at=2)  # a sparsity is a number either way
 
 
 # ----------------------------------------------------------------------------------------------------------------------

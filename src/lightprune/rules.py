@@ -147,10 +147,11 @@ def importance_problems(
     calibration_batches: int = 0,
     scope: str | None = None,
     reconstruct: bool = False,
+    activation_window: int = 1,
 ) -> list[Problem]:
     """The rules between a criterion (:data:`lightprune.choices.IMPORTANCES`, or a callable: ``"callable"``), the
-    method ranking by it, the calibration batches collecting its statistics and the scope (``"owl"`` allocates by the
-    outliers of activation scores; ``None``: not checked).
+    method ranking by it, the calibration batches and activation window collecting its statistics and the scope
+    (``"owl"`` allocates by the outliers of activation scores; ``None``: not checked).
 
     Example:
         >>> print(importance_problems("movement", "ln_structured")[0].message)
@@ -183,6 +184,19 @@ def importance_problems(
                 calibration_batches,
                 f"collects input statistics, which only importance=activation or obs uses (importance={importance})"
                 + (" and reconstruct=True" if method in choices.UNIT_METHODS else ""),
+            )
+        )
+    if (
+        activation_window != 1
+        and importance not in choices.STATISTICS_IMPORTANCES
+        and not (reconstruct and method in choices.UNIT_METHODS)
+    ):
+        problems.append(
+            Problem(
+                "activation_window",
+                activation_window,
+                f"is the window of input statistics, which only importance=activation or obs collects "
+                f"(importance={importance})" + (" and reconstruct=True" if method in choices.UNIT_METHODS else ""),
             )
         )
     random = entry is not None and entry.random
@@ -249,9 +263,16 @@ def regrow_problems(
         []
         >>> [p.key for p in regrow_problems("rigl", 0, 1.5, 0.75, method="ln_structured", kind="structured")]
         ['regrow_every', 'regrow_fraction', 'method']
+        >>> [p.key for p in regrow_problems(None, 50, 0.3, 0.75)]  # an option of what is off
+        ['regrow_every']
     """
-    if regrow is None:
-        return []
+    if regrow is None:  # options of what is off: a forgotten regrow= would otherwise train static masks silently
+        return [
+            Problem(key, value, "is used with regrow='rigl' or 'set' only (regrow=None: the masks do not move)")
+            for key, value, default in (("regrow_every", every, 100), ("regrow_fraction", fraction, 0.3),
+                                        ("regrow_until", until, 0.75))
+            if not (type(value) is type(default) and value == default)
+        ]  # fmt: skip
     if regrow not in choices.REGROW:
         return [Problem("regrow", regrow, f"one of {choices.REGROW}, or None (no dynamic sparse training)")]
 

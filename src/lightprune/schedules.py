@@ -345,7 +345,10 @@ class Schedule(ABC):
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
             return NotImplemented
-        return self._params() == other._params()  # type: ignore[attr-defined]
+        ours, theirs = self._params(), other._params()  # type: ignore[attr-defined]
+        # an int time is a step or an epoch, a float one a fraction of the run: at=1 and at=1.0 differ
+        times = (*self._position_args, *self._period_args)
+        return ours == theirs and all(type(ours[k]) is type(theirs[k]) for k in times)
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -31,12 +31,14 @@ from lightprune import prune
 
 __all__ = [
     "DEFAULT_MODULE_TYPES",
+    "check_parameter_names",
     "compile_patterns",
     "parameter_owners",
     "pruned_tensor_names",
     "resolve_module_types",
     "resolve_pairs",
     "select_parameters",
+    "unmatched_patterns",
 ]
 
 DEFAULT_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -103,8 +105,12 @@ def compile_patterns(kind: str, patterns: Sequence[str] | str | None) -> list[re
         return []
     if isinstance(patterns, str):
         patterns = [patterns]
+    if not isinstance(patterns, Iterable):
+        raise TypeError(f"{kind}={patterns!r} must be a regular expression (str), a sequence of them or None")
     compiled = []
     for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{kind} pattern {pattern!r} must be a str (a regular expression)")
         try:
             compiled.append(re.compile(pattern))
         except re.error as err:
@@ -209,6 +215,49 @@ def select_parameters(
             f"parameter_names={None if names is None else sorted(names)!r}"
         )
     return selected
+
+
+def unmatched_patterns(
+    model: nn.Module, include: Sequence[str] | str | None = None, exclude: Sequence[str] | str | None = None
+) -> list[str]:
+    r"""The ``include`` and ``exclude`` patterns that fully match no parameter name of ``model`` (under any of its
+    names, any module type): most likely a typo, or a name written without the ``.*`` a suffix match needs.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> unmatched_patterns(model, include=["0.weight", "2.wieght"], exclude="weight")
+        ["include pattern '2.wieght'", "exclude pattern 'weight'"]
+    """
+    names = [
+        _qualify(prefix, name)
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name, _ in _own_parameters(module)
+    ]
+    unmatched = []
+    for kind, patterns in (("include", include), ("exclude", exclude)):
+        for pattern in compile_patterns(kind, patterns):
+            if not any(pattern.fullmatch(name) for name in names):
+                unmatched.append(f"{kind} pattern {pattern.pattern!r}")
+    return unmatched
+
+
+def check_parameter_names(parameter_names: Any) -> None:
+    """Refuse a ``parameter_names`` that is not ``None``, a str or a sequence of str, naming it.
+
+    Example:
+        >>> check_parameter_names(["weight", "bias"])
+        >>> check_parameter_names(5)
+        Traceback (most recent call last):
+        ...
+        TypeError: parameter_names=5 must be None, an attribute name (str) or a sequence of them
+    """
+    if parameter_names is None or isinstance(parameter_names, str):
+        return
+    if not isinstance(parameter_names, Iterable) or not all(isinstance(n, str) for n in parameter_names):
+        raise TypeError(
+            f"parameter_names={parameter_names!r} must be None, an attribute name (str) or a sequence of them"
+        )
 
 
 def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> list[tuple[str, nn.Module, str]]:

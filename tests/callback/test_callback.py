@@ -12,6 +12,7 @@ import copy
 import csv
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -864,7 +865,17 @@ def test_prune_channel_bias_zeroes_the_bias_of_pruned_channels(make_permanent: b
             {"rewind": {"net.0.weight": [1.0]}},
             r"rewind snapshot must map parameter names to tensors.*'net.0.weight': list",
         ),
-        ({"mask_dtype": "bool"}, r"mask_dtype='bool' must be a torch.dtype"),
+        ({"mask_dtype": "bool"}, r"mask_dtype='bool' must be torch.bool, a floating torch.dtype or None"),
+        ({"mask_dtype": torch.int64}, r"mask_dtype=torch.int64 must be torch.bool, a floating torch.dtype"),
+        ({"make_permanent": "false"}, r"make_permanent='false' must be a bool"),
+        ({"prune_channel_bias": "no"}, r"prune_channel_bias='no' must be a bool"),
+        ({"summary": 1}, r"summary=1 must be a bool"),
+        ({"log_per_parameter": None}, r"log_per_parameter=None must be a bool"),
+        ({"reconstruct": "yes"}, r"reconstruct='yes': must be None \(the default: on for obs\) or a bool"),
+        ({"method_kwargs": "abc"}, r"method_kwargs='abc' must be a dict of the method's arguments"),
+        ({"activation_window": 50}, r"activation_window=50: is the window of input statistics, which only"),
+        ({"regrow_every": 0}, r"regrow_every=0: is used with regrow='rigl' or 'set' only"),
+        ({"regrow_fraction": 0.5}, r"regrow_fraction=0.5: is used with regrow='rigl' or 'set' only"),
         ({"log_every_n_steps": 0}, r"log_every_n_steps=0 must be None or an int >= 1"),
         ({"log_every_n_steps": 2.0}, r"log_every_n_steps=2.0 must be None or an int >= 1"),
         ({"log_every_n_steps": True}, r"log_every_n_steps=True must be"),
@@ -923,6 +934,38 @@ def test_configuration_mistakes_raise_at_setup(
         fit(callback, model, **trainer_kwargs)
     assert_same_state(state(model), before)  # nothing was pruned
     assert pruning_hook_names(model) == set()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"include": 5}, r"include=5 must be a regular expression \(str\), a sequence of them or None"),
+        ({"exclude": [5]}, r"exclude pattern 5 must be a str"),
+        ({"parameter_names": 5}, r"parameter_names=5 must be None, an attribute name \(str\) or a sequence"),
+    ],
+)
+def test_arguments_of_the_wrong_type_raise_type_errors_naming_them(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        PruningCallback(0.5, **kwargs)
+
+
+def test_numpy_scalars_are_numbers_too() -> None:
+    np = pytest.importorskip("numpy")
+    callback = PruningCallback(np.float32(0.5), max_layer_sparsity=np.float64(0.9))
+    assert callback.schedule == Constant(0.5) and callback.max_layer_sparsity == 0.9
+
+
+def test_patterns_that_match_no_parameter_are_warned_and_a_narrowed_selection_is_not_called_default() -> None:
+    callback = PruningCallback(0.5, include=[r"net\.0\.weight", r"net\.2\.wieght"], exclude=r"4\.weight")
+    with pytest.warns(
+        UserWarning, match=r"include pattern 'net\\\\.2\\\\.wieght', exclude pattern '4\\\\.weight' matches no"
+    ):
+        quiet_trainer([callback], max_steps=1).fit(TinyNet())
+    assert callback.selection == ["net.0.weight"]
+    with warnings.catch_warnings(record=True) as caught:  # 35% of the weights, chosen by name: not "the default"
+        warnings.simplefilter("always")
+        quiet_trainer([PruningCallback(0.5, include=r"net\.0\.weight")], max_steps=1).fit(TinyNet())
+    assert not [w for w in caught if "default selection" in str(w.message)]
 
 
 def test_tensor_pruned_by_torch_prune_is_refused_at_setup() -> None:

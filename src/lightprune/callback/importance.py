@@ -79,7 +79,12 @@ def check_importance(
     named = "callable" if callable(importance) else importance
     label = units or method_name(method) or method.__name__
     problems = rules.importance_problems(
-        named, label, calibration_batches=calibration_batches, scope=scope, reconstruct=reconstruct
+        named,
+        label,
+        calibration_batches=calibration_batches,
+        scope=scope,
+        reconstruct=reconstruct,
+        activation_window=activation_window,
     )
     raise_problems(problems)
 

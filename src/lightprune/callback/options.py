@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
+from numbers import Real
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -88,7 +89,7 @@ def resolve_schedule(schedule: Schedule | float | Callable[[int], float]) -> Sch
     """
     if isinstance(schedule, Schedule):
         return schedule
-    if isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
+    if isinstance(schedule, Real) and not isinstance(schedule, bool):  # numpy's scalars too
         return Constant(float(schedule))
     if callable(schedule):
         return FromCallable(schedule, start=0, end=1.0, frequency=1)
@@ -229,6 +230,8 @@ def resolve_method_options(
         raise_problems(rules.method_problems(method, rules.kind_of(method), scope=scope))
         return prune.CustomFromMask, {}, scope
     cls = resolve_method(method)
+    if method_kwargs is not None and not isinstance(method_kwargs, Mapping):
+        raise ValueError(f"method_kwargs={method_kwargs!r} must be a dict of the method's arguments, or None")
     kwargs = dict(method_kwargs or {})
     if "amount" in kwargs:
         raise ValueError("method_kwargs must not contain 'amount': the callback computes it from the schedule")

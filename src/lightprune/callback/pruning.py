@@ -56,11 +56,13 @@ from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
 from lightprune.selection import (
     DEFAULT_MODULE_TYPES,
+    check_parameter_names,
     compile_patterns,
     parameter_owners,
     resolve_module_types,
     resolve_pairs,
     select_parameters,
+    unmatched_patterns,
 )
 
 __all__ = ["PruningCallback"]
@@ -375,8 +377,16 @@ class PruningCallback(Callback):
         if self._n_m is not None:
             check_n_m_schedule(self.schedule, self._n_m.name, self.method_kwargs["n"], self.method_kwargs["m"])
         check_token_mask(token_mask)
-        if not isinstance(adopt_zeros, bool):
-            raise ValueError(f"adopt_zeros={adopt_zeros!r} must be a bool")
+        flags = {
+            "adopt_zeros": adopt_zeros,
+            "prune_channel_bias": prune_channel_bias,
+            "make_permanent": make_permanent,
+            "log_per_parameter": log_per_parameter,
+            "summary": summary,
+        }
+        for key, value in flags.items():
+            if not isinstance(value, bool):  # "false" or 0 would pass a truth test
+                raise ValueError(f"{key}={value!r} must be a bool")
         self.max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
         if self.schedule.is_resolved:  # else checked when the run's length resolves it, before the first step
             setup_checks.check_cap(self.max_layer_sparsity, scope, self.schedule.final_sparsity)
@@ -392,8 +402,11 @@ class PruningCallback(Callback):
             )
         )
         rewind_at, snapshot = resolve_rewind(rewind, unit)
-        if mask_dtype is not None and not isinstance(mask_dtype, torch.dtype):
-            raise ValueError(f"mask_dtype={mask_dtype!r} must be a torch.dtype (e.g. torch.bool) or None")
+        if mask_dtype is not None and not (
+            isinstance(mask_dtype, torch.dtype) and (mask_dtype == torch.bool or mask_dtype.is_floating_point)
+        ):
+            raise ValueError(f"mask_dtype={mask_dtype!r} must be torch.bool, a floating torch.dtype or None")
+        check_parameter_names(parameter_names)
         if log_every_n_steps is not None and not (is_int(log_every_n_steps) and log_every_n_steps >= 1):
             raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be None or an int >= 1")
         if not is_int(seed):
@@ -790,6 +803,13 @@ class PruningCallback(Callback):
         """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
         if self.parameters is not None:
             return resolve_pairs(model, self.parameters)
+        unmatched = unmatched_patterns(model, self.include, self.exclude)
+        if unmatched:  # a pattern matches the whole qualified name: "fc1.weight" is not "model.fc1.weight"
+            rank_zero_warn(
+                f"PruningCallback: {', '.join(unmatched)} matches no parameter of the model (patterns match whole "
+                "qualified names, e.g. 'model.fc1.weight': write '.*fc1\\.weight' to match a suffix)",
+                category=UserWarning,
+            )
         return select_parameters(
             model,
             include=self.include,
@@ -808,8 +828,8 @@ class PruningCallback(Callback):
         setup_checks.refuse_overlaps(selection, others, self._log_prefix)
         setup_checks.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
         setup_checks.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
-        if self._default_types and self.parameters is None:
-            setup_checks.warn_small_share(selection, parameter_owners(pl_module))
+        if self._default_types and self.parameters is None and self.include is None and self.exclude is None:
+            setup_checks.warn_small_share(selection, parameter_owners(pl_module))  # (the selection by type alone)
         return self._masked_selection(pl_module, selection)
 
     def _masked_selection(self, model: nn.Module, selection: list[tuple[str, nn.Module, str]]) -> MaskedSelection:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from numbers import Real
 from typing import Any
 
 __all__ = [
@@ -55,7 +56,7 @@ def check_max_layer_sparsity(value: Any) -> float:
         ...
         ValueError: max_layer_sparsity=0 must be a float in (0, 1] (1.0: no cap)
     """
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    number = isinstance(value, Real) and not isinstance(value, bool) and not math.isnan(value)  # numpy's too
     if not (number and 0 < value <= 1):  # the engine's own argument check: it imports nothing outside prune/
         raise ValueError(f"max_layer_sparsity={value!r} must be a float in (0, 1] (1.0: no cap)")
     return float(value)
