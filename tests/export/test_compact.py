@@ -455,3 +455,39 @@ def test_random_architectures_compact_exactly(blocks, data):
     small = compact(model, torch.randn(2, 2, 6, 6))
     assert sum(p.numel() for p in small.parameters()) <= sum(p.numel() for p in model.parameters())
     assert_same_function(small, model, (torch.randn(5, 2, 6, 6) * 2,))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the eval-mode function, inputs and modules compact refuses or handles
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class TrainSwitch(nn.Module):
+    """Probabilities only at inference time, dropout only in training: the two modes compute different functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        y = self.b(nn.functional.dropout(torch.relu(self.a(x)), 0.5, self.training))
+        if not self.training:
+            y = y.softmax(-1)
+        return y
+
+
+def test_a_model_in_train_mode_is_compacted_to_its_eval_mode_function():
+    torch.manual_seed(14)
+    model = _randomize(TrainSwitch())
+    prune.ln_structured(model.a, "weight", amount=0.5, n=2, dim=0)
+    model.train()
+    model.b.eval()  # a mixed state: every module's own flag comes back
+    before = snapshot(model)
+    small = compact(model, torch.randn(3, 4))
+    assert model.training and model.a.training and not model.b.training
+    assert_untouched(model, before, training=True)
+    assert weights(small)["a.weight"] == (3, 4)
+    x = torch.randn(7, 4)
+    assert torch.allclose(small(x).sum(-1), torch.ones(7))
+    assert_same_function(small, model, (x,))

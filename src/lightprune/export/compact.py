@@ -167,6 +167,21 @@ def _trace(model: nn.Module) -> fx.Graph:
         ) from err
 
 
+def _trace_in_eval_mode(model: nn.Module) -> fx.GraphModule:
+    """Trace and copy ``model`` as it computes in eval mode; every module's ``training`` flag is restored after.
+
+    Python branches on ``self.training`` (and ``F.dropout(x, p, self.training)``) are fixed when the model is traced,
+    so the trace must see the inference function whatever mode the caller left the model in.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        model.eval()
+        return _copy_graph_module(model, _trace(model))
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _plain_copy(module: nn.Module, target: str) -> nn.Module:
     """An independent, unpruned copy: Linear/Conv/BatchNorm rebuilt from their effective tensors, others deep-copied."""
     state = {k: v.detach().clone() for k, v in effective_state_dict(module).items()}
@@ -762,8 +777,11 @@ def compact(model: nn.Module, example_inputs: Tensor | Sequence[Any], *, rtol: f
     """Return a smaller model computing the same function: pruned channels of Linear/Conv layers physically removed.
 
     The input model is left untouched (its pruning reparametrization, if any, is read through ``name_orig`` and
-    ``name_mask``; the copy holds plain tensors). The result is an inference model in eval mode: BatchNorm uses its
-    running statistics, dropout is off. It is a ``torch.fx.GraphModule`` whose submodules keep the original names.
+    ``name_mask``; the copy holds plain tensors). The result is an inference model: it computes what ``model``
+    computes in eval mode, whatever mode ``model`` is in (it is traced in eval mode, and every module's ``training``
+    flag is restored afterwards), so BatchNorm uses its running statistics, dropout is off and branches on
+    ``self.training`` take their eval-mode side. It is a ``torch.fx.GraphModule`` in eval mode whose submodules keep
+    the original names.
 
     Args:
         model: The pruned model, structured pruning along ``dim=0`` (output channels) and/or ``dim=1`` (input
@@ -792,8 +810,7 @@ def compact(model: nn.Module, example_inputs: Tensor | Sequence[Any], *, rtol: f
         True
     """
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    graph = _trace(model)
-    gm = _copy_graph_module(model, graph)
+    gm = _trace_in_eval_mode(model)
     reference = copy.deepcopy(gm)
     try:
         with torch.no_grad():
