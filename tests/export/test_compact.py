@@ -491,3 +491,16 @@ def test_a_model_in_train_mode_is_compacted_to_its_eval_mode_function():
     x = torch.randn(7, 4)
     assert torch.allclose(small(x).sum(-1), torch.ones(7))
     assert_same_function(small, model, (x,))
+
+
+@pytest.mark.parametrize("padding", [0, 1])
+def test_unbatched_conv_input(padding):
+    """A (C, H, W) input: removed constant channels behind a padded conv and unused model-input channels."""
+    torch.manual_seed(15)
+    model = _randomize(nn.Sequential(nn.Conv2d(3, 6, 3, padding=padding), nn.ReLU(), nn.Conv2d(6, 2, 3, padding=1)))
+    prune.ln_structured(model[0], "weight", amount=0.5, n=2, dim=0)  # constants reach the padded conv
+    prune.ln_structured(model[0], "weight", amount=1, n=2, dim=1)  # one model-input channel unused
+    small = compact(model, torch.randn(3, 7, 7))
+    assert weights(small) == {"0.weight": (3, 2, 3, 3), "2.weight": (2, 3, 3, 3)}
+    for shape in [(3, 7, 7), (3, 9, 8)]:
+        assert_same_function(small, model, (torch.randn(*shape),))

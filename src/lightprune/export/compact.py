@@ -264,6 +264,7 @@ class _Site:
     in_ids: list[int]
     out_ids: list[int]
     arriving: _Channels | None
+    channel_dim: int  # of the layer's input: 1 for a batched Conv input, 0 for an unbatched one, -1 for a Linear
 
 
 class _Analysis:
@@ -445,7 +446,9 @@ class _Analysis:
                 self.pin(x.ids)
             self.pin(in_ids)
             x = None
-        self.sites[node.target] = _Site(node, module, in_ids, out_ids, x)
+        self.sites[node.target] = _Site(
+            node, module, in_ids, out_ids, x, -1 if isinstance(module, nn.Linear) else channel_dim
+        )
         zero_rows = (weight != 0).reshape(weight.shape[0], -1).any(1).logical_not().cpu()
         bias = module.bias.detach().cpu() if module.bias is not None else torch.zeros(len(out_ids))
         return _Channels(channel_dim, out_ids, bias.to(torch.float64).clone(), zero_rows)
@@ -682,16 +685,20 @@ def constant_input_correction(x: Tensor, kernel: Tensor, stride: Any, padding: A
 
     ``kernel`` is ``sum_j c_j W[:, j]`` with a singleton input dimension; the result is that kernel convolved with
     an all-ones image of ``x``'s spatial size, with the convolution's stride, padding and dilation: interior
-    positions get the plain sum, border positions only the taps that fall inside the image.
+    positions get the plain sum, border positions only the taps that fall inside the image. An unbatched ``x``
+    (no batch dimension, as a convolution accepts) gets an unbatched result.
 
     Example:
         >>> kernel = torch.ones(1, 1, 3)  # one output channel, a constant input channel of value 1, kernel 3
         >>> constant_input_correction(torch.zeros(2, 5, 4), kernel, (1,), (1,), (1,))
         tensor([[[2., 3., 3., 2.]]])
+        >>> constant_input_correction(torch.zeros(5, 4), kernel, (1,), (1,), (1,))  # unbatched
+        tensor([[2., 3., 3., 2.]])
     """
     spatial = x.shape[-(kernel.dim() - 2) :]
     conv = (F.conv1d, F.conv2d, F.conv3d)[kernel.dim() - 3]
-    ones = torch.ones((1, 1, *spatial), dtype=kernel.dtype, device=kernel.device)
+    batch = () if x.dim() == kernel.dim() - 1 else (1,)
+    ones = torch.ones((*batch, 1, *spatial), dtype=kernel.dtype, device=kernel.device)
     return conv(ones, kernel, None, stride, padding, dilation).to(x.dtype)
 
 
@@ -717,10 +724,9 @@ def _rewrite(gm: fx.GraphModule, analysis: _Analysis) -> None:
             positions = (~select_away[arriving_kept]).nonzero().flatten().to(weight.device)
             buffer_name = target.replace(".", "_") + "_kept_inputs"
             gm.register_buffer(buffer_name, positions)
-            dim = -1 if isinstance(site.module, nn.Linear) else 1
             with graph.inserting_before(site.node):
                 index = graph.get_attr(buffer_name)
-                selected = graph.call_function(torch.index_select, (site.node.args[0], dim, index))
+                selected = graph.call_function(torch.index_select, (site.node.args[0], site.channel_dim, index))
             site.node.args = (selected, *site.node.args[1:])
         if bool(removed_in.any() | removed_out.any() | select_away.any()) or fold is not None:
             _set_module(gm, target, _sliced_layer(site, keep_in_layer, keep_out, fold))
