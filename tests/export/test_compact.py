@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -504,3 +505,17 @@ def test_unbatched_conv_input(padding):
     assert weights(small) == {"0.weight": (3, 2, 3, 3), "2.weight": (2, 3, 3, 3)}
     for shape in [(3, 7, 7), (3, 9, 8)]:
         assert_same_function(small, model, (torch.randn(*shape),))
+
+
+@pytest.mark.parametrize(
+    ("wrap", "keys"),
+    [(nn.utils.spectral_norm, r"\['weight_orig', 'weight_u', 'weight_v'\]"), (nn.utils.weight_norm, r"\['weight_g'")],
+)
+def test_hook_based_weight_reparametrization_is_refused_naming_the_layer(wrap, keys):
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated in favour of parametrizations
+        wrap(model[2])
+    prune.ln_structured(model[0], "weight", amount=0.5, n=2, dim=0)
+    with pytest.raises(CompactError, match=rf"module '2' \(Linear\) holds {keys}.*remove_spectral_norm"):
+        compact(model, torch.randn(3, 4))

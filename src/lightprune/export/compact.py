@@ -47,6 +47,8 @@ class CompactError(RuntimeError):
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_LAYER_STATE = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+"""The state a Linear/Conv/BatchNorm that compact rebuilds may hold (after pruning pairs are folded)."""
 _ELEMENTWISE_MODULES = (
     nn.ReLU,
     nn.ReLU6,
@@ -186,6 +188,15 @@ def _plain_copy(module: nn.Module, target: str) -> nn.Module:
     """An independent, unpruned copy: Linear/Conv/BatchNorm rebuilt from their effective tensors, others deep-copied."""
     state = {k: v.detach().clone() for k, v in effective_state_dict(module).items()}
     kind = type(module)
+    if kind is nn.Linear or kind in _CONVS or kind in _NORMS:
+        unknown = sorted(set(state) - _LAYER_STATE)
+        if unknown or (kind not in _NORMS and "weight" not in state):
+            raise CompactError(
+                f"module {target!r} ({kind.__name__}) holds {unknown} instead of a plain weight: a hook-based "
+                "reparametrization such as torch.nn.utils.spectral_norm or weight_norm, which compact cannot copy. "
+                "Remove it first (torch.nn.utils.remove_spectral_norm / remove_weight_norm store the weight the layer "
+                "computes in eval mode)"
+            )
     kwargs = {"device": "meta", "dtype": None}
     if kind is nn.Linear:
         new = nn.Linear(module.in_features, module.out_features, bias="bias" in state, **kwargs)
