@@ -519,3 +519,29 @@ def test_hook_based_weight_reparametrization_is_refused_naming_the_layer(wrap, k
     prune.ln_structured(model[0], "weight", amount=0.5, n=2, dim=0)
     with pytest.raises(CompactError, match=rf"module '2' \(Linear\) holds {keys}.*remove_spectral_norm"):
         compact(model, torch.randn(3, 4))
+
+
+class FunctionalLinear(nn.Module):
+    """A custom layer: torch.fx traces into it, and so into its pruning hook."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features))
+        self.bias = nn.Parameter(torch.randn(out_features))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+def test_a_custom_layer_pruned_with_lightprune_compacts(mask_dtype):
+    torch.manual_seed(16)
+    model = nn.Sequential(FunctionalLinear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    with prune.mask_dtype(mask_dtype):
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
+    model(torch.randn(1, 4))
+    before = model[0].weight.clone()
+    small = compact(model, torch.randn(3, 4))
+    assert torch.equal(model[0].weight, before)  # the traced value does not stay on the model
+    copy.deepcopy(model)
+    assert_same_function(small, model, (torch.randn(5, 4),))

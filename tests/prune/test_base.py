@@ -550,6 +550,35 @@ def test_apply_mask_float_and_bool() -> None:
     assert out[:, 1:3].eq(0).all() and out[:, [0, 3]].isinf().all()
 
 
+class FunctionalLinear(nn.Module):
+    """Not a torch.nn leaf: torch.fx traces into it, and so through its pruning hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_apply_mask_traces_with_torch_fx_to_the_same_values(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    with lp.mask_dtype(dtype):
+        mask = torch.tensor([[1.0, 0.0, 0.5, 1.0]] * 3) if dtype == torch.float32 else torch.tensor([[1, 0, 0, 1]] * 3)
+        module = lp.custom_from_mask(FunctionalLinear(), "weight", mask)
+    assert module.weight_mask.dtype == dtype
+    if dtype == torch.bool:
+        with torch.no_grad():
+            module.weight_orig[:, 1] = float("inf")  # a pruned entry: an exact zero with a boolean mask
+    traced = torch.fx.symbolic_trace(nn.Sequential(module))  # the root's own hooks are not traced: a child's are
+    x = torch.rand(5, 4)
+    with torch.no_grad():
+        assert torch.equal(traced(x), module(x))
+        module.weight_orig.mul_(2)  # the graph masks the current weight_orig, as the hook does
+        assert torch.equal(traced(x), module(x))
+
+
 def test_apply_mask_of_unattached_method_raises() -> None:
     with pytest.raises(ValueError, match=r"L1Unstructured is not attached to a tensor: call apply\(module, name\)"):
         lp.L1Unstructured(amount=1).apply_mask(linear())

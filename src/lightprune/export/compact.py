@@ -173,15 +173,24 @@ def _trace_in_eval_mode(model: nn.Module) -> fx.GraphModule:
     """Trace and copy ``model`` as it computes in eval mode; every module's ``training`` flag is restored after.
 
     Python branches on ``self.training`` (and ``F.dropout(x, p, self.training)``) are fixed when the model is traced,
-    so the trace must see the inference function whatever mode the caller left the model in.
+    so the trace must see the inference function whatever mode the caller left the model in. Attributes the trace
+    left holding a Proxy (the pruned ``weight`` a pruning hook stores) get their values back too.
     """
     modes = [(module, module.training) for module in model.modules()]
+    attributes = [(module, dict(vars(module))) for module in model.modules()]
     try:
         model.eval()
         return _copy_graph_module(model, _trace(model))
     finally:
         for module, training in modes:
             module.training = training
+        for module, before in attributes:  # a pruning hook stores its traced weight (a Proxy) on the module
+            for key, value in list(vars(module).items()):
+                if isinstance(value, fx.Proxy):
+                    if key in before:
+                        module.__dict__[key] = before[key]
+                    else:
+                        del module.__dict__[key]
 
 
 def _plain_copy(module: nn.Module, target: str) -> nn.Module:

@@ -83,6 +83,30 @@ compiled forward stays a plain tensor: everything works but ``copy.deepcopy`` of
 training step, until the next eager forward."""
 
 
+def _stored_dtype(module: nn.Module, key: str, value: Any) -> torch.dtype:
+    """The dtype of ``module.<key>``: read from the stored tensor while ``value`` is a ``torch.fx`` Proxy of it."""
+    stored = module._parameters.get(key, module._buffers.get(key))
+    if stored is None:
+        raise TypeError(f"cannot trace the pruning hook: {key!r} is not a parameter or buffer of the module")
+    return stored.dtype if isinstance(value, torch.fx.Proxy) else value.dtype
+
+
+def _traced_mask(module: nn.Module, name: str, orig: Any, mask: Any) -> Any:
+    """:meth:`BasePruningMethod.apply_mask` while ``torch.fx`` traces the module (``orig`` or ``mask`` a Proxy).
+
+    A Proxy's dtype is itself a Proxy, which Python control flow cannot branch on; the dtypes are read from the
+    stored tensors instead, and the graph records the same computation: ``torch.where`` for a boolean mask (what
+    :func:`~lightprune.prune.masking.masked` computes), ``orig * mask`` in ``orig``'s dtype for a floating one.
+    """
+    orig_dtype = _stored_dtype(module, name + "_orig", orig)
+    mask_dtype = _stored_dtype(module, name + "_mask", mask)
+    if mask_dtype == torch.bool:
+        return torch.where(mask, orig, orig.new_zeros(()))
+    if mask_dtype != orig_dtype:
+        mask = mask.to(dtype=orig_dtype)
+    return orig * mask
+
+
 class BasePruningMethod(ABC):
     """Base class of pruning methods: compute a mask for a tensor and keep a module's parameter masked.
 
@@ -139,6 +163,8 @@ class BasePruningMethod(ABC):
         name = self._attached_name()
         orig = getattr(module, name + "_orig")
         mask = getattr(module, name + "_mask")
+        if isinstance(orig, torch.fx.Proxy) or isinstance(mask, torch.fx.Proxy):
+            return _traced_mask(module, name, orig, mask)
         if mask.dtype == torch.bool:
             return masked(orig, mask)
         if mask.dtype != orig.dtype:
