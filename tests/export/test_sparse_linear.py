@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune as torch_prune
 
 from lightprune import prune
 from lightprune.export import Latency, SparseLinear, compare_latency, measure_latency, to_sparse_linear
@@ -130,3 +133,39 @@ def test_a_dtype_without_a_sparse_kernel_stays_dense_and_says_why(dtype: torch.d
     assert (first.converted, first.dense_s, first.sparse_s) == (False, None, None)
     assert first.note.startswith(f"kept dense: no sparse kernel for {dtype} on cpu")
     assert torch.equal(fast(x), net.eval()(x))
+
+
+def test_sparse_linear_and_converted_models_deep_copy():
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    prune.l1_unstructured(net[0], "weight", amount=0.95)
+    fast, _ = to_sparse_linear(net, torch.randn(8, 64), repeats=1, margin=0.0)
+    assert isinstance(fast[0], SparseLinear)
+    twin = copy.deepcopy(fast)
+    assert twin[0].weight.layout == torch.sparse_csr and twin[0].weight is not fast[0].weight
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(twin(x), fast(x))
+        fast[0].bias.add_(1.0)  # the copy is independent
+        assert not torch.equal(twin(x), fast(x))
+    again, _ = to_sparse_linear(fast, torch.randn(8, 64), repeats=1, margin=0.0)
+    assert isinstance(again[0], SparseLinear)
+
+
+def test_a_model_that_cannot_be_copied_is_named():
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.ones(4, requires_grad=True) * 2  # not a leaf: torch cannot deep-copy it
+
+        def forward(self, x):
+            return x * self.scale
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Cached()))
+    with pytest.raises(RuntimeError, match=r"module '1\.0' \(Cached\) cannot be deep-copied") as info:
+        to_sparse_linear(net, torch.randn(2, 4), repeats=1)
+    assert "torch.nn.utils.prune" not in str(info.value)
+    net = nn.Sequential(nn.Linear(4, 4))
+    torch_prune.l1_unstructured(net[0], "weight", amount=0.5)
+    with pytest.raises(RuntimeError, match=r"module '0' \(Linear\).*torch\.nn\.utils\.prune.*prune\.remove"):
+        to_sparse_linear(net, torch.randn(2, 4), repeats=1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.utils.prune as torch_prune
 from torch import Tensor, nn
 
 from lightprune.export._pruned import effective_state_dict
@@ -60,6 +61,24 @@ class SparseLinear(nn.Module):
         self.register_buffer("weight", _to_csr(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> SparseLinear:
+        """An independent copy: torch cannot deep-copy a sparse CSR tensor, so the weight is cloned instead.
+
+        Example:
+            >>> layer = SparseLinear(torch.eye(3))
+            >>> twin = copy.deepcopy(layer)
+            >>> twin.weight.layout, torch.equal(twin.weight.to_dense(), layer.weight.to_dense())
+            (torch.sparse_csr, True)
+        """
+        weight = self._buffers["weight"]
+        if weight is not None:
+            memo[id(weight)] = weight.clone()
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
     @classmethod
     def from_linear(cls, linear: nn.Module) -> SparseLinear:
         """From an ``nn.Linear`` or Hugging Face's ``Conv1D``, pruned (its effective weight is used) or not."""
@@ -98,6 +117,20 @@ class LayerDecision:
     sparse_s: float | None
     converted: bool
     note: str = ""
+
+
+def _copy_failure(model: nn.Module, err: Exception, prefix: str = "") -> str:
+    """Name the innermost submodule whose ``copy.deepcopy`` fails, with the error and, where it helps, the cause."""
+    for name, child in model.named_children():
+        try:
+            copy.deepcopy(child)
+        except RuntimeError as child_err:
+            return _copy_failure(child, child_err, f"{prefix}{name}.")
+    where = f"module {prefix[:-1]!r} ({type(model).__name__})" if prefix else f"the model ({type(model).__name__})"
+    message = f"{where} cannot be deep-copied ({type(err).__name__}: {err})"
+    if any(isinstance(hook, torch_prune.BasePruningMethod) for hook in model._forward_pre_hooks.values()):
+        message += "; it is pruned with torch.nn.utils.prune, whose modules copy after prune.remove"
+    return message
 
 
 def to_sparse_linear(
@@ -150,10 +183,8 @@ def to_sparse_linear(
         raise ValueError(f"margin must be at least 0, got {margin}")
     try:
         result = copy.deepcopy(model).eval()
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"cannot copy the model ({err}); models pruned with torch.nn.utils.prune copy after prune.remove"
-        ) from err
+    except RuntimeError as err:  # NotImplementedError included
+        raise RuntimeError(f"cannot copy the model: {_copy_failure(model, err)}") from err
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear or is_transformers_conv1d(m)}
     seen: dict[str, Tensor] = {}
