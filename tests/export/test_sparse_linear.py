@@ -169,3 +169,27 @@ def test_a_model_that_cannot_be_copied_is_named():
     torch_prune.l1_unstructured(net[0], "weight", amount=0.5)
     with pytest.raises(RuntimeError, match=r"module '0' \(Linear\).*torch\.nn\.utils\.prune.*prune\.remove"):
         to_sparse_linear(net, torch.randn(2, 4), repeats=1)
+
+
+def test_layers_called_by_keyword_are_timed_and_uncalled_ones_say_why():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kw = nn.Linear(64, 64)
+            self.aux = nn.Linear(64, 4)  # an auxiliary head the inference forward does not use
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(self.kw(input=x))
+
+    torch.manual_seed(6)
+    net = Net()
+    for layer in (net.kw, net.aux):
+        prune.l1_unstructured(layer, "weight", amount=0.95)
+    fast, decisions = to_sparse_linear(net, torch.randn(8, 64), repeats=1, margin=0.0)
+    by_name = {d.name: d for d in decisions}
+    assert by_name["kw"].converted and by_name["kw"].sparse_s is not None and by_name["kw"].note == ""
+    assert isinstance(fast.kw, SparseLinear)
+    assert not by_name["aux"].converted and by_name["aux"].sparse_s is None
+    assert by_name["aux"].note == "kept dense, not timed: the model did not call it on example_inputs"
+    assert by_name["head"].note == ""  # below min_sparsity

@@ -108,7 +108,8 @@ class LayerDecision:
         sparse_s: Median seconds of the CSR layer (None when not timed: sparsity below ``min_sparsity``, or no
             sparse kernel for the layer's dtype and device).
         converted: Whether the layer was replaced by :class:`SparseLinear`.
-        note: Why a layer above ``min_sparsity`` was not timed (empty otherwise).
+        note: Why a layer above ``min_sparsity`` was not timed (empty otherwise): no sparse kernel for its dtype,
+            or the model did not call it on ``example_inputs`` (an auxiliary head, say).
     """
 
     name: str
@@ -150,7 +151,8 @@ def to_sparse_linear(
     (interleaved repeats, see :func:`~lightprune.export.compare_latency`), and converted only when the CSR median beats
     the dense median by ``margin``. On a 2-core x86 CPU the crossover for a Linear(4096, 4096) at batch 32 lies between
     70% and 80% zeros (see BENCHMARKS.md); measuring per layer keeps small layers, where the sparse kernel's overhead
-    dominates, dense.
+    dominates, dense. A layer the model does not call on ``example_inputs`` cannot be timed: it stays dense, and its
+    decision's ``note`` says so.
 
     Args:
         model: The model, plain or pruned with the reparametrization (left untouched).
@@ -189,14 +191,19 @@ def to_sparse_linear(
     linears = {name: m for name, m in result.named_modules() if type(m) is nn.Linear or is_transformers_conv1d(m)}
     seen: dict[str, Tensor] = {}
 
+    called: set[str] = set()
+
     def capture(name: str):
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if name not in seen and args and isinstance(args[0], Tensor):
-                seen[name] = args[0].detach().clone()
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            called.add(name)
+            # the input, positional or by keyword (nn.Linear's ``input``, Conv1D's ``x``)
+            given = args[0] if args else next(iter(kwargs.values()), None) if len(kwargs) == 1 else None
+            if name not in seen and isinstance(given, Tensor):
+                seen[name] = given.detach().clone()
 
         return hook
 
-    handles = [m.register_forward_pre_hook(capture(name)) for name, m in linears.items()]
+    handles = [m.register_forward_pre_hook(capture(name), with_kwargs=True) for name, m in linears.items()]
     try:
         with torch.no_grad():
             result(*inputs)
@@ -207,8 +214,12 @@ def to_sparse_linear(
     for name, linear in linears.items():
         weight, bias = _dense_weight_and_bias(linear)
         sparsity = float((weight == 0).sum()) / max(weight.numel(), 1)
-        if name not in seen or sparsity < min_sparsity or weight.numel() == 0:
+        if sparsity < min_sparsity or weight.numel() == 0:
             decisions.append(LayerDecision(name, sparsity, None, None, False))
+            continue
+        if name not in seen:
+            reason = "its input was not a tensor" if name in called else "the model did not call it on example_inputs"
+            decisions.append(LayerDecision(name, sparsity, None, None, False, f"kept dense, not timed: {reason}"))
             continue
         sparse = SparseLinear(weight, bias)
         try:
