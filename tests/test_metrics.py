@@ -51,6 +51,41 @@ def test_sparsity_known_values() -> None:
     assert sparsity(torch.zeros(3, dtype=torch.float16)).item() == 1.0
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.uint8]
+)
+def test_count_zeros_of_float8_and_unsigned_dtypes(dtype: torch.dtype) -> None:
+    values = torch.tensor([0.0, 1.0, -0.0, 2.0, 0.0, 3.0]).to(dtype)  # -0.0 is +0 as an unsigned integer
+    assert count_zeros(values).item() == 3
+    assert count_zeros(values[::2]).item() == 3  # a non-contiguous view
+    assert sparsity(values.reshape(2, 3)).item() == 0.5
+    metric = Sparsity()
+    metric.update(values)
+    assert metric.compute().item() == 0.5
+
+
+def test_count_zeros_of_float8_nan_and_smallest_values() -> None:
+    tiny = torch.tensor([2.0**-9, -(2.0**-9), float("nan"), -0.0]).to(torch.float8_e4m3fn)
+    assert count_zeros(tiny).item() == 1
+
+
+def test_count_zeros_of_sparse_layouts() -> None:
+    dense = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    for tensor in (dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_csc(), dense.to_sparse_bsr((1, 1))):
+        assert count_zeros(tensor).item() == 4
+        assert sparsity(tensor).item() == pytest.approx(4 / 6)
+    # a stored zero counts; duplicate COO entries are summed first (1 + -1 is a zero)
+    coo = torch.sparse_coo_tensor(
+        torch.tensor([[0, 0, 1], [0, 0, 2]]), torch.tensor([1.0, -1.0, 0.0]), (2, 3), check_invariants=True
+    )
+    assert count_zeros(coo).item() == 6
+    hybrid = torch.tensor([[[0.0, 1.0]], [[0.0, 0.0]]]).to_sparse(sparse_dim=1)  # dense trailing dimensions
+    assert count_zeros(hybrid).item() == 3
+    metric = SparsityCollection(["a"], total_key=None)
+    metric.update({"a": dense.to_sparse_csr()})
+    assert metric.total.tolist() == [6] and metric.zeros.tolist() == [4]
+
+
 def test_sparsity_of_an_empty_tensor_is_nan() -> None:
     assert math.isnan(sparsity(torch.empty(0)).item())
 

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,10 +34,29 @@ _CHUNK_NUMEL = 2**24
 """Largest number of elements counted by a single ``torch.count_nonzero`` call (bounds its temporaries)."""
 
 
+_SAME_SIZE_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+"""Unsigned dtypes ``torch.count_nonzero`` lacks, viewed as signed integers of their size (zero iff all bits are)."""
+
+
+def _count_nonzero_piece(tensor: Tensor) -> Tensor:
+    """``torch.count_nonzero`` for every dtype: unsigned integers viewed as signed ones, 1-byte floats widened."""
+    if tensor.dtype in _SAME_SIZE_SIGNED:
+        tensor = tensor.view(_SAME_SIZE_SIGNED[tensor.dtype])
+    elif tensor.is_floating_point() and tensor.element_size() == 1:  # float8: float32 holds every value exactly
+        tensor = tensor.to(torch.float32)
+    return torch.count_nonzero(tensor)
+
+
 def _count_nonzero(tensor: Tensor) -> Tensor:
-    """Count non-zero entries exactly (``int64``), in pieces of at most ``_CHUNK_NUMEL`` elements, without copies."""
+    """Count non-zero entries exactly (``int64``), in pieces of at most ``_CHUNK_NUMEL`` elements, without copies.
+
+    A sparse tensor's unstored entries are zeros: only its stored values (duplicates of a COO tensor summed) count.
+    """
+    if tensor.layout != torch.strided:
+        coo = tensor.coalesce() if tensor.layout == torch.sparse_coo else tensor.to_sparse_coo().coalesce()
+        return _count_nonzero(coo.values())
     if tensor.numel() <= _CHUNK_NUMEL:
-        return torch.count_nonzero(tensor)
+        return _count_nonzero_piece(tensor)
     if tensor.is_contiguous():
         pieces = tensor.view(-1).split(_CHUNK_NUMEL)
     elif tensor.size(0) == 1:
@@ -55,7 +75,8 @@ def count_zeros(tensor: Tensor) -> Tensor:
     """Count the entries of ``tensor`` that are exactly zero.
 
     Args:
-        tensor: a dense tensor of any shape, dtype and device.
+        tensor: a tensor of any shape, dtype (float8 and unsigned integers included), device and layout (sparse
+            tensors count their unstored entries as zeros).
 
     Returns:
         A 0-dim ``int64`` tensor on ``tensor``'s device; exact for any size.
@@ -64,9 +85,16 @@ def count_zeros(tensor: Tensor) -> Tensor:
         >>> import torch
         >>> count_zeros(torch.tensor([0.0, 1.0, -0.0, float("nan")]))
         tensor(2)
+        >>> count_zeros(torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse_csr())
+        tensor(2)
 
     """
-    return tensor.numel() - _count_nonzero(tensor)
+    return _numel(tensor) - _count_nonzero(tensor)
+
+
+def _numel(tensor: Tensor) -> int:
+    """The number of entries, stored or not (a sparse tensor's ``numel`` is not defined for every layout)."""
+    return math.prod(tensor.shape)
 
 
 def _sparsity_compute(zeros: Tensor, total: Tensor) -> Tensor:
@@ -82,7 +110,7 @@ def sparsity(tensor: Tensor) -> Tensor:
     """Compute the fraction of entries of ``tensor`` that are exactly zero.
 
     Args:
-        tensor: a dense tensor of any shape, dtype and device.
+        tensor: a tensor of any shape, dtype, device and layout, as for :func:`count_zeros`.
 
     Returns:
         A 0-dim ``float32`` tensor on ``tensor``'s device, in ``[0, 1]``; ``nan`` for an empty tensor.
@@ -94,7 +122,7 @@ def sparsity(tensor: Tensor) -> Tensor:
 
     """
     zeros = count_zeros(tensor)
-    return _sparsity_compute(zeros, torch.tensor(tensor.numel(), dtype=torch.int64, device=zeros.device))
+    return _sparsity_compute(zeros, torch.tensor(_numel(tensor), dtype=torch.int64, device=zeros.device))
 
 
 class Sparsity(Metric):
@@ -104,7 +132,7 @@ class Sparsity(Metric):
 
     As input to ``forward`` and ``update`` the metric accepts:
 
-    - ``tensor`` (:class:`~torch.Tensor`): a dense tensor of any shape and dtype
+    - ``tensor`` (:class:`~torch.Tensor`): a tensor of any shape, dtype and layout, as for :func:`count_zeros`
 
     As output of ``forward`` and ``compute`` the metric returns:
 
@@ -152,7 +180,7 @@ class Sparsity(Metric):
 
         """
         self.zeros += count_zeros(tensor).to(self.zeros.device)
-        self.total += tensor.numel()
+        self.total += _numel(tensor)
 
     def compute(self) -> Tensor:
         """Return ``zeros / total`` as a 0-dim ``float32`` tensor.
@@ -179,7 +207,8 @@ class SparsityCollection(Metric):
 
     As input to ``forward`` and ``update`` the metric accepts:
 
-    - ``tensors`` (``Mapping[str, Tensor]``): one dense tensor per name, exactly the names given at construction
+    - ``tensors`` (``Mapping[str, Tensor]``): one tensor per name (any dtype and layout, as for :func:`count_zeros`),
+      exactly the names given at construction
 
     As output of ``forward`` and ``compute`` the metric returns:
 
@@ -263,7 +292,7 @@ class SparsityCollection(Metric):
             )
         device = self.zeros.device
         zeros = torch.stack([count_zeros(tensors[name]).to(device) for name in self.names])
-        numels = torch.tensor([tensors[name].numel() for name in self.names], dtype=torch.int64, device=device)
+        numels = torch.tensor([_numel(tensors[name]) for name in self.names], dtype=torch.int64, device=device)
         self.zeros += zeros
         self.total += numels
 
