@@ -339,6 +339,9 @@ def test_collection_update_must_name_every_tensor() -> None:
 
 
 def test_collection_construction_errors() -> None:
+    for name in ("weight", "head.weight"):  # a str is a sequence of its characters: not taken for names
+        with pytest.raises(TypeError, match=rf"^names must be a sequence of names, not a str: .*\['{name}'\]$"):
+            SparsityCollection(name)
     with pytest.raises(ValueError, match=r"^names is empty"):
         SparsityCollection([])
     with pytest.raises(ValueError, match=r"^names must be distinct, got duplicates \['a'\]$"):

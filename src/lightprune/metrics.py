@@ -225,6 +225,7 @@ class SparsityCollection(Metric):
         kwargs: Additional keyword arguments, see :ref:`Metric kwargs` for more info.
 
     Raises:
+        TypeError: if ``names`` is a single ``str`` (a sequence of its characters).
         ValueError: if ``names`` is empty or has duplicates, or ``total_key`` is one of the names.
 
     Example:
@@ -248,6 +249,8 @@ class SparsityCollection(Metric):
         self, names: Sequence[str], *, prefix: str = "", total_key: str | None = "total", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
+        if isinstance(names, str):
+            raise TypeError(f"names must be a sequence of names, not a str: for one tensor pass [{names!r}]")
         names = list(names)
         if not names:
             raise ValueError("names is empty: give the name of at least one tensor")
