@@ -36,6 +36,9 @@ def test_sparse_linear_matches_dense(bias, shape):
 def test_sparse_linear_refuses_non_matrices():
     with pytest.raises(ValueError, match=r"2-D.*\(3,\)"):
         SparseLinear(torch.ones(3))
+    for bias in (torch.zeros(3), torch.zeros(1, 4)):
+        with pytest.raises(ValueError, match=r"bias must have shape \(out_features,\) = \(4,\), got shape"):
+            SparseLinear(torch.eye(4, 8), bias)
 
 
 def _net() -> nn.Sequential:

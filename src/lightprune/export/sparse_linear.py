@@ -39,7 +39,7 @@ class SparseLinear(nn.Module):
 
     Args:
         weight: Dense ``(out_features, in_features)`` weight; its zeros are dropped.
-        bias: Optional ``(out_features,)`` bias.
+        bias: Optional ``(out_features,)`` bias (another shape is refused with a ValueError).
 
     Example:
         >>> layer = nn.Linear(8, 4)
@@ -58,6 +58,10 @@ class SparseLinear(nn.Module):
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(
+                f"bias must have shape (out_features,) = ({self.out_features},), got shape {tuple(bias.shape)}"
+            )
         self.register_buffer("weight", _to_csr(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
