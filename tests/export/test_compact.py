@@ -545,3 +545,25 @@ def test_a_custom_layer_pruned_with_lightprune_compacts(mask_dtype):
     assert torch.equal(model[0].weight, before)  # the traced value does not stay on the model
     copy.deepcopy(model)
     assert_same_function(small, model, (torch.randn(5, 4),))
+
+
+def test_in_place_update_of_a_view_read_elsewhere_keeps_the_channels():
+    class InPlaceView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            r = nn.functional.relu(h.view(h.size(0), -1), inplace=True)  # rectifies h too
+            return self.b(r) + self.c(h)
+
+    torch.manual_seed(17)
+    model = InPlaceView()
+    prune.ln_structured(model.a, "weight", amount=0.34, n=2, dim=0)
+    with torch.no_grad():
+        model.a.bias.fill_(-0.5)  # the pruned channels carry constants the in-place relu changes
+    with pytest.warns(UserWarning, match=r"kept 2 pruned output channels of 'a': they reach node 'relu'"):
+        small = compact(model, torch.randn(3, 4))
+    assert weights(small) == weights(model)
+    assert_same_function(small, model, (torch.randn(9, 4),))

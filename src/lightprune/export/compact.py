@@ -12,7 +12,8 @@ Conv input), it is either
 
 Channel sets follow elementwise activations, dropout, BatchNorm (its entries are removed too), pooling, flatten,
 residual additions (the channels of the two operands are merged: a channel goes only if it can go from both) and
-concatenation along the channel dimension. Any other operation keeps every channel that reaches it (with a warning
+concatenation along the channel dimension. An in-place operation on a tensor (or on a view of one) that is also read
+elsewhere keeps that tensor's channels. Any other operation keeps every channel that reaches it (with a warning
 naming the operation where that keeps pruned channels), so the result is always exact; it is checked on the example
 inputs before it is returned.
 
@@ -397,9 +398,15 @@ class _Analysis:
     def visit(self, node: fx.Node) -> _Channels | None:
         if node.op in ("placeholder", "get_attr"):
             return None
-        if _in_place(self.gm, node) and node.args and isinstance(node.args[0], fx.Node) and len(node.args[0].users) > 1:
-            self.pin_all_inputs(node)  # the tensor is read elsewhere too, before or after it changes: keep it whole
-            return None
+        if _in_place(self.gm, node) and node.args and isinstance(node.args[0], fx.Node):
+            chain = _alias_chain(self.gm, node.args[0])
+            if any(len(alias.users) > 1 for alias in chain):
+                # the tensor (or one it is a view of) is read elsewhere too, before or after it changes: keep it whole
+                self.pin_all_inputs(node)
+                for alias in chain:
+                    if (channels := self.info.get(alias)) is not None:
+                        self.pin(channels.ids, f"node {node.name!r} (in place on {alias.name!r})")
+                return None
         if node.op == "output":
             self.pin_all_inputs(node)
             return None
@@ -614,6 +621,90 @@ def _in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return bool(getattr(gm.get_submodule(node.target), "inplace", False))
     return False
+
+
+_ALIAS_METHODS = {
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "flatten",
+    "unflatten",
+    "detach",
+    "contiguous",
+    "expand",
+    "expand_as",
+    "transpose",
+    "permute",
+    "squeeze",
+    "unsqueeze",
+    "t",
+    "narrow",
+    "select",
+    "unfold",
+    "movedim",
+    "moveaxis",
+    "swapaxes",
+    "swapdims",
+    "as_strided",
+    "split",
+    "chunk",
+    "unbind",
+    "to",
+    "type_as",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "real",
+    "imag",
+    "__getitem__",
+}
+_ALIAS_FUNCTIONS: set[Any] = {
+    operator.getitem,
+    torch.flatten,
+    torch.reshape,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.transpose,
+    torch.permute,
+    torch.t,
+    torch.narrow,
+    torch.select,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+    torch.movedim,
+    torch.swapaxes,
+    torch.as_strided,
+    torch.detach,
+    torch.real,
+    torch.imag,
+    *_IDENTITY_FUNCTIONS,
+}
+_ALIAS_MODULES = (nn.Flatten, nn.Unflatten, *_IDENTITY_MODULES)
+
+
+def _aliases_its_input(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node``'s result may share memory with its first argument (a view, or the argument itself)."""
+    if _in_place(gm, node):
+        return True
+    if node.op == "call_method":
+        return node.target in _ALIAS_METHODS
+    if node.op == "call_function":
+        return node.target in _ALIAS_FUNCTIONS
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), _ALIAS_MODULES)
+    return False
+
+
+def _alias_chain(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """``node`` and every tensor it may be a view of: what an in-place operation on ``node`` also changes."""
+    chain = [node]
+    while _aliases_its_input(gm, node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        chain.append(node)
+    return chain
 
 
 def _not(node: fx.Node) -> Callable[[fx.Node], bool]:
