@@ -7,8 +7,10 @@ Conv input), it is either
 * **unused**: the reader's weight slice for it is all zero (input channels pruned along ``dim=1``), or
 * **constant**: its producer's weight slice is all zero (output channels pruned along ``dim=0``), so it carries the
   same value everywhere (its bias, through activations and BatchNorm); that value times the reader's weights is
-  added to the reader's bias, which is exact where every output position sees the whole kernel (a Linear, or a
-  Conv without padding; behind a padded Conv only zero constants are removed).
+  added to the reader's bias, which is exact where every output position sees the whole kernel (a Linear, a Conv
+  without padding, or one whose reflect/replicate/circular padding repeats the constant). Behind a zero-padded Conv
+  border positions see less of it: the constants are removed there too, and a correction map for the input's
+  spatial size (:func:`constant_input_correction`) is added to the layer's output instead.
 
 Channel sets follow elementwise activations, dropout, BatchNorm (its entries are removed too), pooling, flatten,
 residual additions (the channels of the two operands are merged: a channel goes only if it can go from both) and
