@@ -764,12 +764,31 @@ def _sparsity_cell(entry: dict[str, Any]) -> str:
     return f"{entry['sparsity_counted']:.5f} ({layers})"
 
 
-def markdown(summary: dict[str, Any], timing: dict[str, Any] | None, machine: str, command: str) -> str:
-    """The Markdown report: accuracy table, per-layer sparsity table, epoch-time tables."""
+def accuracy_label(settings: Settings) -> str:
+    """What the runs' accuracy was measured on: the test set, or ``--val-size`` held-out training images.
+
+    Example:
+        >>> accuracy_label(Settings()), accuracy_label(Settings(val_size=10000))
+        ('test accuracy (%)', 'validation accuracy (%), 10,000 held-out training images')
+    """
+    if settings.val_size:
+        return f"validation accuracy (%), {settings.val_size:,} held-out training images"
+    return "test accuracy (%)"
+
+
+def markdown(
+    summary: dict[str, Any],
+    timing: dict[str, Any] | None,
+    machine: str,
+    command: str,
+    accuracy: str = "test accuracy (%)",
+) -> str:
+    """The Markdown report: accuracy table (``accuracy``: what it was measured on), per-layer sparsity table,
+    epoch-time tables."""
     lines = [f"Command: `{command}`", "", f"Machine: {machine}"]
     if summary:  # empty with --timing-only
         lines += _arm_table(
-            "Test accuracy (%), mean ± std over seeds (n = seeds):",
+            f"{accuracy[0].upper()}{accuracy[1:]}, mean ± std over seeds (n = seeds):",
             summary,
             lambda entry: "{:.2f} ± {:.2f} (n={})".format(*entry["accuracy"]),
         )
@@ -877,8 +896,9 @@ def _figure_legend(fig: Any, axes: Sequence[Any], summary: dict[str, Any]) -> No
     fig.tight_layout(rect=(0, 0, 1 - width / fig.get_figwidth(), 1))
 
 
-def plot(summary: dict[str, Any], path: Path) -> Any:
-    """Accuracy (mean ± std) against sparsity: every arm (left), the gradual arm against ModelPruning (right).
+def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)") -> Any:
+    """Accuracy (mean ± std; ``accuracy`` names what it was measured on) against sparsity: every arm (left), the
+    gradual arm against ModelPruning (right).
 
     Returns the (closed) figure, whose artists say what was drawn.
     """
@@ -893,7 +913,7 @@ def plot(summary: dict[str, Any], path: Path) -> Any:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     _plot_arms(left, summary, _arm_order(summary), positions_of(_arm_order(summary)))
-    left.set_ylabel("test accuracy (%)")
+    left.set_ylabel(accuracy)
     left.set_title("every arm")
     # The zoomed panel leaves out arms at chance level (a collapsed criterion), which would flatten the others.
     zoomed = [
@@ -917,7 +937,7 @@ FLOPS_LABELS = (1.0, 2.0, 5.0)
 """The FLOPs plot labels its log axis at these multiples of each power of ten."""
 
 
-def plot_flops(summary: dict[str, Any], path: Path) -> Any:
+def plot_flops(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)") -> Any:
     """Accuracy (mean ± std) against training FLOPs (dense = 1, log scale), one panel per sparsity.
 
     Only arms whose runs counted their FLOPs are drawn; the dense model is the green band and point at 1. Returns
@@ -954,7 +974,7 @@ def plot_flops(summary: dict[str, Any], path: Path) -> Any:
         ax.set_title(f"sparsity {sparsity:g}")
         ax.set_xlabel("training FLOPs (dense 20 epochs = 1)")
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("test accuracy (%)")
+    axes[0][0].set_ylabel(accuracy)
     fig.suptitle("LeNet-300-100 on Fashion-MNIST: accuracy against training cost")
     _figure_legend(fig, axes[0], summary)
     fig.savefig(path, dpi=110)
@@ -1130,12 +1150,13 @@ def main(argv: list[str] | None = None) -> int:
     results = execute(runs, args.out, args.jobs, args.fresh, cached_only=args.report_only)
     summary = summarize(results)
     timing = time_epochs(settings, repeats, arms=args.timing_arms, clock=args.timing_clock) if repeats > 0 else None
-    report = markdown(summary, timing, describe("lightning"), command.strip())
+    label = accuracy_label(settings)
+    report = markdown(summary, timing, describe("lightning"), command.strip(), label)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(report)
-    plot(summary, args.out / "quality.png")
+    plot(summary, args.out / "quality.png", label)
     if any(entry["training_flops"] for by_s in summary.values() for entry in by_s.values()):
-        plot_flops(summary, args.out / "quality_flops.png")
+        plot_flops(summary, args.out / "quality_flops.png", label)
     serializable = {arm: {str(s): entry for s, entry in by_s.items()} for arm, by_s in summary.items()}
     payload = {"settings": asdict(settings), "summary": serializable, "timing": timing, "results": results}
     (args.out / "quality.json").write_text(json.dumps(payload, indent=1))

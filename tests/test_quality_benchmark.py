@@ -240,6 +240,10 @@ def test_accuracy_plot_has_one_legend_outside_both_panels(tmp_path: Path) -> Non
         assert not box.overlaps(ax.get_window_extent(renderer))
     drawn = {label for ax in (left, right) for label in ax.get_legend_handles_labels()[1]}
     assert drawn == {"dense", "modelpruning", "lp_gradual", "lp_rigl_erk_3x"}
+    assert left.get_ylabel() == "test accuracy (%)"
+    tuning = quality.accuracy_label(quality.Settings(val_size=10000))  # a tuning run's held-out images
+    assert quality.plot(summary, tmp_path / "tuning.png", tuning).axes[0].get_ylabel() == tuning
+    assert quality.plot_flops(summary, tmp_path / "flops.png", tuning).axes[0].get_ylabel() == tuning
 
 
 def test_report_only_returns_the_cached_runs_and_runs_nothing(tmp_path: Path) -> None:
