@@ -106,6 +106,16 @@ def test_latency_helpers():
         compare_latency({}, torch.zeros(2), warmup=-1)
 
 
+def test_latency_waits_for_the_gpu_before_and_after_each_timed_call(monkeypatch):
+    """A CUDA call returns once its kernels are queued: without a synchronize the timings would be launch times."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: events.append("sync"))
+    measure_latency(lambda x: events.append("call"), torch.zeros(1), repeats=2, warmup=0)
+    assert events == ["sync", "call", "sync"] * 2
+
+
 def test_hugging_face_conv1d_layers_count_as_linear():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=50, n_positions=16)

@@ -47,6 +47,12 @@ class Latency:
         return cls(statistics.median(ordered), q1, q3, len(ordered))
 
 
+def _synchronize() -> None:
+    """Wait for the GPU's queued kernels: a CUDA call returns when its kernels are launched, not finished."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _as_call(model: nn.Module | Callable[..., Any], example_inputs: Tensor | Sequence[Any]) -> Callable[[], Any]:
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     return lambda: model(*inputs)
@@ -63,7 +69,8 @@ def compare_latency(
 
     Each round calls every model once, in an order rotated from round to round; calls run under
     ``torch.inference_mode()`` with the current ``torch.get_num_threads()``. Modules are timed as given (put them in
-    eval mode first for inference figures).
+    eval mode first for inference figures). Where CUDA is in use, each call is timed from a synchronized GPU to the
+    end of its kernels.
 
     Args:
         models: ``{name: model}``; any callable taking the inputs works.
@@ -94,8 +101,10 @@ def compare_latency(
         for round_index in range(warmup + repeats):
             shift = round_index % max(len(names), 1)
             for name in names[shift:] + names[:shift]:
+                _synchronize()
                 start = time.perf_counter()
                 calls[name]()
+                _synchronize()
                 elapsed = time.perf_counter() - start
                 if round_index >= warmup:
                     samples[name].append(elapsed)
