@@ -405,3 +405,18 @@ def test_build_callback_passes_every_key_named_like_a_callback_argument(monkeypa
         assert received[key] == cfg.pruning[key], key
     assert (callback.masking, callback._log_prefix) == ("inplace", "pruning/encoder/")
     assert (callback.seed, callback.owl_lambda, callback.regrow, callback.regrow_every) == (7, 0.1, "set", 9)
+
+
+def test_a_bundled_model_beside_a_users_own_data_passes_the_preflight_checks() -> None:
+    """A user's data node has a ``_target_`` and its own keys, no ``name``: the selection check still runs."""
+    from omegaconf import open_dict
+
+    from lightprune.experiment.checks import preflight
+
+    cfg = compose_app("pruning=one_shot")
+    with open_dict(cfg):
+        cfg.data = OmegaConf.create({"_target_": "mymodule.MyDataModule", "batch_size": 64})
+    preflight(cfg)
+    cfg.pruning.include = ["no_such_layer"]
+    with pytest.raises(ConfigError, match=r"no_such_layer"):
+        preflight(cfg)

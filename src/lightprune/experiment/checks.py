@@ -91,7 +91,7 @@ def _selection_problems(cfg: DictConfig) -> list[str]:
     p = cfg.pruning
     if p.preset == "none" or p.final_sparsity == 0 or not is_bundled(cfg.model):  # a user's model: checked when built
         return []
-    shape = (1, 8, 8) if cfg.data.name == "digits" else (1, 28, 28)  # names do not depend on the sizes
+    shape = (1, 8, 8) if cfg.data.get("name") == "digits" else (1, 28, 28)  # names do not depend on the sizes
     try:
         from torch import nn
 
