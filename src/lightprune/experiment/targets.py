@@ -180,6 +180,11 @@ def make_scheduler(key: str, node: Any, optimizer: Any, length: int) -> Any:
         >>> node = {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True}
         >>> make_scheduler("optim.dense.scheduler", node, optimizer, 10).T_max
         10
+        >>> make_scheduler("optim.prune.scheduler", {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau",
+        ...                "_partial_": True}, optimizer, 10)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightprune.experiment.config.ConfigError: optim.prune.scheduler: ...ReduceLROnPlateau steps on a monitored ...
     """
     factory = instantiate(key, node)
     func = getattr(factory, "func", factory)
@@ -190,9 +195,15 @@ def make_scheduler(key: str, node: Any, optimizer: Any, length: int) -> Any:
         names = {}
     extra = {name: length for name in _LENGTH_ARGUMENTS if name in names and name not in given}
     try:
-        return factory(optimizer, **extra)
+        scheduler = factory(optimizer, **extra)
     except Exception as err:
         raise ConfigError(f"{key}: {node['_target_']}(optimizer, ...) failed: {type(err).__name__}: {err}") from err
+    if hasattr(scheduler, "step") and "metrics" in inspect.signature(scheduler.step).parameters:
+        raise ConfigError(  # ReduceLROnPlateau: Lightning needs a metric to monitor, which no phase of the app names
+            f"{key}: {node['_target_']} steps on a monitored metric, which the app's phases do not pass; use a "
+            "schedule in steps or epochs (CosineAnnealingLR, OneCycleLR, StepLR...)"
+        )
+    return scheduler
 
 
 def source_digest(cfg: Mapping[str, Any]) -> str | None:
