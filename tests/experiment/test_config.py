@@ -420,3 +420,12 @@ def test_a_bundled_model_beside_a_users_own_data_passes_the_preflight_checks() -
     cfg.pruning.include = ["no_such_layer"]
     with pytest.raises(ConfigError, match=r"no_such_layer"):
         preflight(cfg)
+
+
+def test_the_pruning_phases_optimizer_and_scheduler_beside_lr_rewind_false_are_warned() -> None:
+    cosine = "+optim.prune.scheduler={_target_: torch.optim.lr_scheduler.CosineAnnealingLR, _partial_: true}"
+    sgd = "+optim.prune.optimizer={_target_: torch.optim.SGD, _partial_: true, lr: 0.05}"
+    scheduler, optimizer = config_warnings(compose_app("optim.lr_rewind=false", cosine, sgd))
+    assert scheduler.startswith("optim.prune.scheduler is not used with optim.lr_rewind=false")
+    assert optimizer.startswith("optim.prune.optimizer keeps its kind, but not its learning rate")
+    assert config_warnings(compose_app(cosine, sgd)) == []  # replayed each fit: both used

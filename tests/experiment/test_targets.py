@@ -176,6 +176,17 @@ def test_optimizer_and_schedule_per_phase_and_learning_rate_rewinding(
         assert final < dense[0] and set(round_1 + round_2) == {final}
 
 
+def test_fine_tuning_carried_over_at_learning_rate_0_is_warned(tmp_path: Path, user_code: object, caplog) -> None:
+    cosine = "{_target_:torch.optim.lr_scheduler.CosineAnnealingLR,_partial_:true}"  # eta_min 0: it ends at 0
+    cfg = make_config(
+        *TINY, *USER, "trainer.max_epochs=1", "optim.dense.optimizer={_target_:torch.optim.SGD,_partial_:true,lr:0.1}",
+        f"optim.dense.scheduler={cosine}", "optim.dense.interval=step", "optim.lr_rewind=false",
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="lightprune.experiment.app"):
+        run_experiment(cfg, tmp_path)
+    assert "prune trains at learning rate 0: the previous phase's schedule ended there" in caplog.text
+
+
 def test_target_errors_are_one_line_naming_the_key_the_path_and_the_complaint(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model: _target_ 'lp_user_code\.Nope' cannot be imported"):
         validate_config(make_config(*TINY, "~model", "+model={_target_:lp_user_code.Nope}", *USER[2:]))

@@ -544,6 +544,14 @@ def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
             f"pruning.final_sparsity={cfg.pruning.final_sparsity} is not used with pruning=none: the model stays dense "
             "(choose a pruning preset, e.g. pruning=gmp_cubic, to prune)"
         )
+    optim = cfg.get("optim")
+    if optim is not None and not optim.lr_rewind:
+        for key, what in (("scheduler", "is not used"), ("optimizer", "keeps its kind, but not its learning rate")):
+            if optim.prune.get(key) is not None:
+                messages.append(
+                    f"optim.prune.{key} {what} with optim.lr_rewind=false: each pruning fit trains at the learning "
+                    "rate the previous phase ended with, without a scheduler (optim.lr_rewind=true replays it)"
+                )
     if cfg.pruning.preset == "none" and cfg.pruning.adopt_zeros:
         messages.append(
             "pruning.adopt_zeros=true is not used with pruning=none: no callback masks the zeros (choose a preset with "
