@@ -581,7 +581,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     _set_optimization(cfg, module, "prune")
     for phase, target, callback in plan:
         hold = None if cfg.optim.lr_rewind or lrs is None else HoldLearningRate(lrs)
-        if hold is not None and not any(lr for groups in lrs for lr in groups):
+        if hold is not None and not any(lr for groups in hold.lrs for lr in groups):
             log.warning(  # a schedule decayed to 0 (CosineAnnealingLR's default eta_min), carried over
                 "%s trains at learning rate 0: the previous phase's schedule ended there and optim.lr_rewind=false "
                 "carries it over; set the schedule's final learning rate above 0 (eta_min) or optim.lr_rewind=true",
