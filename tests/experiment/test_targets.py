@@ -43,6 +43,18 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
+class HeadFirst(nn.Module):
+    """The output layer defined before the hidden one."""
+
+    def __init__(self, width: int, classes: int = 3):
+        super().__init__()
+        self.head = nn.Linear(width, classes)
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(6, width), nn.ReLU())
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 class Data(pl.LightningDataModule):
     """Three separable classes of 6 features; no num_classes attribute (the config gives it)."""
 
@@ -174,6 +186,16 @@ def test_optimizer_and_schedule_per_phase_and_learning_rate_rewinding(
     else:  # fine-tuning at the learning rate the dense phase ended with, no scheduler
         final = round_1[0]
         assert final < dense[0] and set(round_1 + round_2) == {final}
+
+
+def test_exclude_classifier_keeps_the_layer_the_forward_ends_with_whatever_the_definition_order(
+    tmp_path: Path,
+) -> None:
+    model = ["~model", "+model={_target_:lp_user_code.HeadFirst,width:16}", "~data", f"+data={DATA}"]
+    summary = run_experiment(
+        make_config(*TINY, *model, "pruning=ln_structured", "pruning.final_sparsity=0.5"), tmp_path
+    )
+    assert set(summary.layer_sparsity) == {"model.body.1.weight"}  # the output layer stays whole
 
 
 def test_fine_tuning_carried_over_at_learning_rate_0_is_warned(tmp_path: Path, user_code: object, caplog) -> None:

@@ -99,6 +99,7 @@ def build_callback(
     rounds_target: float | None = None,
     rewind: Any = None,
     make_permanent: bool = True,
+    example: Any = None,
 ) -> Any:
     """A :class:`lightprune.PruningCallback` for ``cfg.pruning``, or ``None`` for the dense preset.
 
@@ -116,6 +117,8 @@ def build_callback(
         rewind: the callback's ``rewind=``, e.g. a :meth:`~lightprune.PruningCallback.snapshot_weights` dict of
             the initial weights. ``None`` with ``pruning.rewind=init``: rewind to the weights at the start of fit.
         make_permanent: remove the pruning reparametrization at the end of fit (plain weights with zeros).
+        example: one input of the model, run once to find the classifier for ``pruning.exclude_classifier`` (the
+            last ``nn.Linear`` called); ``None``: ``module.example_input_array``, else the last one defined.
 
     Example:
         >>> from lightprune.experiment.config import ExperimentConfig
@@ -136,7 +139,7 @@ def build_callback(
         rewind = p.rewind
     built: dict[str, Any] = {
         "include": list(p.include) if p.include else None,
-        "exclude": exclude_patterns(cfg, module),
+        "exclude": exclude_patterns(cfg, module, example),
         "rewind": rewind,
         "mask_dtype": torch.bool if p.mask_dtype == "bool" else None,
         "method_kwargs": method_kwargs(p),
@@ -379,13 +382,18 @@ def _plan(cfg: DictConfig, module: nn.Module, rewind: Any, example: Any = None) 
                     f"round_{index}",
                     target,
                     build_callback(
-                        cfg, module=module, rounds_target=target, rewind=rewind, make_permanent=index == len(targets)
+                        cfg,
+                        module=module,
+                        rounds_target=target,
+                        rewind=rewind,
+                        make_permanent=index == len(targets),
+                        example=example,
                     ),
                 )
                 for index, target in enumerate(targets, start=1)
             ]
         else:
-            plan = [("prune", None, build_callback(cfg, module=module, rewind=rewind))]
+            plan = [("prune", None, build_callback(cfg, module=module, rewind=rewind, example=example))]
     except ValueError as err:  # the callback's own checks, e.g. of a method given by import path
         raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
     if plan[0][2] is not None and plan[0][2].units is None:  # unit groups are found (and checked) on a batch

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -22,24 +22,54 @@ if TYPE_CHECKING:  # torch is imported where a model is built: the value checks 
 __all__ = ["classifier_weight", "exclude_patterns", "preflight"]
 
 
-def classifier_weight(module: nn.Module) -> str:
-    """Qualified name of the weight of ``module``'s last ``nn.Linear`` (the classifier head).
+def classifier_weight(module: nn.Module, example: Any = None) -> str:
+    """Qualified name of the weight of ``module``'s classifier head: the last ``nn.Linear`` its forward calls on
+    ``example`` (``module.example_input_array`` when not given; eval mode, no gradient, the modules' modes restored),
+    else, with no example to run, the last one it defines.
 
     Example:
+        >>> import torch
         >>> from torch import nn
         >>> classifier_weight(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
         '2.weight'
+        >>> class HeadFirst(nn.Module):  # the output layer defined before a hidden one
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.classifier, self.proj = nn.Linear(8, 10), nn.Linear(4, 8)
+        ...     def forward(self, x):
+        ...         return self.classifier(self.proj(x).relu())
+        >>> classifier_weight(HeadFirst()), classifier_weight(HeadFirst(), torch.zeros(1, 4))
+        ('proj.weight', 'classifier.weight')
     """
+    import torch
     from torch import nn
 
-    linears = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
+    linears: dict[nn.Module, str] = {c: name for name, c in module.named_modules() if isinstance(c, nn.Linear)}
     if not linears:
         raise ConfigError("pruning.exclude_classifier=true, but the model has no nn.Linear layer")
-    return f"{linears[-1]}.weight" if linears[-1] else "weight"
+    last = list(linears.values())[-1]
+    example = getattr(module, "example_input_array", None) if example is None else example
+    if example is not None:
+        called: list[nn.Module] = []
+        handles = [child.register_forward_hook(lambda m, *_: called.append(m)) for child in linears]
+        modes = {m: m.training for m in module.modules()}
+        try:
+            module.eval()
+            with torch.no_grad():
+                module(*example) if isinstance(example, tuple) else module(example)
+        finally:
+            for handle in handles:
+                handle.remove()
+            for m, training in modes.items():
+                m.train(training)
+        if called:
+            last = linears[called[-1]]
+    return f"{last}.weight" if last else "weight"
 
 
-def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | None:
-    """``cfg.pruning.exclude``, plus the classifier's weight when ``cfg.pruning.exclude_classifier`` is set."""
+def exclude_patterns(cfg: DictConfig, module: nn.Module | None, example: Any = None) -> list[str] | None:
+    """``cfg.pruning.exclude``, plus the classifier's weight when ``cfg.pruning.exclude_classifier`` is set (found by
+    running ``example``, one input of the model: :func:`classifier_weight`)."""
     exclude = list(cfg.pruning.exclude) if cfg.pruning.exclude else []
     if cfg.pruning.exclude_classifier:
         if module is None:
@@ -47,7 +77,7 @@ def exclude_patterns(cfg: DictConfig, module: nn.Module | None) -> list[str] | N
                 "pruning.exclude_classifier=true needs the model: pass it, "
                 "hydra.utils.instantiate(cfg.pruning, module=model) (or build_callback(cfg, module=model))"
             )
-        exclude.append(re.escape(classifier_weight(module)))
+        exclude.append(re.escape(classifier_weight(module, example)))
     return exclude or None
 
 

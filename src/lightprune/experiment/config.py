@@ -228,8 +228,8 @@ class PruningConfig:
         prune_channel_bias: with a structured method on dim 0, also zero the bias of pruned channels.
         include: regular expressions of parameter names to prune (``None``: every Linear/Conv weight).
         exclude: regular expressions of parameter names to skip.
-        exclude_classifier: leave the model's last Linear layer (the classifier) unpruned; structured pruning of its
-            output channels would remove whole classes.
+        exclude_classifier: leave the model's classifier unpruned, the last Linear layer its forward calls on an
+            example input; structured pruning of its output channels would remove whole classes.
         mask_dtype: ``bool`` (1 byte per weight) or ``param`` (the parameter's dtype).
         log_per_parameter: log the sparsity of every pruned tensor.
         seed: seed of the random methods.
