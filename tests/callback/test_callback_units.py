@@ -295,6 +295,20 @@ def test_a_model_without_the_units_is_refused_naming_it() -> None:
         trainer([PruningCallback(0.5, method="heads", include="nothing")], max_steps=1).fit(Lit("bert"), data())
 
 
+@pytest.mark.parametrize("pattern", [r".*layer\.0\..*", r"model\.encoder\.layer\.0\.intermediate\.dense\.weight"])
+def test_unit_patterns_match_a_groups_tensors_too_and_one_matching_nothing_is_warned(pattern: str) -> None:
+    """The pattern that keeps layer 0 dense for the other methods keeps its neurons too (the group is named after
+    the layer, ``model.encoder.layer.0``, which a tensor pattern does not match in full)."""
+    callback = PruningCallback(0.5, method="neurons", exclude=pattern)
+    trainer([callback], max_steps=1).fit(Lit("bert"), data())
+    kept = dict(unit_states(callback))
+    assert list(kept) == ["model.encoder.layer.1"]
+    with pytest.warns(UserWarning, match=r"exclude pattern 'no_such_module' matches none of the neurons groups"):
+        trainer([PruningCallback(0.5, method="neurons", exclude="no_such_module")], max_steps=1).fit(
+            Lit("bert"), data()
+        )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

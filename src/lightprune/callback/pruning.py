@@ -116,8 +116,8 @@ class PruningCallback(Callback):
             that read it). The groups are found when training starts from one traced forward of the
             LightningModule on ``example_inputs``; the schedule's targets are shares of each group's units
             (``round(target * count)``, exact; every group keeps at least one). ``include``/``exclude`` then match
-            the groups' module names; ``masking="inplace"``, ``parameters``, ``adopt_zeros`` and
-            ``max_layer_sparsity`` are refused.
+            a group's module name or the name of a tensor it slices (a pattern matching no group is warned about);
+            ``masking="inplace"``, ``parameters``, ``adopt_zeros`` and ``max_layer_sparsity`` are refused.
         method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
             ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
         scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"``,

@@ -13,11 +13,13 @@ collected in the activation window.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightprune import prune
@@ -115,8 +117,10 @@ def find_groups(
     include: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
 ) -> list[UnitGroup]:
-    """The unit groups of ``kind`` in ``model`` (traced in eval mode, no gradients), filtered by the patterns, which
-    match a group's module name (``"model.layers.0.mlp"``).
+    """The unit groups of ``kind`` in ``model`` (traced in eval mode, no gradients), filtered by the patterns: a
+    pattern matches a group when it fully matches the group's module name (``"model.layers.0.mlp"``) or the name of
+    a tensor the group slices (``"model.layers.0.mlp.up_proj.weight"``), so the patterns that select weights for the
+    other methods select their units too. A pattern that matches no group is warned about, naming the groups.
 
     Raises:
         UnitError: the model has no such units (the message names the module), or the patterns leave none.
@@ -132,11 +136,28 @@ def find_groups(
         groups = find_units(model, args, kwargs, kinds=(kind,))
     included = compile_patterns("include", include)
     excluded = compile_patterns("exclude", exclude)
+    names = {id(group): [group.module, *(_qualified(s.module, s.name) for s in group.produce + group.consume)]
+             for group in groups}  # fmt: skip
+
+    def matches(pattern: re.Pattern[str], group: UnitGroup) -> bool:
+        return any(pattern.fullmatch(name) for name in names[id(group)])
+
+    unmatched = [
+        f"{kind_} pattern {pattern.pattern!r}"
+        for kind_, patterns in (("include", included), ("exclude", excluded))
+        for pattern in patterns
+        if not any(matches(pattern, group) for group in groups)
+    ]
+    if unmatched:
+        rank_zero_warn(
+            f"{', '.join(unmatched)} matches none of the {kind} groups of {type(model).__name__} (their modules: "
+            f"{[group.module for group in groups][:6]}; a pattern matches a module or a tensor name in full)",
+            category=UserWarning,
+        )
     kept = [
         group
         for group in groups
-        if (not included or any(p.fullmatch(group.module) for p in included))
-        and not any(p.fullmatch(group.module) for p in excluded or ())
+        if (not included or any(matches(p, group) for p in included)) and not any(matches(p, group) for p in excluded)
     ]
     if not kept:
         found = [group.module for group in groups]
