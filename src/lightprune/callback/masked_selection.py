@@ -324,6 +324,7 @@ class MaskedSelection:
         (it keeps its value and state), 0 for a frozen tensor.
 
         Example:
+            >>> _ = torch.manual_seed(0)  # which weights are dropped, and so whether SET's draw re-picks one
             >>> layer = nn.Linear(10, 10)
             >>> masked = MaskedSelection([("fc.weight", layer, "weight")], [], [], prune.L1Unstructured, {},
             ...                          "layerwise", torch.bool, 0)
