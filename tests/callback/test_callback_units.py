@@ -336,3 +336,19 @@ def test_reconstruct_without_units_is_obs_s_and_the_refit_needs_statistics_at_st
         PruningCallback(0.5, method="l1_unstructured", reconstruct=True)
     with pytest.raises(ValueError, match="reconstruct=True refits from input statistics"):
         trainer([PruningCallback(0.5, method="neurons", reconstruct=True)], max_steps=1).fit(Lit("bert"), data())
+
+
+class DictBatches(Lit):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch["input_ids"]).float().logsumexp(-1).mean()
+
+
+def test_a_dict_batch_the_forward_cannot_take_is_named_with_the_way_out() -> None:
+    samples = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for (ids,) in data().dataset]
+    batches = DataLoader(samples, batch_size=4)  # dict batches
+    keys = r"the training batch's keys \['attention_mask', 'input_ids'\] passed to DictBatches"
+    with pytest.raises(UnitError, match=keys):
+        trainer([PruningCallback(0.5, method="neurons")], max_steps=1).fit(DictBatches("bert"), batches)
+    callback = PruningCallback(0.5, method="neurons", example_inputs=lambda batch: {"input_ids": batch["input_ids"]})
+    trainer([callback], max_steps=1).fit(DictBatches("bert"), batches)  # the way out the message names
+    assert len(unit_states(callback)) == 2

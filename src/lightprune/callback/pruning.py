@@ -64,6 +64,7 @@ from lightprune.selection import (
     select_parameters,
     unmatched_patterns,
 )
+from lightprune.structure import UnitError
 
 __all__ = ["PruningCallback"]
 
@@ -747,7 +748,16 @@ class PruningCallback(Callback):
             batch = first_batch(trainer)
         args, kwargs = example_from_batch(batch, self.example_inputs)
         assert self.units is not None
-        groups = find_groups(pl_module, self.units, args, kwargs, self.include, self.exclude)
+        try:
+            groups = find_groups(pl_module, self.units, args, kwargs, self.include, self.exclude)
+        except UnitError as err:
+            if self.example_inputs is not None or not kwargs:
+                raise
+            raise UnitError(  # the batch dict went to forward as keyword arguments: say so, and how to choose
+                f"{err}\n(the inputs were the training batch's keys {sorted(kwargs)} passed to "
+                f"{type(pl_module).__name__}.forward as keyword arguments; give example_inputs=, a callable batch -> "
+                "inputs or the inputs, to trace the forward with others)"
+            ) from err
         masked = UnitSelection(pl_module, groups, self.scope, self.mask_dtype, self.seed, self.reconstruct)
         self._masked = masked
         moments = self._importance.kind == "activation" or self.reconstruct
