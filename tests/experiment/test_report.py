@@ -425,3 +425,21 @@ def test_the_default_selection_is_the_callbacks_transposed_convolutions_excepted
 
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ConvTranspose2d(2, 1, 3), torch.nn.Linear(4, 2))
     assert list(sparsity_by_layer(model)) == ["0.weight", "2.weight"]
+
+
+def test_runs_of_an_earlier_sweep_into_the_same_folder_are_named(tmp_path: Path) -> None:
+    """A second sweep into a folder rewrites its multirun.yaml; the first sweep's runs stay and are reported, named."""
+    for job, (sparsity, seed) in enumerate([(0.5, 0), (0.6, 1), (0.8, 1)]):
+        run = tmp_path / f"{job}-s{sparsity}"
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(f"- pruning.final_sparsity={sparsity}\n- seed={seed}\n")
+        RunSummary(total_sparsity=sparsity, final_test_acc=0.9).to_json(run / "summary.json")
+    multirun = "hydra:\n  overrides:\n    task:\n    - pruning.final_sparsity=0.6,0.8\n    - seed=1\n"
+    (tmp_path / "multirun.yaml").write_text(multirun)
+    markdown = write_report(tmp_path)
+    assert (
+        "1 of the runs were not made by the sweep multirun.yaml describes (the last one into this folder): 0-s0.5"
+        in (markdown)
+    )
+    (tmp_path / "multirun.yaml").write_text(multirun.replace("0.6,0.8", "0.5,0.6,0.8").replace("seed=1", "seed=0,1"))
+    assert "were not made by the sweep" not in write_report(tmp_path)

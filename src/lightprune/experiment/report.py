@@ -116,6 +116,46 @@ def _sweeper_node(hydra_yaml: Path) -> dict[str, Any] | None:
         return None
 
 
+def _runs_of_other_sweeps(runs: Sequence[RunSummary], root: Path) -> list[RunSummary]:
+    """The runs the folder's ``multirun.yaml`` (written by the last sweep into it) does not describe: an override of
+    theirs takes a value outside that sweep's (an earlier sweep into the same folder, kept beside it).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     _ = (Path(tmp) / "multirun.yaml").write_text("hydra: {overrides: {task: [seed=1, 'p.s=0.6,0.8']}}")
+        ...     runs = [RunSummary(overrides=["seed=0", "p.s=0.5"]), RunSummary(overrides=["seed=1", "p.s=0.8"])]
+        ...     [run.overrides for run in _runs_of_other_sweeps(runs, Path(tmp))]
+        [['seed=0', 'p.s=0.5']]
+    """
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    described = root / "multirun.yaml"
+    if not described.is_file():
+        return []
+    try:
+        task = (((yaml.safe_load(described.read_text()) or {}).get("hydra") or {}).get("overrides") or {}).get("task")
+        parser = OverridesParser.create()
+        values = {
+            o.key_or_group: set(o.sweep_string_iterator()) if o.is_sweep_override() else {o.get_value_element_as_str()}
+            for o in parser.parse_overrides([str(item) for item in task or []])
+            if not o.is_delete()
+        }
+    except Exception:  # not a file Hydra wrote, or a grammar this check does not follow: nothing to say
+        return []
+    other = []
+    for run in runs:
+        try:
+            job = {o.key_or_group: o.get_value_element_as_str() for o in parser.parse_overrides(run.overrides)
+                   if not o.is_delete()}  # fmt: skip
+        except Exception:
+            continue
+        if any(key in job and job[key] not in allowed for key, allowed in values.items()):
+            other.append(run)
+    return other
+
+
 def _failure_reason(run_dir: Path) -> str:
     """The last ``[ERROR]`` line of the run's Hydra log (``*.log``), else what is missing."""
     for log in sorted(run_dir.glob("*.log")):
@@ -264,6 +304,18 @@ def _attribution_note(runs: Sequence[RunSummary]) -> list[str]:
         share = 100 * max(shares)
         note += f"; {share:.1f}% of the dense FLOPs belong to no weight (attention, functional ops) and count dense"
     return ["", note + "."]
+
+
+def _other_sweeps_note(runs: Sequence[RunSummary], root: Path) -> list[str]:
+    """A line naming the runs of earlier sweeps into the folder (:func:`_runs_of_other_sweeps`), when there are any."""
+    other = _runs_of_other_sweeps(runs, root)
+    if not other:
+        return []
+    named = ", ".join(_run_label(run, root) for run in other[:6]) + (" ..." if len(other) > 6 else "")
+    return [
+        f"{len(other)} of the runs were not made by the sweep multirun.yaml describes (the last one into this folder): "
+        f"{named}. They come from an earlier sweep into the same folder and are reported beside it."
+    ]
 
 
 def _md_cell(text: Any) -> str:
@@ -453,6 +505,7 @@ def write_report(multirun_dir: str | Path, out_md: str | Path | None = None, out
             else []
         ),
         *_attribution_note(runs),
+        *_other_sweeps_note(runs, root),
         *(["", *_search_lines(runs, front, results, root)] if search else []),
         "",
         "| " + " | ".join(_md_cell(h) for h in header) + " |",
