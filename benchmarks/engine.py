@@ -417,8 +417,8 @@ def _run_all(
     for _ in range(repeats):
         for (_, _, spec), done in zip(train_cases, train_runs, strict=True):
             done.append(_spawn({**spec, "seed": spec.get("seed", 0)}, args.timeout))
-    for (optimizer, impl, _), done in zip(train_cases, train_runs, strict=True):
-        row = {"size": "MLP", "op": f"train_step_{optimizer}", "impl": impl, **_summarise(done)}
+    for (optimizer, impl, spec), done in zip(train_cases, train_runs, strict=True):
+        row = {"size": "MLP", "op": f"train_step_{optimizer}", "impl": impl, "width": spec["width"], **_summarise(done)}
         rows.append(row)
         report(row)
     return rows
@@ -449,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     parser.add_argument("--render", metavar="JSON", help="print the tables of a saved result file and exit")
     args = parser.parse_args(argv)
+    operations = ("global_l1", "l1_layerwise", "ln_structured", "random_structured", "random_unstructured",
+                  "callback_event", "callback_event_inplace", "repeat")  # fmt: skip
+    unknown_ops = [op for op in (args.ops or "").split(",") if op and op not in operations]
+    if unknown_ops:  # a typo would otherwise run the read passes alone and exit 0
+        parser.error(f"--ops: {', '.join(unknown_ops)} not among {', '.join(operations)}")
 
     if args.render:
         print(render(json.loads(Path(args.render).read_text())["rows"]))
@@ -464,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         sizes, hidden, repeats = {**QUICK_LAYERS, SMALL_SIZE: 20}, QUICK_HIDDEN, 1
         torch_sizes = all_ops = set(QUICK_LAYERS)
     else:
+        known = [*LAYERS_FOR_SIZE, SMALL_SIZE]
+        unknown = [s for s in args.sizes.split(",") if s not in known]
+        if unknown:
+            parser.error(f"--sizes: {', '.join(unknown)} not among {', '.join(known)}")
         sizes = {s: SMALL_LAYERS if s == SMALL_SIZE else LAYERS_FOR_SIZE[s] for s in args.sizes.split(",")}
         hidden, repeats = HIDDEN, args.repeats
         torch_sizes = set(args.torch_sizes.split(","))
@@ -583,8 +592,9 @@ def render(rows: list[dict[str, Any]]) -> str:
         train = {r["impl"]: r for r in rows if r["op"] == f"train_step_{optimizer}" and "seconds" in r}
         if "dense" not in train:
             continue
+        width = train["dense"].get("width", 2048)  # (512 in --quick runs)
         header = (
-            f"| training step, 4 × Linear(2048, 2048), batch 64, {optimizer} | time, median (range) "
+            f"| training step, 4 × Linear({width}, {width}) with bias, batch 64, {optimizer} | time, median (range) "
             "| vs dense, median (range) |"
         )
         lines += ["", header, "|---|---|---|"]

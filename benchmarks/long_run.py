@@ -1,6 +1,6 @@
 """Long runs keep memory flat: 10,000 optimizer steps with a pruning event every 10 steps (1,000 events).
 
-A tiny MLP (64-128-128-10, 25,600 prunable weights) trains on random data in batches of 4 with Lightning
+A tiny MLP (64-128-128-10, 25,856 prunable weights) trains on random data in batches of 4 with Lightning
 (``CSVLogger``, no checkpoints), while ``PruningCallback`` prunes it globally on a linear schedule from 0 to 95%
 sparsity, one event every ``--frequency`` steps. The process's resident set (RSS, ``/proc/self/status``) is sampled
 every ``--sample-every`` steps; the growth reported is the RSS at the end minus the RSS after step ``--warmup``

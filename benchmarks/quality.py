@@ -864,6 +864,7 @@ def _plot_arms(ax: Any, summary: dict[str, Any], arms: Sequence[str], positions:
     criteria = {  # a criterion keeps its arm's colour, with its own line and marker
         "activation": {"linestyle": "--", "marker": "*", "markersize": 9},
         "movement": {"linestyle": ":", "marker": "P"},
+        "obs": {"linestyle": "-.", "marker": "X"},
     }
     for arm in arms:
         base, _, importance = arm.partition(" [")
@@ -896,7 +897,7 @@ def _figure_legend(fig: Any, axes: Sequence[Any], summary: dict[str, Any]) -> No
     fig.tight_layout(rect=(0, 0, 1 - width / fig.get_figwidth(), 1))
 
 
-def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)") -> Any:
+def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)", epochs: int = 20) -> Any:
     """Accuracy (mean ± std; ``accuracy`` names what it was measured on) against sparsity: every arm (left), the
     gradual arm against ModelPruning (right).
 
@@ -925,7 +926,8 @@ def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)
     versus = "modelpruning" in summary
     right.set_title("gradual (lightprune) against ModelPruning" if versus else "gradual arms (arms at chance left out)")
     fig.suptitle(
-        "LeNet-300-100 on Fashion-MNIST, 20 epochs" + (": lightprune vs lightning ModelPruning" if versus else "")
+        f"LeNet-300-100 on Fashion-MNIST, {epochs} epochs"
+        + (": lightprune vs lightning ModelPruning" if versus else "")
     )
     _figure_legend(fig, (left, right), summary)
     fig.savefig(path, dpi=110)
@@ -937,11 +939,13 @@ FLOPS_LABELS = (1.0, 2.0, 5.0)
 """The FLOPs plot labels its log axis at these multiples of each power of ten."""
 
 
-def plot_flops(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)") -> Any:
+def plot_flops(
+    summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)", epochs: int = 20
+) -> Any | None:
     """Accuracy (mean ± std) against training FLOPs (dense = 1, log scale), one panel per sparsity.
 
     Only arms whose runs counted their FLOPs are drawn; the dense model is the green band and point at 1. Returns
-    the (closed) figure, whose artists say what was drawn.
+    the (closed) figure, whose artists say what was drawn, or ``None`` (nothing drawn) when no pruned arm counted.
     """
     import matplotlib
 
@@ -950,6 +954,8 @@ def plot_flops(summary: dict[str, Any], path: Path, accuracy: str = "test accura
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     sparsities = sorted({s for by_s in summary.values() for s, e in by_s.items() if s > 0 and e["training_flops"]})
+    if not sparsities:  # the dense model alone: no panel to draw
+        return None
     fig, axes = plt.subplots(1, len(sparsities), figsize=(3.6 * len(sparsities) + 2.4, 4.2), squeeze=False)
     dense = next(iter(summary["dense"].values())) if "dense" in summary else None
     for ax, sparsity in zip(axes[0], sparsities, strict=True):
@@ -972,7 +978,7 @@ def plot_flops(summary: dict[str, Any], path: Path, accuracy: str = "test accura
         low, high = ax.get_xlim()  # start at a labelled value, so that the leftmost points have a label beside them
         ax.set_xlim(_labelled_value_below(low), high)
         ax.set_title(f"sparsity {sparsity:g}")
-        ax.set_xlabel("training FLOPs (dense 20 epochs = 1)")
+        ax.set_xlabel(f"training FLOPs (dense {epochs} epochs = 1)")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(accuracy)
     fig.suptitle("LeNet-300-100 on Fashion-MNIST: accuracy against training cost")
@@ -1153,13 +1159,13 @@ def main(argv: list[str] | None = None) -> int:
     label = accuracy_label(settings)
     report = markdown(summary, timing, describe("lightning"), command.strip(), label)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.md").write_text(report)
-    plot(summary, args.out / "quality.png", label)
-    if any(entry["training_flops"] for by_s in summary.values() for entry in by_s.values()):
-        plot_flops(summary, args.out / "quality_flops.png", label)
     serializable = {arm: {str(s): entry for s, entry in by_s.items()} for arm, by_s in summary.items()}
     payload = {"settings": asdict(settings), "summary": serializable, "timing": timing, "results": results}
-    (args.out / "quality.json").write_text(json.dumps(payload, indent=1))
+    (args.out / "quality.json").write_text(json.dumps(payload, indent=1))  # first: a plot's failure loses nothing
+    (args.out / "quality.md").write_text(report)
+    plot(summary, args.out / "quality.png", label, settings.epochs)
+    if any(entry["training_flops"] for by_s in summary.values() for entry in by_s.values()):
+        plot_flops(summary, args.out / "quality_flops.png", label, settings.epochs)
     print(report)
     return 0
 

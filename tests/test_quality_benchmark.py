@@ -219,6 +219,27 @@ def test_flops_plot_draws_one_point_per_counted_arm_and_sparsity(tmp_path: Path)
     assert (tmp_path / "flops.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plots_name_the_runs_epochs_draw_each_criterion_apart_and_a_dense_run_alone_draws_no_flops_panel(
+    tmp_path: Path,
+) -> None:
+    quality = _quality_module()
+    summary = {
+        "dense": {0.0: _entry(89.0, 1.0)},
+        "lp_gradual": {0.9: _entry(88.0, 0.3)},
+        "lp_gradual [obs]": {0.9: _entry(88.5, None)},
+    }
+    fig = quality.plot(summary, tmp_path / "quality.png", epochs=4)
+    assert fig._suptitle.get_text() == "LeNet-300-100 on Fashion-MNIST, 4 epochs"
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    lines = {label: getattr(handle, "lines", [handle])[0] for handle, label in zip(handles, labels, strict=True)}
+    plain, obs = lines["lp_gradual"], lines["lp_gradual [obs]"]
+    assert (plain.get_linestyle(), plain.get_marker()) != (obs.get_linestyle(), obs.get_marker())
+    flops = quality.plot_flops(summary, tmp_path / "flops.png", epochs=4)
+    assert flops.axes[0].get_xlabel() == "training FLOPs (dense 4 epochs = 1)"
+    assert quality.plot_flops({"dense": summary["dense"]}, tmp_path / "dense.png") is None
+    assert not (tmp_path / "dense.png").exists()
+
+
 def test_accuracy_plot_has_one_legend_outside_both_panels(tmp_path: Path) -> None:
     quality = _quality_module()
     summary = {
