@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_transformers import BUILDERS, outputs, transformers
+from tiny_transformers import BUILDERS, opt_with_projection, outputs, transformers
 from torch import nn
 
 from lightprune.export import CompactError, load_compact, remove_units
@@ -365,17 +365,8 @@ def test_a_record_without_its_kinds_loads_with_every_kind(tmp_path) -> None:
 def test_a_model_with_a_tied_projection_compacts_without_its_tied_group() -> None:
     """OPT with word_embed_proj_dim != hidden_size: lm_head (tied to the embedding) reads project_out's rows; that
     group is left out, so the embedding keeps every feature and the compact model equals the masked one."""
-    config = transformers.OPTConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        ffn_dim=40,
-        num_attention_heads=4,
-        word_embed_proj_dim=16,
-        do_layer_norm_before=False,
-    )
     torch.manual_seed(0)
-    model = transformers.OPTForCausalLM(config).eval()
+    model = opt_with_projection()
     example = {"input_ids": torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(2))}
     with pytest.warns(UserWarning, match="tied across modules"):
         prune_units(model, find_units(model, (), example), 0.5)

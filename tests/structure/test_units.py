@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_transformers import BUILDERS, outputs, transformers
+from tiny_transformers import BUILDERS, opt_with_projection, outputs, transformers
 from torch import nn
 
 from lightprune import prune
@@ -248,16 +248,7 @@ def test_a_norm_shared_by_every_head_keeps_the_heads(family: str) -> None:
 def test_a_group_slicing_a_tied_parameter_is_left_out_with_a_warning() -> None:
     """OPT with word_embed_proj_dim != hidden_size: project_out's rows and lm_head's columns would be a group, but
     lm_head's weight is the input embedding's: cutting its columns would cut the embedding's features too."""
-    config = transformers.OPTConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        ffn_dim=40,
-        num_attention_heads=4,
-        word_embed_proj_dim=16,
-        do_layer_norm_before=False,
-    )
-    model = transformers.OPTForCausalLM(config).eval()
+    model = opt_with_projection()
     assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
     example = {"input_ids": torch.randint(3, 64, (2, 7))}
     tie = r"leaves out the neurons of 'the model'.*embed_tokens.weight = lm_head.weight"

@@ -95,6 +95,21 @@ BUILDERS: dict[str, Callable[[], Built]] = {
 }
 
 
+def opt_with_projection() -> nn.Module:
+    """OPT-350m's shape in small: ``word_embed_proj_dim != hidden_size``, so ``lm_head`` (tied to the input embedding)
+    reads ``project_out``'s rows, which look like an MLP's neurons."""
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        ffn_dim=40,
+        num_attention_heads=4,
+        word_embed_proj_dim=16,
+        do_layer_norm_before=False,
+    )
+    return transformers.OPTForCausalLM(config).eval()
+
+
 def outputs(model: nn.Module, kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The floating outputs of one forward without a cache."""
     if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
