@@ -28,6 +28,9 @@ __all__ = [
     "MODELS",
     "OPTIMIZERS",
     "REGROW",
+    "REGROW_EVERY",
+    "REGROW_FRACTION",
+    "REGROW_UNTIL",
     "SCOPES",
     "STATISTICS_IMPORTANCES",
     "STRUCTURED_METHODS",
@@ -69,6 +72,10 @@ ALLOCATION_SCOPES = ("erk", "owl")
 
 REGROW = ("rigl", "set")
 """Dynamic sparse training: how masks regrow (the largest dense gradients, or at random)."""
+
+REGROW_EVERY, REGROW_FRACTION, REGROW_UNTIL = 100, 0.3, 0.75
+"""RigL's published update settings: the defaults of the callback's and the app's ``regrow_every``,
+``regrow_fraction`` and ``regrow_until``."""
 
 UNITS = ("step", "epoch")
 """What a schedule's times count: optimizer steps or epochs."""

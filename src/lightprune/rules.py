@@ -267,12 +267,16 @@ def regrow_problems(
         ['regrow_every']
     """
     if regrow is None:  # options of what is off: a forgotten regrow= would otherwise train static masks silently
+        given = (
+            ("regrow_every", every, choices.REGROW_EVERY),
+            ("regrow_fraction", fraction, choices.REGROW_FRACTION),
+            ("regrow_until", until, choices.REGROW_UNTIL),
+        )
         return [
             Problem(key, value, "is used with regrow='rigl' or 'set' only (regrow=None: the masks do not move)")
-            for key, value, default in (("regrow_every", every, 100), ("regrow_fraction", fraction, 0.3),
-                                        ("regrow_until", until, 0.75))
+            for key, value, default in given
             if not (type(value) is type(default) and value == default)
-        ]  # fmt: skip
+        ]
     if regrow not in choices.REGROW:
         return [Problem("regrow", regrow, f"one of {choices.REGROW}, or None (no dynamic sparse training)")]
 

@@ -326,9 +326,9 @@ class PruningCallback(Callback):
         owl_threshold: float = OWL_THRESHOLD,
         owl_lambda: float = OWL_LAMBDA,
         regrow: str | None = None,
-        regrow_every: int = 100,
-        regrow_fraction: float = 0.3,
-        regrow_until: float = 0.75,
+        regrow_every: int = choices.REGROW_EVERY,
+        regrow_fraction: float = choices.REGROW_FRACTION,
+        regrow_until: float = choices.REGROW_UNTIL,
         token_mask: TokenMask = "attention_mask",
         example_inputs: ExampleInputs = None,
     ) -> None:

@@ -296,9 +296,9 @@ class PruningConfig:
     owl_threshold: float = 5.0
     owl_lambda: float = 0.08
     regrow: str | None = None
-    regrow_every: int = 100
-    regrow_fraction: float = 0.3
-    regrow_until: float = 0.75
+    regrow_every: int = choices.REGROW_EVERY
+    regrow_fraction: float = choices.REGROW_FRACTION
+    regrow_until: float = choices.REGROW_UNTIL
     nm_n: int = 2
     nm_m: int = 4
 
