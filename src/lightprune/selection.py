@@ -34,6 +34,7 @@ __all__ = [
     "check_parameter_names",
     "compile_patterns",
     "parameter_owners",
+    "patterns_matching_none",
     "pruned_tensor_names",
     "resolve_module_types",
     "resolve_pairs",
@@ -234,12 +235,25 @@ def unmatched_patterns(
         for prefix, module in model.named_modules(remove_duplicate=False)
         for name, _ in _own_parameters(module)
     ]
-    unmatched = []
-    for kind, patterns in (("include", include), ("exclude", exclude)):
-        for pattern in compile_patterns(kind, patterns):
-            if not any(pattern.fullmatch(name) for name in names):
-                unmatched.append(f"{kind} pattern {pattern.pattern!r}")
-    return unmatched
+    return patterns_matching_none(names, include, exclude)
+
+
+def patterns_matching_none(
+    names: Iterable[str], include: Sequence[str] | str | None = None, exclude: Sequence[str] | str | None = None
+) -> list[str]:
+    r"""The ``include`` and ``exclude`` patterns that fully match none of ``names``, as ``"<kind> pattern '<p>'"``.
+
+    Example:
+        >>> patterns_matching_none(["fc1.weight", "fc2.weight"], include=[r"fc1\..*", "fc3"])
+        ["include pattern 'fc3'"]
+    """
+    names = list(names)
+    return [
+        f"{kind} pattern {pattern.pattern!r}"
+        for kind, patterns in (("include", include), ("exclude", exclude))
+        for pattern in compile_patterns(kind, patterns)
+        if not any(pattern.fullmatch(name) for name in names)
+    ]
 
 
 def check_parameter_names(parameter_names: Any) -> None:

@@ -925,7 +925,7 @@ class PruningCallback(Callback):
     def _accept_plain_checkpoints(self, pl_module: LightningModule) -> None:
         """Let a model left reparametrized (by a fit with ``make_permanent=False``, or one that failed) load the plain
         checkpoints this callback writes: Lightning loads a checkpoint's weights before any callback sees it."""
-        if self._plain_load_handle is None and any(prune.pruned_names(m) for m in pl_module.modules()):
+        if self._plain_load_handle is None and prune.is_pruned(pl_module):
             self._plain_load_handle = pl_module.register_load_state_dict_pre_hook(_adapt_to_checkpoint)
 
     def _remove_plain_load(self) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback.masked_selection import MaskedSelection
-from lightprune.selection import compile_patterns
+from lightprune.selection import compile_patterns, patterns_matching_none
 from lightprune.statistics import paused
 from lightprune.structure import Moments, UnitGroup, find_units, prune_units, refit_consumers
 from lightprune.structure.ranking import _per_unit, check_unit_amount
@@ -142,12 +142,9 @@ def find_groups(
     def matches(pattern: re.Pattern[str], group: UnitGroup) -> bool:
         return any(pattern.fullmatch(name) for name in names[id(group)])
 
-    unmatched = [
-        f"{kind_} pattern {pattern.pattern!r}"
-        for kind_, patterns in (("include", included), ("exclude", excluded))
-        for pattern in patterns
-        if not any(matches(pattern, group) for group in groups)
-    ]
+    unmatched = patterns_matching_none(
+        [name for group_names in names.values() for name in group_names], include, exclude
+    )
     if unmatched:
         rank_zero_warn(
             f"{', '.join(unmatched)} matches none of the {kind} groups of {type(model).__name__} (their modules: "
