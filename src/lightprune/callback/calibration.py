@@ -16,22 +16,21 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from lightprune._modes import eval_mode
+
 __all__ = ["calibrate", "first_batch"]
 
 
 @contextlib.contextmanager
 def _quiet_eval(pl_module: LightningModule) -> Iterator[None]:
     """Eval mode and no logging for the block; every module's mode and the module's ``log`` restored after."""
-    modes = {module: module.training for module in pl_module.modules()}
-    pl_module.eval()
     pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
     pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
-        yield
+        with eval_mode(pl_module):
+            yield
     finally:
         del pl_module.log, pl_module.log_dict
-        for module, training in modes.items():
-            module.training = training
 
 
 def calibrate(

@@ -12,9 +12,8 @@ collected in the activation window.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightprune import prune
+from lightprune._modes import eval_mode
 from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.selection import compile_patterns, patterns_matching_none
 from lightprune.statistics import paused
@@ -97,18 +97,6 @@ def example_from_batch(batch: Any, example_inputs: ExampleInputs = None) -> tupl
     )
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode for the block (dropout would hide the units from the trace), every module's mode restored after."""
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes.items():
-            module.training = training
-
-
 def find_groups(
     model: nn.Module,
     kind: str,
@@ -132,7 +120,7 @@ def find_groups(
     """
     from lightprune.structure import UnitError
 
-    with _eval_mode(model), torch.no_grad(), paused():  # the trace's forward is no training data for any recording
+    with eval_mode(model), torch.no_grad(), paused():  # the trace's forward is no training data for any recording
         groups = find_units(model, args, kwargs, kinds=(kind,))
     included = compile_patterns("include", include)
     excluded = compile_patterns("exclude", exclude)

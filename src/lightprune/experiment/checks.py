@@ -44,6 +44,8 @@ def classifier_weight(module: nn.Module, example: Any = None) -> str:
     import torch
     from torch import nn
 
+    from lightprune._modes import eval_mode
+
     linears: dict[nn.Module, str] = {c: name for name, c in module.named_modules() if isinstance(c, nn.Linear)}
     if not linears:
         raise ConfigError("pruning.exclude_classifier=true, but the model has no nn.Linear layer")
@@ -52,16 +54,12 @@ def classifier_weight(module: nn.Module, example: Any = None) -> str:
     if example is not None:
         called: list[nn.Module] = []
         handles = [child.register_forward_hook(lambda m, *_: called.append(m)) for child in linears]
-        modes = {m: m.training for m in module.modules()}
         try:
-            module.eval()
-            with torch.no_grad():
+            with eval_mode(module), torch.no_grad():
                 module(*example) if isinstance(example, tuple) else module(example)
         finally:
             for handle in handles:
                 handle.remove()
-            for m, training in modes.items():
-                m.train(training)
         if called:
             last = linears[called[-1]]
     return f"{last}.weight" if last else "weight"

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import choices
+from lightprune._modes import eval_mode
 
 __all__ = [
     "MODEL_NAMES",
@@ -280,20 +281,15 @@ def count_flops(model: nn.Module, inputs: Any) -> FlopCount:
     from torch.utils.flop_counter import FlopCounterMode
 
     example = _example(model, inputs)
-    was_training = {module: module.training for module in model.modules()}
     counter = FlopCounterMode(display=False)
-    try:
-        model.eval()
-        with counter:  # gradients on: under no_grad, fused fast paths (MultiheadAttention's) escape the counter
-            if isinstance(example, dict):
-                model(**example)
-            elif isinstance(example, tuple):
-                model(*example)
-            else:
-                model(example)
-    finally:
-        for module, training in was_training.items():
-            module.training = training
+    # gradients on: under no_grad, fused fast paths (MultiheadAttention's) escape the counter
+    with eval_mode(model), counter:
+        if isinstance(example, dict):
+            model(**example)
+        elif isinstance(example, tuple):
+            model(*example)
+        else:
+            model(example)
     root = type(model).__name__
     totals = {
         name: sum(by_op.values()) for name, by_op in counter.get_flop_counts().items() if name != "Global"

@@ -39,6 +39,7 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree
 
+from lightprune._modes import eval_mode
 from lightprune.export._pruned import effective_state_dict
 
 __all__ = ["CompactError", "compact", "constant_input_correction"]
@@ -179,14 +180,11 @@ def _trace_in_eval_mode(model: nn.Module) -> fx.GraphModule:
     so the trace must see the inference function whatever mode the caller left the model in. Attributes the trace
     left holding a Proxy (the pruned ``weight`` a pruning hook stores) get their values back too.
     """
-    modes = [(module, module.training) for module in model.modules()]
     attributes = [(module, dict(vars(module))) for module in model.modules()]
     try:
-        model.eval()
-        return _copy_graph_module(model, _trace(model))
+        with eval_mode(model):
+            return _copy_graph_module(model, _trace(model))
     finally:
-        for module, training in modes:
-            module.training = training
         for module, before in attributes:  # a pruning hook stores its traced weight (a Proxy) on the module
             for key, value in list(vars(module).items()):
                 if isinstance(value, fx.Proxy):
