@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightprune import prune
+from lightprune.selection import parameter_owners
 
 __all__ = ["Slice", "UnitError", "UnitGroup", "find_units"]
 
@@ -675,16 +676,11 @@ def find_units(
 def _tied(model: nn.Module) -> dict[tuple[str, str], list[str]]:
     """``(module, name)`` of every Parameter held by more than one module (an output layer sharing the embedding's
     weight), pruned ones under their plain name, with every holder's qualified name."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for module_name, module in model.named_modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((module_name, name.removesuffix("_orig")))
     return {
-        place: [f"{module}.{name}" if module else name for module, name in places]
-        for places in holders.values()
-        if len(places) > 1
-        for place in places
+        (qualified.rpartition(".")[0], name): [place for place, _, _ in owners]
+        for owners in parameter_owners(model).values()
+        if len(owners) > 1
+        for qualified, _, name in owners
     }
 
 
