@@ -32,7 +32,7 @@ from lightprune.prune.methods import (
     LnStructured,
     RandomStructured,
     RandomUnstructured,
-    uniform_draws,
+    joint_uniform_draws,
 )
 from lightprune.prune.rowwise import RowwiseL1Unstructured
 from lightprune.prune.semi_structured import SemiStructured
@@ -421,7 +421,7 @@ def _global_masks_fast(
     random = isinstance(method, RandomUnstructured)
     magnitude = not random and method._by_magnitude  # the signed variant of L1Unstructured ranks by value
     if random:
-        scores = [uniform_draws(a.orig, eligible=c) for a, c in zip(attachments, current, strict=True)]
+        scores = joint_uniform_draws([a.orig for a in attachments], current)
     # scores of several dtypes are compared as if promoted, one chunk at a time (k_smallest.py): no promoted copies
     available = count_eligible(current, scores)
     k = _compute_nparams_toprune(method.amount, available)

@@ -84,6 +84,38 @@ def uniform_draws(like: Tensor, eligible: Tensor | None = None) -> Tensor:
     return draws.masked_scatter_(keep, torch.rand(int(keep.sum()), dtype=dtype, device=like.device))
 
 
+def joint_uniform_draws(likes: list[Tensor], eligible: list[Tensor | None]) -> list[Tensor]:
+    """:func:`uniform_draws` for several tensors as one vector of their eligible entries, in order: what torch's
+    ``global_unstructured`` draws for ``RandomUnstructured`` (one ``rand_like`` of the concatenated scores).
+
+    On the CPU the generator's stream is sequential, so one draw per tensor gives the same numbers and holds less
+    memory at once; on a GPU (Philox: each call starts its numbers at a fresh offset) only one draw gives torch's
+    numbers, so tensors on one GPU are drawn together, then scattered back.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> a, b = joint_uniform_draws([torch.zeros(2), torch.zeros(3)], [None, torch.tensor([1.0, 0.0, 1.0])])
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(torch.cat([a, b[[0, 2]]]), torch.rand(4)), b[1].item()
+        (True, 0.0)
+    """
+    devices = {like.device for like in likes}
+    if len(devices) != 1 or next(iter(devices)).type == "cpu":
+        return [uniform_draws(like, eligible=e) for like, e in zip(likes, eligible, strict=True)]
+    dtype = torch.float64 if all(like.dtype == torch.float64 for like in likes) else torch.float32
+    keeps = [None if e is None else (e if e.dtype == torch.bool else e == 1).to(like.device) for like, e in
+             zip(likes, eligible, strict=True)]  # fmt: skip
+    counts = [like.numel() if keep is None else int(keep.sum()) for like, keep in zip(likes, keeps, strict=True)]
+    draws = torch.rand(sum(counts), dtype=dtype, device=likes[0].device).split(counts)
+    out = []
+    for like, keep, piece in zip(likes, keeps, draws, strict=True):
+        if keep is None:
+            out.append(piece.view(like.shape))
+        else:
+            out.append(torch.zeros(like.shape, dtype=dtype, device=like.device).masked_scatter_(keep, piece))
+    return out
+
+
 def _active_channels(mask: Tensor | None, dim: int) -> Tensor | None:
     """Channels along ``dim`` that ``mask`` does not zero entirely (torch: ``mask.sum(other dims) != 0``)."""
     if mask is None:
