@@ -739,8 +739,14 @@ def test_rewind_after_every_event(rewind: Any) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rewind_snapshot_lives_on_cpu_for_a_cuda_model() -> None:
     callback = PruningCallback(Linear(final=0.5, start=2, end=6, frequency=2), rewind="init")
-    model, _ = fit(callback, accelerator="cuda")
-    assert next(model.parameters()).device.type == "cuda"
+    devices: set[str] = set()
+
+    class Spy(Callback):  # at the end of training: Lightning moves the model back to the CPU once fit returns
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            devices.update(parameter.device.type for parameter in pl_module.parameters())
+
+    model, _ = fit([callback, Spy()], accelerator="cuda")
+    assert devices == {"cuda"}
     assert {tensor.device.type for tensor in callback._rewind_snapshot.values()} == {"cpu"}
     assert total_zeros(model) == round(0.5 * N)
 

@@ -220,6 +220,27 @@ class InPlaceMasks(MaskStrategy):
         if entry is not None and parameter.grad is not None:
             masked_(local_of(parameter.grad), entry[1])
 
+    def follow_parameters(self) -> None:
+        """Move each mask held here to its Parameter's device (for a DTensor: its local shard's), where it moved.
+
+        Example:
+            >>> layer = torch.nn.Linear(4, 2)
+            >>> masks = InPlaceMasks()
+            >>> masks.put(layer, "weight", torch.ones(2, 4, dtype=torch.bool))
+            >>> _ = layer.to("meta")
+            >>> masks.follow_parameters()
+            >>> masks.mask(layer, "weight").device.type
+            'meta'
+        """
+        for key, (module, name, mask) in list(self._entries.items()):
+            parameter = prune.original(module, name)
+            device = local_of(parameter).device
+            if mask.device != device:
+                mask = mask.to(device)
+                self._entries[key] = (module, name, mask)
+                self._by_parameter[id(parameter)] = (parameter, mask)
+                self._plan = None
+
     def remove_hooks(self) -> None:
         """Stop masking gradients as they are accumulated; the masks stay readable."""
         for handle in self._handles.values():

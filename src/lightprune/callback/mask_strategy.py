@@ -312,6 +312,10 @@ class MaskStrategy:
     def after_rewrite(self, masked: MaskedSelection) -> None:
         """Something rewrote the weights (a rewind, a weight average copied back): mask them again."""
 
+    def follow_parameters(self) -> None:
+        """The model moved to another device (Lightning moves it back to the CPU after fit): keep every mask on its
+        tensor's device. Masks held as the model's buffers moved with it."""
+
     def finish(self, masked: MaskedSelection, make_permanent: bool) -> None:
         """End of fit: remove the reparametrization of the selection's tensors when ``make_permanent``."""
         if not make_permanent:

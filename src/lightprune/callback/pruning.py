@@ -642,6 +642,8 @@ class PruningCallback(Callback):
         if stage != "fit":
             return
         self._fitting = False  # validate/test(ckpt_path=...) restore this state too: their masks are not put back
+        if self._masked is not None:
+            self._masked.strategy.follow_parameters()  # Lightning moved the model back to the CPU before teardown
         if neighbours.spawned(trainer):
             # Lightning hands rank zero's state_dict to the main process after teardown and loads it there with
             # strict=False: keep it plain, or the main process would silently keep its untrained dense weights
