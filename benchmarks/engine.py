@@ -12,7 +12,8 @@ reparametrization keeps. On CUDA it is ``torch.cuda.max_memory_allocated`` minus
 Usage:
     python benchmarks/engine.py                  # the full table (34M, 134M, 268M, 1B): tens of minutes
     python benchmarks/engine.py --quick          # tiny sizes, one repetition: well under a minute
-    python benchmarks/engine.py --device cuda    # the same on a GPU
+    python benchmarks/engine.py --device cuda    # the same on a GPU (each case warms its kernels up first)
+    python benchmarks/engine.py --train-only     # the training-step rows alone
     python benchmarks/engine.py --sizes 134M,2000x224 --ops global_l1,callback_event --torch-sizes 134M --busy
                                                  # global L1 while a busy loop runs on every core
     python benchmarks/engine.py --render benchmarks/results/engine.json   # a saved run's tables again
@@ -100,9 +101,9 @@ def _tie_free_(weight: Any, generator: Any, offset: int) -> None:
 
     n = weight.numel()
     base = torch.tensor(1e-3, dtype=torch.float32).view(torch.int32).item() + offset
-    bits = torch.randperm(n, generator=generator, dtype=torch.int32).add_(base)
+    bits = torch.randperm(n, generator=generator, dtype=torch.int32, device=weight.device).add_(base)
     values = bits.view(torch.float32)
-    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8)
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8, device=weight.device)
     values[signs.bool()] *= -1
     weight.copy_(values.view_as(weight))
 
@@ -110,10 +111,12 @@ def _tie_free_(weight: Any, generator: Any, offset: int) -> None:
 def _model(layers: int, hidden: int, device: str, tie_free: bool, seed: int, bias: bool = False) -> Any:
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    # Filled where it runs: on a GPU from the GPU's generator (a fill on the CPU and a copy would cost more than
+    # the operations timed), so the values differ between devices, never between the implementations on one.
+    generator = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
         model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=bias) for _ in range(layers)))
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     with torch.no_grad():
         offset = 0
         for module, name in _pairs(model):
@@ -123,7 +126,7 @@ def _model(layers: int, hidden: int, device: str, tie_free: bool, seed: int, bia
             else:
                 tensor.normal_(generator=generator)
             offset += tensor.numel()
-    return model.to(device)
+    return model
 
 
 def _pairs(model: Any) -> list[tuple[Any, str]]:
@@ -165,6 +168,38 @@ def _callback_event(model: Any, inplace: bool) -> Any:
     return event
 
 
+def _operate(api: Any, op: str, pairs: list[tuple[Any, str]], amount: float) -> float:
+    """Run ``op`` with ``api`` (lightprune.prune or torch.nn.utils.prune) on ``pairs``; the read passes' sum, else 0.
+
+    ``amount`` serves the global calls (0.9 for ``global_l1``, 0.5 for a repeated call); the layerwise operations
+    keep the table's fixed amounts.
+    """
+    import torch
+
+    if op == "read":
+        return sum(float(getattr(m, n).abs().sum()) for m, n in pairs)
+    if op == "read_fused":
+        with torch.no_grad():
+            return sum(float(torch.linalg.vector_norm(getattr(m, n), 1)) for m, n in pairs)
+    if op == "global_l1" or op.startswith("repeat"):
+        api.global_unstructured(pairs, pruning_method=api.L1Unstructured, amount=amount)
+    elif op == "l1_layerwise":
+        for module, name in pairs:
+            api.l1_unstructured(module, name, amount=0.9)
+    elif op == "ln_structured":
+        for module, name in pairs:
+            api.ln_structured(module, name, amount=0.5, n=2, dim=0)
+    elif op == "random_structured":
+        for module, name in pairs:
+            api.random_structured(module, name, amount=0.5, dim=0)
+    elif op == "random_unstructured":
+        for module, name in pairs:
+            api.random_unstructured(module, name, amount=0.9)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return 0.0
+
+
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the model, run one operation under the meter, and report time, memory and the masks' fingerprint."""
     import torch
@@ -184,37 +219,20 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(spec["seed"])
     event = _callback_event(model, op.endswith("inplace")) if op.startswith("callback_event") else None
 
-    def global_l1(amount: float) -> None:
-        api.global_unstructured(pairs, pruning_method=api.L1Unstructured, amount=amount)
-
     if op.startswith("repeat"):  # the second or third global call on already pruned weights
-        calls = int(op[-1])
-        for _ in range(calls - 1):
-            global_l1(0.5)
+        for _ in range(int(op[-1]) - 1):
+            _operate(api, "global_l1", pairs, amount=0.5)
+    if device == "cuda" and event is None:
+        # The first call of a kernel in a process loads it (and cuBLAS/cuRAND set up): do that on a tiny model of
+        # the same layers, so the timed call measures the pruning, for both libraries alike.
+        tiny = _model(2, 64, device, False, spec["seed"], spec.get("bias", False))
+        _operate(api, op, _pairs(tiny), amount=0.9 if op == "global_l1" else 0.5)
+        torch.manual_seed(spec["seed"])
     with _Memory(device) as meter:
-        if op == "read":
-            total = sum(float(getattr(m, n).abs().sum()) for m, n in pairs)
-        elif op == "read_fused":
-            with torch.no_grad():
-                total = sum(float(torch.linalg.vector_norm(getattr(m, n), 1)) for m, n in pairs)
-        elif event is not None:
+        if event is not None:
             event()
-        elif op == "global_l1" or op.startswith("repeat"):
-            global_l1(0.9 if op == "global_l1" else 0.5)
-        elif op == "l1_layerwise":
-            for module, name in pairs:
-                api.l1_unstructured(module, name, amount=0.9)
-        elif op == "ln_structured":
-            for module, name in pairs:
-                api.ln_structured(module, name, amount=0.5, n=2, dim=0)
-        elif op == "random_structured":
-            for module, name in pairs:
-                api.random_structured(module, name, amount=0.5, dim=0)
-        elif op == "random_unstructured":
-            for module, name in pairs:
-                api.random_unstructured(module, name, amount=0.9)
         else:
-            raise ValueError(f"unknown op {op!r}")
+            total = _operate(api, op, pairs, amount=0.9 if op == "global_l1" else 0.5)
     result = {
         "seconds": meter.seconds,
         "extra_bytes": meter.extra,
@@ -438,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--ops", default=None, help="only these operations (comma-separated), e.g. ln_structured")
     parser.add_argument("--no-train", action="store_true", help="skip the training-step rows")
+    parser.add_argument("--train-only", action="store_true", help="only the training-step rows (no pruning sizes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
@@ -477,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         hidden, repeats = HIDDEN, args.repeats
         torch_sizes = set(args.torch_sizes.split(","))
         all_ops = set(args.all_ops_sizes.split(","))
+    if args.train_only:
+        if args.no_train:
+            parser.error("--train-only and --no-train leave nothing to run")
+        sizes = {}
     threads = {} if args.threads is None else {"threads": args.threads}
     busy = _start_busy_loops() if args.busy else []
     try:
