@@ -347,3 +347,42 @@ def test_mask_plan_keeps_its_widened_masks_within_the_budget_and_only_there() ->
     assert value[0, 0].item() == 0.0
     with pytest.raises(ValueError, match="keep_widened_bytes must be >= 0, got -1"):
         masking.MaskPlan(keeps, [torch.float32] * 3, keep_widened_bytes=-1)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_forward_mode_tangents_are_masked_as_torch_where_masks_them(requires_grad: bool) -> None:
+    """Forward-mode AD (``torch.func.jvp``, ``forward_ad.make_dual``) through a large bool mask: the bit path has no
+    tangent rule, so dual tensors take ``torch.where`` (before: the tangent was dropped, or a NotImplementedError)."""
+    from torch.autograd import forward_ad
+
+    values = torch.randn(256, 256, requires_grad=requires_grad)
+    keep = torch.rand(256, 256) < 0.5
+    tangent = torch.randn(256, 256)
+    with forward_ad.dual_level():
+        out = masked(forward_ad.make_dual(values, tangent), keep)
+        primal, out_tangent = forward_ad.unpack_dual(out)
+    assert out_tangent is not None
+    assert torch.equal(out_tangent, torch.where(keep, tangent, 0.0))
+    assert torch.equal(primal, torch.where(keep, values, 0.0))
+
+
+def test_jvp_through_a_pruned_layer_with_bool_masks_is_torchs() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(256, 256) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    torch.nn.utils.prune.l1_unstructured(layers[0], "weight", amount=0.5)
+    with prune.mask_dtype(torch.bool):
+        prune.l1_unstructured(layers[1], "weight", amount=0.5)
+    x, tangent = torch.randn(3, 256), torch.randn(256, 256)
+    found = []
+    for layer in layers:
+        params = {name: p.detach() for name, p in layer.named_parameters()}
+        _, jvp = torch.func.jvp(
+            lambda orig, layer=layer, params=params: torch.func.functional_call(
+                layer, {**params, "weight_orig": orig}, (x,)
+            ),
+            (params["weight_orig"],),
+            (tangent,),
+        )
+        found.append(jvp)
+    torch.testing.assert_close(found[1], found[0])

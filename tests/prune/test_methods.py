@@ -694,3 +694,31 @@ def test_cuda_parameter_with_cpu_importance_scores() -> None:
         scores = {(layer, "weight"): torch.randn(6, 8), (other, "weight"): torch.randn(6, 8)}
         lp.global_unstructured([(layer, "weight"), (other, "weight")], lp.L1Unstructured, scores, amount=4)
     assert layer.weight_mask.device.type == "cuda" and other.weight_mask.device.type == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_parameters_are_ranked_by_magnitude_as_torch_ranks_them(dtype: torch.dtype) -> None:
+    """Complex weights (e.g. a Fourier layer's spectral weights): torch's L1 ranks ``abs``; so do lightprune's L1,
+    repeated and global calls, also with complex importance scores on a real parameter."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 8, dtype=dtype, generator=generator)
+    scores = torch.randn(6, 8, dtype=dtype, generator=generator)
+    found = []
+    for api in (tp, lp):
+        layer, other = nn.Module(), nn.Module()
+        layer.w = nn.Parameter(weight.clone())
+        other.w = nn.Parameter(weight.real.clone())
+        api.l1_unstructured(layer, "w", amount=0.3)
+        api.l1_unstructured(layer, "w", amount=10)
+        api.l1_unstructured(other, "w", amount=0.5, importance_scores=scores)
+        api.global_unstructured([(layer, "w"), (other, "w")], pruning_method=api.L1Unstructured, amount=0.4)
+        found.append((layer.w_mask.clone(), other.w_mask.clone(), layer.w.clone()))
+    for expected, got in zip(*found, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_complex_scores_ranked_by_value_are_refused() -> None:
+    from lightprune.prune.k_smallest import find_cut
+
+    with pytest.raises(TypeError, match=r"complex scores \(dtype torch.complex64\) have no order by value"):
+        find_cut([torch.tensor([1 + 1j, 2j])], 1)

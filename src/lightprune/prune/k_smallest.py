@@ -540,6 +540,24 @@ def _cut_from_sorted(keys: Tensor, rank: int) -> tuple[int, int, int]:
 
 
 @_on_one_thread
+def real_scores(scores: list[Tensor], magnitude: bool) -> list[Tensor]:
+    """``scores`` with every complex tensor replaced by its magnitude (``abs``, a real tensor), as torch's
+    ``L1Unstructured`` ranks complex parameters; complex values have no signed order, so ranking by value refuses them.
+
+    Example:
+        >>> real_scores([torch.tensor([3 + 4j, 1j])], magnitude=True)
+        [tensor([5., 1.])]
+    """
+    if not any(s.is_complex() for s in scores):
+        return scores
+    if not magnitude:
+        dtype = next(s.dtype for s in scores if s.is_complex())
+        raise TypeError(
+            f"complex scores (dtype {dtype}) have no order by value: rank them by magnitude (e.g. L1Unstructured)"
+        )
+    return [s.abs() if s.is_complex() else s for s in scores]
+
+
 def find_cut(
     scores: Sequence[Tensor],
     k: int,
@@ -557,7 +575,8 @@ def find_cut(
 
     Args:
         scores: Tensors of any shapes and layouts on one device; floating (16/32/64-bit)
-            or integer dtypes. Mixed dtypes compare as if promoted to their common dtype.
+            or integer dtypes, or complex ones with ``magnitude`` (ranked by ``abs``). Mixed
+            dtypes compare as if promoted to their common dtype.
         k: How many entries to select, ``0 <= k <=`` number of eligible entries.
         eligible: Per tensor, ``None`` (all entries eligible) or a tensor of the same shape:
             bool, or numeric where entries equal to 1 are eligible. Other entries are
@@ -583,6 +602,7 @@ def find_cut(
                 [ True, False]])]
     """
     scores, elig = check_scores(scores, eligible)
+    scores = real_scores(scores, magnitude)
     if isinstance(k, bool):
         raise TypeError("k must be an integer, got bool")
     k = operator.index(k)
@@ -733,6 +753,7 @@ def apply_cut(
                 [1., 0.]])
     """
     scores, elig = check_scores(scores, eligible)
+    scores = real_scores(scores, magnitude)
     _, bases = check_scores(scores, base, "base")
     outs = list(out)
     if len(outs) != len(scores):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 __all__ = ["MaskPlan", "masked", "masked_", "masked_all_"]
 
@@ -93,6 +94,7 @@ def _bits_apply(values: Tensor, keep: Tensor) -> bool:
         and keep.shape == values.shape
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
+        and forward_ad.unpack_dual(values).tangent is None  # forward-mode AD: torch.where carries the tangent
     )
 
 
