@@ -76,13 +76,18 @@ def calibrate(
             finally:
                 finish_batch()
             done += 1
-    _reshard(pl_module)
+    reshard(pl_module)
     return done
 
 
-def _reshard(pl_module: LightningModule) -> None:
+def reshard(pl_module: LightningModule) -> None:
     """Put FSDP2 modules back in their sharded state: a root ``fully_shard`` module stays unsharded after a forward
-    without backward (it expects the backward to come), which would leave full tensors where the shards belong."""
+    without backward (it expects the backward to come), which would leave full tensors where the shards belong.
+
+    Example:
+        >>> module = torch.nn.Linear(2, 2)  # no FSDP2 module in it: nothing to do
+        >>> reshard(module)
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2

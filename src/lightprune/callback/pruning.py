@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.callback import clock, neighbours, reporting, rewinding, setup_checks, sharded, sharded_movement
-from lightprune.callback.calibration import calibrate, first_batch
+from lightprune.callback.calibration import calibrate, first_batch, reshard
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.callback.options import (
@@ -627,6 +627,14 @@ class PruningCallback(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stale.refresh()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._fitting:
+            # FSDP2 leaves a root fully_shard module unsharded after validation's forwards (no backward follows):
+            # until the next training backward its tensors are full copies, which an epoch's event would prune and
+            # the end-of-fit summary would count, while the shards trained on unpruned
+            reshard(pl_module)
 
     @override
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
