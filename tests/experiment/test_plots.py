@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import matplotlib.colors as mcolors
@@ -172,3 +173,29 @@ def test_accuracy_vs_sparsity_dense_lines_per_arm_when_they_differ(tmp_path: Pat
     assert sorted(line.get_ydata()[0] for line in dotted) == pytest.approx([85.0, 95.0])
     assert ax.containers[0].lines[1] == ()  # one seed: no error bars
     assert plot_accuracy_vs_sparsity(arms, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dense_band_is_the_std_over_seeds_not_over_runs() -> None:
+    """A sweep of 2 seeds x 2 sparsities has two dense models: the band is their std, with a legend entry (counted
+    once per run, each seed came twice and the band was narrower than the report's figure)."""
+    from lightprune.experiment.report import RunSummary, group_arms
+
+    runs = [
+        RunSummary(total_sparsity=s, final_test_acc=0.8, dense_test_acc=dense, overrides=[f"seed={seed}"])
+        for s in (0.5, 0.8)
+        for seed, dense in ((0, 0.8663), (1, 0.7994))
+    ]
+    (arm,) = group_arms(runs)
+    assert sorted(arm.dense) == [0.7994, 0.8663]
+    ax = draw_accuracy_vs_sparsity([arm]).axes[0]
+    (band,) = [patch for patch in ax.patches if patch.get_label() == "dense ± std over seeds"]
+    low, high = band.get_path().get_extents().transformed(band.get_patch_transform()).intervaly
+    std = statistics.stdev([86.63, 79.94])
+    assert high - low == pytest.approx(2 * std)
+    assert "dense ± std over seeds" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_a_run_at_70_percent_sparsity_keeps_the_20_percent_tick() -> None:
+    ax = draw_accuracy_vs_sparsity([Arm("", [(0.5, [0.9]), (0.7, [0.85])], [0.95])]).axes[0]
+    labels = [ax.xaxis.get_major_formatter()(tick, 0) for tick in ax.xaxis.get_major_locator()()]
+    assert labels == ["100%\n(0%)", "50%\n(50%)", "20%\n(80%)"]

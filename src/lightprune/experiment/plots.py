@@ -589,7 +589,7 @@ class Arm:
     Attributes:
         label: What sets the arm apart (``"pruning.scope=global"``); empty when there is a single arm.
         points: ``(sparsity, [final accuracies over seeds])`` per sparsity, in increasing sparsity.
-        dense: Dense test accuracies of the arm's runs.
+        dense: Dense test accuracies of the arm's dense models: one per seed (the runs of a seed share theirs).
     """
 
     label: str
@@ -620,9 +620,10 @@ def _kept_axis(ax: Any, sparsities: Sequence[float]) -> float:
     full = len(partial) < len(sparsities)
     lo = min(_kept(s, floor) for s in sparsities)
     ax.set_xlim(1.25, lo / 1.6)  # decreasing: sparsity grows to the right
-    ticks = [t for t in (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 1e-4) if t >= lo / 1.5]
+    slack = 1 - 1e-9  # 1 - 0.7 is 0.30000000000000004: a tick at exactly a third less must stay
+    ticks = [t for t in (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 1e-4) if t >= lo / 1.5 * slack]
     if full:  # no ordinary tick past the sparsest other run: the axis reads as a sparsity the last one does not have
-        ticks = [t for t in ticks if t >= min(partial, default=1.0) / 1.5] + [floor]
+        ticks = [t for t in ticks if t >= min(partial, default=1.0) / 1.5 * slack] + [floor]
 
     def label(x: float, _: Any) -> str:
         if full and math.isclose(x, floor):
@@ -685,12 +686,14 @@ def draw_accuracy_vs_sparsity(arms: Sequence[Arm], title: str = "Accuracy versus
         )
         if arm.dense and not shared_dense:
             ax.axhline(100 * _mean_std(arm.dense)[0], color=color, linestyle=":", linewidth=1.2)
-    if shared_dense:
-        dense_all = [d for arm in drawn for d in arm.dense]
-        mean, std = _mean_std(dense_all)
+    if shared_dense:  # the arms share their dense models: one arm's (one per seed) are all of them
+        mean, std = _mean_std(max((arm.dense for arm in drawn), key=len))
         ax.axhline(100 * mean, color="0.3", linestyle="--", linewidth=1.2, label="dense", gid="dense-reference")
         if std > 0:
-            ax.axhspan(100 * (mean - std), 100 * (mean + std), color="0.3", alpha=0.12, linewidth=0)
+            ax.axhspan(
+                100 * (mean - std), 100 * (mean + std), color="0.3", alpha=0.12, linewidth=0,
+                label="dense ± std over seeds",
+            )  # fmt: skip
     elif dense_means:
         ax.plot([], [], color="0.3", linestyle=":", label="dense (dotted, in the arm's colour)")
     ax.set_ylabel("final test accuracy (%)" + (", mean ± std over seeds" if seeds else ""))

@@ -269,14 +269,17 @@ def group_arms(runs: Sequence[RunSummary]) -> list[Arm]:
     keys = [k for k in dict.fromkeys(k for p in pairs for k in p) if len({p.get(k) for p in pairs}) > 1]
     arms: dict[str, Arm] = {}
     by_sparsity: dict[str, dict[float, list[float]]] = {}
+    dense_by_seeds: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for run, run_pairs in zip(usable, pairs, strict=True):
         label = " ".join(f"{k}={run_pairs[k]}" for k in keys if k in run_pairs)
-        arm = arms.setdefault(label, Arm(label))
-        if run.dense_test_acc is not None:
-            arm.dense.append(run.dense_test_acc)
+        arms.setdefault(label, Arm(label))
+        if run.dense_test_acc is not None:  # one dense model per seed: the arm's sparsities share it
+            seeds = tuple(sorted((k, v) for k, v in _override_pairs(run.overrides).items() if k in SEED_KEYS))
+            dense_by_seeds.setdefault(label, {})[seeds] = run.dense_test_acc
         by_sparsity.setdefault(label, {}).setdefault(round(run.total_sparsity, 9), []).append(run.final_test_acc)
     for label, arm in arms.items():
         arm.points = sorted(by_sparsity[label].items())
+        arm.dense = list(dense_by_seeds.get(label, {}).values())
     return list(arms.values())
 
 
