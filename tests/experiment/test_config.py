@@ -429,3 +429,27 @@ def test_the_pruning_phases_optimizer_and_scheduler_beside_lr_rewind_false_are_w
     assert scheduler.startswith("optim.prune.scheduler is not used with optim.lr_rewind=false")
     assert optimizer.startswith("optim.prune.optimizer keeps its kind, but not its learning rate")
     assert config_warnings(compose_app(cosine, sgd)) == []  # replayed each fit: both used
+
+
+def test_no_bundled_preset_sets_a_key_its_schedule_ignores() -> None:
+    for preset in options("pruning"):
+        assert config_warnings(compose_app(f"pruning={preset}")) == [], preset
+    for experiment in options("experiment"):
+        assert config_warnings(compose_app(f"experiment={experiment}")) == [], experiment
+
+
+@pytest.mark.parametrize(
+    ("overrides", "unused"),
+    [
+        (("pruning=iterative_rounds", "pruning.schedule=cubic", "pruning.frequency=0.5"), ["schedule", "frequency"]),
+        (("pruning=iterative_rounds", "pruning.start=0.5", "pruning.end=0.3"), ["start", "end"]),
+        (("pruning=one_shot", "pruning.initial_sparsity=0.5", "pruning.end=0.3"), ["initial_sparsity", "end"]),
+        (("pruning=one_shot", "pruning.frequency=0.1"), ["frequency"]),
+        (("pruning=gmp_cubic", "pruning.rounds=5"), ["rounds"]),
+    ],
+)
+def test_schedule_keys_the_preset_does_not_read_are_warned_about(overrides: tuple[str, ...], unused: list[str]) -> None:
+    """They were accepted and changed nothing: the runs were bit-identical to the runs without them."""
+    messages = config_warnings(compose_app(*overrides))
+    assert [message.split("=")[0] for message in messages] == [f"pruning.{key}" for key in unused]
+    assert all("is not used by" in message and "changes nothing" in message for message in messages)

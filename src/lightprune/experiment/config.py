@@ -359,7 +359,8 @@ class ExperimentConfig:
 
     Attributes:
         name: a label for the run (shown in reports).
-        seed: global seed (weights, data order).
+        seed: global seed (the initial weights and training's random numbers; the data's split and batch order
+            follow ``data.seed``).
         save_model: write the final pruned model's state_dict to ``model.pt``.
         plots: draw the PNG plots.
         objective: what the run returns to a Hydra sweeper (Optuna, Ax, Nevergrad): the name of a scalar field of
@@ -557,9 +558,43 @@ def config_warnings(cfg: DictConfig | ExperimentConfig) -> list[str]:
             "pruning.adopt_zeros=true is not used with pruning=none: no callback masks the zeros (choose a preset with "
             "pruning.final_sparsity=0 to keep them while fine-tuning)"
         )
+    messages += _unused_schedule_keys(cfg.pruning)
     if is_bundled(cfg.data) and cfg.data.get("name") == "digits" and cfg.data.get("limit") is not None:
         messages.append(f"data.limit={cfg.data.limit} is not used with data=digits (1,797 examples, all used)")
     return messages
+
+
+SCHEDULE_READS = {
+    "constant": ("final_sparsity", "start"),
+    "geometric": ("final_sparsity", "rounds", "start", "frequency"),
+    "linear": ("initial_sparsity", "final_sparsity", "start", "end", "frequency"),
+    "cubic": ("initial_sparsity", "final_sparsity", "start", "end", "frequency"),
+}
+"""The ``pruning`` keys each schedule reads (:func:`pruning_schedule`)."""
+
+
+def _unused_schedule_keys(pruning: Any) -> list[str]:
+    """One message per timing key set away from its default that the preset's schedule does not read (it would
+    change nothing): ``iterative_rounds`` prunes once at the start of each round, and reads only the sparsity and the
+    number of rounds."""
+    if pruning.preset == "none":
+        return []  # config_warnings says the whole pruning group is unused
+    defaults = OmegaConf.structured(PruningConfig)
+    if pruning.preset == "iterative_rounds":
+        defaults.schedule = "geometric"  # the preset's own: the rounds are geometric
+        reads: tuple[str, ...] = ("final_sparsity", "rounds")
+        what = "pruning=iterative_rounds, which prunes once at the start of each of pruning.rounds rounds"
+        candidates = ("schedule", "initial_sparsity", "start", "end", "frequency")
+    else:
+        reads = SCHEDULE_READS.get(pruning.schedule, ())
+        what = f"pruning.schedule={pruning.schedule}"
+        candidates = ("initial_sparsity", "start", "end", "frequency", "rounds")
+    return [
+        f"pruning.{key}={pruning[key]} is not used by {what} (it reads {', '.join(f'pruning.{k}' for k in reads)}): "
+        "it changes nothing"
+        for key in candidates
+        if key not in reads and key in pruning and pruning[key] != defaults[key]
+    ]
 
 
 def _check(problems: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
