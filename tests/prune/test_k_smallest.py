@@ -437,3 +437,16 @@ def test_apply_cut_other_output_dtypes(out_dtype):
     cut = find_cut(x, 3, magnitude=True)
     apply_cut(x, cut, out=out, base=base, magnitude=True)
     assert torch.equal(out[0], torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 6.0]]).to(out_dtype))
+
+
+def test_the_cut_runs_its_passes_on_one_cpu_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_cut and apply_cut run thousands of chunk-sized operations: on a busy machine each multi-threaded one
+    waits on descheduled workers (global L1 at 134M took 46-91 s), so both run on one thread and restore the count."""
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    scores = [torch.tensor([0.5, -2.0, 1.0])]
+    cut = find_cut(scores, 1, magnitude=True)
+    assert calls == [1, 4]
+    apply_cut(scores, cut, out=[torch.empty(3, dtype=torch.bool)], magnitude=True)
+    assert calls == [1, 4, 1, 4]

@@ -539,7 +539,6 @@ def _cut_from_sorted(keys: Tensor, rank: int) -> tuple[int, int, int]:
     return int(at[0]), rank - below, equal
 
 
-@_on_one_thread
 def real_scores(scores: list[Tensor], magnitude: bool) -> list[Tensor]:
     """``scores`` with every complex tensor replaced by its magnitude (``abs``, a real tensor), as torch's
     ``L1Unstructured`` ranks complex parameters; complex values have no signed order, so ranking by value refuses them.
@@ -558,6 +557,7 @@ def real_scores(scores: list[Tensor], magnitude: bool) -> list[Tensor]:
     return [s.abs() if s.is_complex() else s for s in scores]
 
 
+@_on_one_thread
 def find_cut(
     scores: Sequence[Tensor],
     k: int,
