@@ -79,9 +79,14 @@ def uniform_draws(like: Tensor, eligible: Tensor | None = None) -> Tensor:
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     if eligible is None:
         return torch.rand(like.shape, dtype=dtype, device=like.device)
-    keep = (eligible if eligible.dtype == torch.bool else eligible == 1).to(like.device)
+    keep = _eligible_on(like, eligible)
     draws = torch.zeros(like.shape, dtype=dtype, device=like.device)
     return draws.masked_scatter_(keep, torch.rand(int(keep.sum()), dtype=dtype, device=like.device))
+
+
+def _eligible_on(like: Tensor, eligible: Tensor) -> Tensor:
+    """``eligible`` (bool, or numeric where 1 means eligible) as a bool tensor on ``like``'s device."""
+    return (eligible if eligible.dtype == torch.bool else eligible == 1).to(like.device)
 
 
 def joint_uniform_draws(likes: list[Tensor], eligible: list[Tensor | None]) -> list[Tensor]:
@@ -102,9 +107,8 @@ def joint_uniform_draws(likes: list[Tensor], eligible: list[Tensor | None]) -> l
     devices = {like.device for like in likes}
     if len(devices) != 1 or next(iter(devices)).type == "cpu":
         return [uniform_draws(like, eligible=e) for like, e in zip(likes, eligible, strict=True)]
-    dtype = torch.float64 if all(like.dtype == torch.float64 for like in likes) else torch.float32
-    keeps = [None if e is None else (e if e.dtype == torch.bool else e == 1).to(like.device) for like, e in
-             zip(likes, eligible, strict=True)]  # fmt: skip
+    dtype = torch.float64 if any(like.dtype == torch.float64 for like in likes) else torch.float32  # cat's promotion
+    keeps = [None if e is None else _eligible_on(like, e) for like, e in zip(likes, eligible, strict=True)]
     counts = [like.numel() if keep is None else int(keep.sum()) for like, keep in zip(likes, keeps, strict=True)]
     draws = torch.rand(sum(counts), dtype=dtype, device=likes[0].device).split(counts)
     out = []
