@@ -345,3 +345,52 @@ def test_per_step_passes_follow_every_change_of_masks() -> None:
         masks.apply()
         for layer, keep, weight in zip(layers, keeps, weights, strict=True):
             assert torch.equal(layer.weight.detach(), torch.where(keep, weight, 0.0))
+
+
+class SwitchOptimizer(L.Callback):
+    """Replaces the optimizer when epoch 1 starts, as callbacks that switch optimizers mid-fit do."""
+
+    def __init__(self, make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> None:
+        self.make_optimizer = make_optimizer
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            trainer.strategy.optimizers = [self.make_optimizer(pl_module.parameters())]
+
+
+class ZerosAfterEveryBatch(L.Callback):
+    """Counts the training batches after which a pruned entry of an effective weight is not zero."""
+
+    def __init__(self, callback: PruningCallback) -> None:
+        self.callback, self.batches, self.violations = callback, 0, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        masked = self.callback._masked
+        for _, module, name in masked.selection:
+            mask = masked.mask(module, name)
+            if mask is not None:
+                weight = module.get_parameter(name) if not prune.is_pruned(module) else getattr(module, name)
+                self.violations += int(bool((weight.detach()[~mask.bool()] != 0).any()))
+        self.batches += 1
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        lambda params: torch.optim.Adamax(params, lr=1e-2),
+    ],
+    ids=["SGD momentum", "Adamax"],
+)
+def test_an_optimizer_replaced_mid_fit_keeps_pruned_weights_at_zero(
+    tmp_path: Path, make_optimizer: Callable[[Any], torch.optim.Optimizer]
+) -> None:
+    results = {}
+    for masking in ("reparametrize", "inplace"):
+        model = Net("SGD momentum, weight decay, Nesterov")
+        callback = PruningCallback(Cubic(final=0.8, start=0, end=24, frequency=2), masking=masking)
+        checker = ZerosAfterEveryBatch(callback)
+        fit(model, [SwitchOptimizer(make_optimizer), callback, checker], tmp_path)
+        assert checker.batches == 24 and checker.violations == 0, masking
+        results[masking] = effective(model)
+    assert_same(results["inplace"], results["reparametrize"])

@@ -19,7 +19,8 @@ most one pass over the pruned gradients, as one call over all of them, and no we
   optimizers of other packages) gets a weight pass after each of its steps. Rewinds and weight averages copied
   back are masked explicitly (:meth:`InPlaceMasks.after_rewrite`), and every training epoch starts with a weight
   pass; code of your own that writes the weights between steps (adding noise, say) must leave pruned entries at
-  zero.
+  zero. Optimizers that replace the Trainer's mid-fit (``trainer.strategy.optimizers = [...]``) are followed before
+  their first step.
 
 For the optimizers of :data:`ENTRYWISE_OPTIMIZERS` the effective weights are those of the reparametrized mode, bit
 for bit.

@@ -458,6 +458,7 @@ class PruningCallback(Callback):
         self._plain_state_dict_handle: Any = None
         self._plain_load_handle: Any = None
         self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
+        self._attached_optimizers: list[Any] = []  # the Trainer's optimizers when the step hooks were attached
         self._restored_masks: dict[str, Tensor] | None = None
         self._units_pending = False  # a resumed fit with unit methods: units are found on its first training batch
         self._skipped_step = False  # the gradient scaler skips the current optimizer step
@@ -617,6 +618,7 @@ class PruningCallback(Callback):
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._masked is not None:
+            self._follow_optimizers(trainer, pl_module)
             self._masked.strategy.before_optimizer_step()  # the gradients are final; clipping and the step follow
         # a float16 step the scaler skips has inf or NaN gradients: read (one pass over them) only where they are used
         reads_gradients = self._importance.movement is not None or self._plan is not None
@@ -894,7 +896,7 @@ class PruningCallback(Callback):
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
         if isinstance(self._masked, UnitSelection) and self._resolved is not None:
             self._masked.check_final(self._resolved.final_sparsity)
-        self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
+        self._attach(trainer, pl_module)
         if self.max_layer_sparsity < 1 and self._resolved is not None:  # resumed: the counts hold the masks
             counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
             setup_checks.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
@@ -921,10 +923,26 @@ class PruningCallback(Callback):
         if self._masked is not None:
             self._masked.after_rewrite()
 
+    def _attach(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Attach the strategy's step hooks to the Trainer's optimizers (in place: their post-step passes, and the
+        state of pruned entries zeroed at every event)."""
+        if self._masked is not None:
+            self._remove_step_handles()
+            self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
+            self._attached_optimizers = list(trainer.optimizers)
+
+    def _follow_optimizers(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A callback or the module replaced the optimizers mid-fit (``trainer.strategy.optimizers = [...]``): attach
+        to the new ones before their first step, or their steps would move pruned weights off zero in place."""
+        optimizers = trainer.optimizers
+        if [id(o) for o in optimizers] != [id(o) for o in self._attached_optimizers]:  # (the old ones are held here)
+            self._attach(trainer, pl_module)
+
     def _remove_step_handles(self) -> None:
         for handle in self._step_handles:
             handle.remove()
         self._step_handles = []
+        self._attached_optimizers = []
 
     def _remove_plain_state_dict(self) -> None:
         """After fit, the model follows torch's state_dict contract again (``name_orig``, ``name_mask``)."""
