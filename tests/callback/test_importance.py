@@ -179,6 +179,30 @@ def test_movement_works_with_every_scope(scope: str) -> None:
             assert (weight == 0).sum(dim=1).tolist() == [round(0.6 * weight.shape[1])] * weight.shape[0]
 
 
+class FreezeAtFitStart(Callback):
+    """Freezes ``net.2`` when fit starts, as ``BackboneFinetuning`` freezes a backbone."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.net[2].weight.requires_grad_(False)
+
+
+@pytest.mark.parametrize("when", ["at setup", "when training starts"])
+def test_movement_refuses_frozen_weights_by_name_and_changes_nothing(when: str) -> None:
+    model = TinyNet()
+    callbacks: list[Callback] = [PruningCallback(Cubic(final=0.5, start=2, end=6, frequency=2), importance="movement")]
+    if when == "at setup":
+        model.net[2].weight.requires_grad_(False)
+    else:  # after the pruning callback, whose selection is made when fit starts
+        callbacks.append(FreezeAtFitStart())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=rf"movement.*frozen \(requires_grad=False {when}\) tensors \['net.2.weight'\]"
+    ):
+        fit(callbacks, model, max_steps=8)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.parametrize("importance", ["movement", "activation"])
 def test_a_ramp_from_step_0_at_level_0_needs_no_statistics_then(importance: str) -> None:
     """A ramp's first event at step 0 prunes nothing: accepted without calibration, and the masks are those of the

@@ -535,6 +535,8 @@ class PruningCallback(Callback):
             else:
                 self._select_units(trainer, pl_module)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
+        if self._masked is not None:  # callbacks such as BackboneFinetuning freeze layers when fit starts
+            setup_checks.refuse_frozen_movement(self._masked.selection, self._importance.kind, "when training starts")
         self._start_masks(trainer, pl_module)
         windowed = (  # (a resumed unit fit binds its statistics at its first batch: reconstruct says it will have some)
             self._importance.kind in choices.STATISTICS_IMPORTANCES
@@ -871,6 +873,7 @@ class PruningCallback(Callback):
         adapted = setup_checks.check_adapters(selection, model, self._importance.kind)
         if self.regrow is not None:
             setup_checks.check_regrowth(selection, model, self.regrow, self.masking, adapted)
+        setup_checks.refuse_frozen_movement(selection, self._importance.kind)
         return MaskedSelection(
             selection,
             ties,

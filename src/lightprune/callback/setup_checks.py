@@ -354,6 +354,29 @@ def check_adapters(selection: Selection, model: nn.Module, importance: str) -> d
     return adapted
 
 
+def refuse_frozen_movement(selection: Selection, importance: str, when: str = "at setup") -> None:
+    """Under movement importance, refuse frozen selected tensors (``requires_grad=False``), naming them: without
+    gradients their score is zero everywhere, and an event would prune them in index order. (Dynamic sparse training
+    leaves a frozen tensor's mask as it is.)
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> _ = net[0].weight.requires_grad_(False)
+        >>> refuse_frozen_movement([("0.weight", net[0], "weight")], "movement")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: importance='movement' ranks by the weights' gradients, which the frozen ... ['0.weight'] ...
+    """
+    if importance != "movement":
+        return
+    frozen = [q for q, module, name in selection if not prune.original(module, name).requires_grad]
+    if frozen:
+        raise ValueError(
+            f"importance='movement' ranks by the weights' gradients, which the frozen (requires_grad=False {when}) "
+            f"tensors {frozen[:3]} do not have: use 'magnitude' or 'activation', exclude them, or unfreeze them"
+        )
+
+
 def check_rows(selection: Selection) -> None:
     """Per-row ranking needs rows: tensors of two or more dims (else the first event fails, mid-training), and one
     dim whose slices are the output units (:func:`~lightprune.layouts.row_dim`: not a grouped ``ConvTranspose``).
