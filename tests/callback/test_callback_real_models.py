@@ -498,6 +498,43 @@ def test_early_stopping_warns_too(tmp_path: Path) -> None:
         trainer([callback, stop], tmp_path, max_epochs=10).fit(Net(), val_dataloaders=loader(16))
 
 
+class ZerosAtValidation(Callback):
+    """The zeros of the model's weights at the end of each validation (what EarlyStopping and checkpoints saw)."""
+
+    def __init__(self) -> None:
+        self.zeros: list[int] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.zeros.append(sum(int((w == 0).sum()) for w in folded(pl_module.state_dict()).values()))
+
+
+@pytest.mark.parametrize(
+    ("unit", "schedule"),
+    [
+        ("epoch", Linear(final=0.8, start=0, end=8, frequency=1)),
+        ("step", Linear(final=0.8, start=0, end=64, frequency=8)),
+    ],
+)
+def test_early_stopping_returns_the_model_it_trained_and_validated_last(
+    tmp_path: Path, unit: str, schedule: Linear
+) -> None:
+    class Net(TinyNet):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", torch.tensor(1.0))  # never improves: stops after the second epoch
+
+    callback = PruningCallback(schedule, unit=unit, summary=False)
+    seen = ZerosAtValidation()
+    model = Net()
+    with pytest.warns(UserWarning, match=r"sparsity reached (0\.\d+)") as caught:
+        fit = trainer([callback, EarlyStopping("val_loss", patience=0), seen], tmp_path, max_epochs=10)
+        fit.fit(model, val_dataloaders=loader(16))
+    assert fit.current_epoch == 2 and len(seen.zeros) == 2  # one validation an epoch
+    returned = sum(int((w == 0).sum()) for w in folded(model.state_dict()).values())
+    assert returned == seen.zeros[-1] > seen.zeros[-2]  # no event after the last training step
+    (reached,) = [float(m) for w in caught for m in re.findall(r"sparsity reached (0\.\d+)", str(w.message))]
+    assert reached == pytest.approx(returned / 368, abs=1e-4)
+
+
 def test_two_callbacks_need_distinct_names_for_their_logged_keys(tmp_path: Path) -> None:
     first = PruningCallback(0.5, include=r"net\.0\.weight")
     second = PruningCallback(0.5, include=r"net\.2\.weight")

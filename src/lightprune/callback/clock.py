@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Trainer
 
-__all__ = ["clock_name", "counts_batches", "now", "run_length"]
+__all__ = ["clock_name", "counts_batches", "now", "run_length", "stopped_early"]
 
 
 def counts_batches(trainer: Trainer, unit: str) -> bool:
@@ -93,3 +93,21 @@ def run_length(trainer: Trainer, unit: str) -> int | float | None:
         return None
     total = int(batches) * max(epochs, 1)
     return None if trainer.max_steps != -1 and trainer.max_steps < total else total
+
+
+def stopped_early(trainer: Trainer) -> bool:
+    """Whether fit ended because something asked it to stop (``EarlyStopping``, ``Timer``, ``trainer.should_stop``)
+    before ``max_epochs`` and ``max_steps``: the model was last trained at the clock's time now, not before it.
+
+    Example:
+        >>> trainer = Trainer(max_epochs=3, logger=False, enable_progress_bar=False)
+        >>> trainer.should_stop = True
+        >>> stopped_early(trainer)
+        True
+    """
+    if not trainer.should_stop:
+        return False
+    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        return False
+    epochs = trainer.max_epochs
+    return epochs is None or epochs < 0 or trainer.current_epoch < epochs

@@ -604,7 +604,8 @@ class PruningCallback(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
+        if not clock.stopped_early(trainer):  # the schedule's last event; after a stop, no training would follow it
+            self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
         self._warn_if_schedule_unfinished(trainer)
         if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.strategy.collective):
             table = self.summary_table()  # sharded: every rank takes part in reducing the counts
