@@ -439,6 +439,55 @@ def test_a_model_that_needs_more_than_its_dummy_inputs_loads_back_on_inputs_give
         assert torch.equal(a, b)
 
 
+def _translation(model_class: type, config_class: type, **options: object) -> tuple[nn.Module, dict]:
+    """A tiny encoder-decoder translation model (Marian, M2M100) and inputs of one forward."""
+    config = config_class(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        **options,
+    )
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    example = {
+        "input_ids": torch.randint(3, 64, (2, 7), generator=g),
+        "decoder_input_ids": torch.randint(3, 64, (2, 5)),
+    }
+    return model_class(config).eval(), example
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: _translation(transformers.MarianMTModel, transformers.MarianConfig),
+        lambda: _translation(
+            transformers.M2M100ForConditionalGeneration, transformers.M2M100Config, encoder_layerdrop=0.5
+        ),
+    ],
+    ids=["marian (position tables not saved)", "m2m100 (layerdrop in training)"],
+)
+def test_translation_models_load_back_like_from_pretrained(tmp_path, build) -> None:
+    model, example = build()
+    prune_units(model, find_units(model, (), example), 0.5)
+    small = remove_units(model, (), example)
+    assert small.config.lightprune_kept_units is not None
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path, example_kwargs=example)
+    assert not loaded.training
+    for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_save_whose_weights_transformers_converts_is_refused_by_load_compact_naming_that(tmp_path) -> None:
     """transformers fuses Mixtral's experts in the model and saves them one by one: load_compact reads the saved
     tensors as they are, so it says that it cannot load them instead of listing missing and unexpected names."""

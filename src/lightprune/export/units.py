@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -379,7 +380,7 @@ def load_compact(
         )
     if accepted.get("dtype", accepted.get("torch_dtype")) == "auto":  # the saved dtype, as config.dtype says
         accepted.pop("dtype", None), accepted.pop("torch_dtype", None)
-    model = model_class._from_config(config, **accepted)
+    model = model_class._from_config(config, **accepted).eval()  # traced as it will run (no layerdrop)
     given = isinstance(example_inputs, Tensor) or len(example_inputs) > 0 or example_kwargs is not None
     args, inputs = _inputs(model, example_inputs, example_kwargs) if given else ((), _example_inputs(model, path))
     try:
@@ -419,11 +420,20 @@ def load_compact(
             f"{sorted(converted & set(unexpected))[:3]} ...), and load_compact does not convert them back; a save of "
             "this model with per-layer counts cannot be loaded with load_compact"
         )
-    if unexpected or any(key not in tied for key in missing):
+    if unexpected or any(key not in tied and not _left_out_on_save(model, key) for key in missing):
         raise CompactError(f"{path}: the saved weights do not fit (missing {missing}, unexpected {unexpected})")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model.eval()
+
+
+def _left_out_on_save(model: nn.Module, key: str) -> bool:
+    """Whether ``save_pretrained`` leaves ``key`` out and ``from_pretrained`` rebuilds it (Marian's sinusoidal position
+    tables): named in the model's ``_keys_to_ignore_on_save``, or matched by a pattern of its
+    ``_keys_to_ignore_on_load_missing``."""
+    if key in (getattr(model, "_keys_to_ignore_on_save", None) or ()):
+        return True
+    return any(re.search(pattern, key) for pattern in getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
 
 
 def _with_prefix_of(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
