@@ -271,8 +271,10 @@ def test_random_unstructured_repeated_matches_torch_with_the_same_seed(dtype, ma
     assert torch.equal(after_ours, after_theirs)
 
 
-def test_global_random_repeated_matches_torch_with_the_same_seed() -> None:
-    models = [nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4)) for _ in range(2)]
+@pytest.mark.parametrize("second", [torch.float32, torch.float64], ids=["float32", "float32 and float64"])
+def test_global_random_repeated_matches_torch_with_the_same_seed(second: torch.dtype) -> None:
+    """torch draws once, in the dtype cat promotes the tensors to: float64 as soon as one is float64."""
+    models = [nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4).to(second)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     draws_after = []
     for impl, model in zip((lp, tp), models, strict=True):

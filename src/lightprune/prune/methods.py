@@ -61,8 +61,9 @@ def _unstructured_mask(
     return out
 
 
-def uniform_draws(like: Tensor, eligible: Tensor | None = None) -> Tensor:
-    """Uniform numbers in [0, 1) of ``like``'s shape and device, in float32 (float64 for a float64 ``like``).
+def uniform_draws(like: Tensor, eligible: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """Uniform numbers in [0, 1) of ``like``'s shape and device, in float32 (float64 for a float64 ``like``, or
+    ``dtype`` where given).
 
     Never in a 16-bit dtype, whose few distinct values make ties, nor in an integer one. With ``eligible`` (a mask:
     bool, or numeric where 1 means eligible) only the eligible entries are drawn, in flat order, and the others hold
@@ -76,7 +77,8 @@ def uniform_draws(like: Tensor, eligible: Tensor | None = None) -> Tensor:
         >>> torch.equal(draws[[0, 2]], torch.rand(2)), draws[[1, 3]].tolist()
         (True, [0.0, 0.0])
     """
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if dtype is None:
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     if eligible is None:
         return torch.rand(like.shape, dtype=dtype, device=like.device)
     keep = _eligible_on(like, eligible)
@@ -93,6 +95,7 @@ def joint_uniform_draws(likes: list[Tensor], eligible: list[Tensor | None]) -> l
     """:func:`uniform_draws` for several tensors as one vector of their eligible entries, in order: what torch's
     ``global_unstructured`` draws for ``RandomUnstructured`` (one ``rand_like`` of the concatenated scores).
 
+    All are drawn in one dtype, as torch draws in the dtype ``cat`` promotes them to (float64 where one is float64).
     On the CPU the generator's stream is sequential, so one draw per tensor gives the same numbers and holds less
     memory at once; on a GPU (Philox: each call starts its numbers at a fresh offset) only one draw gives torch's
     numbers, so tensors on one GPU are drawn together, then scattered back.
@@ -104,10 +107,10 @@ def joint_uniform_draws(likes: list[Tensor], eligible: list[Tensor | None]) -> l
         >>> torch.equal(torch.cat([a, b[[0, 2]]]), torch.rand(4)), b[1].item()
         (True, 0.0)
     """
+    dtype = torch.float64 if any(like.dtype == torch.float64 for like in likes) else torch.float32  # cat's promotion
     devices = {like.device for like in likes}
     if len(devices) != 1 or next(iter(devices)).type == "cpu":
-        return [uniform_draws(like, eligible=e) for like, e in zip(likes, eligible, strict=True)]
-    dtype = torch.float64 if any(like.dtype == torch.float64 for like in likes) else torch.float32  # cat's promotion
+        return [uniform_draws(like, eligible=e, dtype=dtype) for like, e in zip(likes, eligible, strict=True)]
     keeps = [None if e is None else _eligible_on(like, e) for like, e in zip(likes, eligible, strict=True)]
     counts = [like.numel() if keep is None else int(keep.sum()) for like, keep in zip(likes, keeps, strict=True)]
     draws = torch.rand(sum(counts), dtype=dtype, device=likes[0].device).split(counts)
