@@ -14,10 +14,10 @@ Comparison rules
 * Random methods: same counts as torch, whole channels for structured methods, never un-pruning, 0/1 values.
 * After a step whose masks may legitimately differ (random methods, ties), torch's copy is synced to lightprune's
   mask so that torch remains a valid oracle for the next step of the sequence.
-* Errors: lightprune raises the same exception type as torch (where torch raises AssertionError for a user
-  mistake, ValueError is accepted too) and leaves the module exactly as it was, checked against a snapshot -- not
-  against torch, which can leave a module half-pruned (or with its parameters reordered) after a failed call.
-  A sequence stops at the first error, since torch's copy is then no longer a trustworthy oracle.
+* Errors: lightprune raises an exception that catching torch's type catches (where torch asserts, lightprune's
+  error is a ValueError and an AssertionError) and leaves the module exactly as it was, checked against a
+  snapshot -- not against torch, which can leave a module half-pruned (or with its parameters reordered) after a
+  failed call. A sequence stops at the first error, since torch's copy is then no longer a trustworthy oracle.
 * Mask dtype: the parameter's dtype by default; ``torch.bool`` inside ``lp.mask_dtype(torch.bool)``. Every
   stateful test runs in both modes.
 
@@ -133,11 +133,9 @@ def attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
 
 
 def assert_compatible_error(terr: BaseException, lerr: BaseException | None, what: str, alt: tuple = ()) -> None:
-    """lightprune must raise what torch raised (AssertionError for a user mistake may become ValueError)."""
+    """lightprune must raise what torch raised: an exception that ``except <torch's type>`` catches."""
     assert lerr is not None, f"torch raised {type(terr).__name__}({terr}) but lightprune did not: {what}"
     allowed: tuple = (type(terr), *alt)
-    if isinstance(terr, AssertionError):
-        allowed += (ValueError,)
     assert isinstance(lerr, allowed), (
         f"torch raised {type(terr).__name__}({terr}); lightprune raised {type(lerr).__name__}({lerr}): {what}"
     )

@@ -724,3 +724,26 @@ def test_complex_scores_ranked_by_value_are_refused() -> None:
 
     with pytest.raises(TypeError, match=r"complex scores \(dtype torch.complex64\) have no order by value"):
         find_cut([torch.tensor([1 + 1j, 2j])], 1)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda impl, m: impl.l1_unstructured(m, "weight", 0.3, importance_scores=torch.randn(6, 5)),
+        lambda impl, m: impl.custom_from_mask(m, "weight", torch.ones(6, 5)),
+        lambda impl, m: impl.CustomFromMask(torch.ones(3)).compute_mask(torch.ones(5, 6), torch.ones(5, 6)),
+        lambda impl, m: (setattr(m, "bias", None), impl.l1_unstructured(m, "bias", 1)),
+        lambda impl, m: impl.custom_from_mask(m, "weight", [[1.0] * 6] * 5),
+        lambda impl, m: impl.l1_unstructured(m, "weight", 0.3, importance_scores=[[1.0] * 6] * 5),
+    ],
+    ids=["scores shape", "mask shape", "compute_mask shape", "None parameter", "list mask", "list scores"],
+)
+def test_code_catching_torchs_exception_type_catches_ours(call: Any) -> None:
+    errors = []
+    for impl in (tp, lp):
+        try:
+            call(impl, nn.Linear(6, 5))
+        except Exception as err:  # (the type is what is compared)
+            errors.append(err)
+    torch_error, ours = errors
+    assert isinstance(ours, type(torch_error)), (torch_error, ours)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightprune.prune.amount import MissingParameterError, ShapeMismatchError
 from lightprune.prune.base import (
     BasePruningMethod,
     PruningContainer,
@@ -225,7 +226,7 @@ def original_parameter(module: nn.Module, name: str, hook: BasePruningMethod | N
             f"{name!r} of {type(module).__name__} is a tensor but not a Parameter; only parameters can be pruned "
             f"(its parameters: {params})"
         )
-    raise AttributeError(f"{type(module).__name__} has no parameter {name!r}; its parameters are: {params}")
+    raise MissingParameterError(f"{type(module).__name__} has no parameter {name!r}; its parameters are: {params}")
 
 
 def original(module: nn.Module, name: str) -> Tensor:
@@ -513,7 +514,9 @@ class _Attachment:
         module, name, mask = self.module, self.name, self.mask
         assert mask is not None, "compute the mask before committing"
         if mask.shape != self.orig.shape:
-            raise ValueError(f"mask shape {tuple(mask.shape)} differs from {name!r}'s shape {tuple(self.orig.shape)}")
+            raise ShapeMismatchError(
+                f"mask shape {tuple(mask.shape)} differs from {name!r}'s shape {tuple(self.orig.shape)}"
+            )
         if mask.device != self.orig.device:
             mask = mask.to(self.orig.device)
         if mask.stride() != self.orig.stride() and not self.orig.is_contiguous():

@@ -16,6 +16,9 @@ from torch import Tensor
 
 __all__ = [
     "DimOutOfRangeError",
+    "MissingParameterError",
+    "NotATensorError",
+    "ShapeMismatchError",
     "_compute_norm",
     "_compute_nparams_toprune",
     "_validate_pruning_amount",
@@ -161,6 +164,29 @@ class DimOutOfRangeError(IndexError, ValueError):
 
     An ``IndexError``, as torch's ``_validate_pruning_dim`` raises, and also a ``ValueError``, as torch's
     ``_compute_norm`` raises for a dim too large, so code catching either of torch's types keeps working.
+    """
+
+
+class ShapeMismatchError(ValueError, AssertionError):
+    """Importance scores or a mask whose shape is not the pruned tensor's.
+
+    A ``ValueError``, and also an ``AssertionError``, as torch asserts the shapes (``l1_unstructured``'s scores,
+    ``custom_from_mask``'s mask), so code catching torch's type keeps working.
+    """
+
+
+class NotATensorError(TypeError, AttributeError):
+    """Importance scores or a mask that is not a tensor (a list, a NumPy array).
+
+    A ``TypeError``, and also an ``AttributeError``, which torch raises reading the object's tensor attributes.
+    """
+
+
+class MissingParameterError(AttributeError, TypeError):
+    """A name that is no parameter of the module, or one set to ``None`` (``nn.Linear(bias=False)``'s ``bias``).
+
+    An ``AttributeError``, as torch raises for a name the module lacks, and also a ``TypeError``, as torch raises for
+    a parameter that is ``None``.
     """
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.utils.prune as torch_prune
 from torch import Tensor, nn
 
+from lightprune.prune.amount import NotATensorError, ShapeMismatchError
 from lightprune.prune.masking import masked, masked_
 
 __all__ = ["BasePruningMethod", "PruningContainer"]
@@ -182,7 +183,8 @@ class BasePruningMethod(ABC):
             module: the module owning the tensor.
             name: the parameter's name in ``module`` (``"weight"``).
             importance_scores: ranking input with the parameter's shape; defaults to the parameter's current value
-                (``orig * mask`` once it is pruned, as in torch).
+                (``orig * mask`` once it is pruned, computed now; torch reads the attribute ``module.<name>``, which
+                still holds the values of the last forward after an optimizer step).
         """
         from lightprune.prune._reparam import apply_method  # _reparam builds on this module's classes
 
@@ -434,8 +436,8 @@ def _to_mask_dtype(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _check_same_shape(scores: Tensor, t: Tensor, scores_label: str, t_label: str) -> None:
     if not isinstance(scores, Tensor):
-        raise TypeError(f"{scores_label} must be a Tensor, got {type(scores).__name__}")
+        raise NotATensorError(f"{scores_label} must be a Tensor, got {type(scores).__name__}")
     if scores.shape != t.shape:
-        raise ValueError(
+        raise ShapeMismatchError(
             f"{scores_label} must have the shape of {t_label}: got {tuple(scores.shape)} vs {tuple(t.shape)}"
         )

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune.prune.amount import (
+    NotATensorError,
     _compute_norm,
     _compute_nparams_toprune,
     _validate_pruning_amount,
@@ -453,7 +454,7 @@ class CustomFromMask(BasePruningMethod):
                 "(it is the module's <name>_mask buffer); create CustomFromMask(mask) to apply a mask"
             )
         if not isinstance(self.mask, Tensor):
-            raise TypeError(f"mask must be a Tensor, got {type(self.mask).__name__}")
+            raise NotATensorError(f"mask must be a Tensor, got {type(self.mask).__name__}")
         _check_same_shape(self.mask, torch.empty(shape, device="meta"), "mask", "the pruned tensor")
         return self.mask.to(device=device)
 
