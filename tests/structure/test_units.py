@@ -261,3 +261,48 @@ def test_a_group_slicing_a_tied_parameter_is_left_out_with_a_warning() -> None:
     prune.l1_unstructured(model.lm_head, "weight", amount=0.5)  # pruned under one holder: still tied, still seen
     with pytest.warns(UserWarning, match="tied across modules"):
         assert len(find_units(model, (), example)) == 2
+
+
+def _gpt_neo() -> tuple[nn.Module, dict]:
+    config = transformers.GPTNeoConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=48,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+    )
+    torch.manual_seed(0)
+    return transformers.GPTNeoForCausalLM(config).eval(), {"input_ids": torch.randint(0, 64, (2, 7))}
+
+
+def test_heads_are_followed_through_a_masked_where_on_the_scores() -> None:
+    """GPT-Neo's eager attention writes torch.where(causal_mask, scores, min) before the softmax."""
+    from lightprune.export import remove_units
+    from lightprune.structure import prune_units
+
+    model, example = _gpt_neo()
+    groups = find_units(model, (), example)
+    assert [(g.kind, g.module, g.count) for g in groups if g.kind == "heads"] == [
+        ("heads", f"transformer.h.{i}.attn.attention", 4) for i in range(2)
+    ]
+    prune_units(model, groups, 0.5)
+    small = remove_units(model, (), example)
+    assert small.transformer.h[0].attn.attention.q_proj.out_features == 16
+    for a, b in zip(outputs(model, example), outputs(small, example), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_attention_whose_heads_cannot_be_followed_is_named_in_a_warning() -> None:
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4)
+    model = transformers.BloomForCausalLM(config).eval()
+    example = {"input_ids": torch.randint(0, 64, (2, 7))}
+    with pytest.warns(UserWarning, match=r"softmaxes in 'transformer\.h\.0\.self_attention' that it cannot follow"):
+        groups = find_units(model, (), example)
+    assert [g.kind for g in groups] == ["neurons"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [g.kind for g in find_units(model, (), example, kinds=["neurons"])] == ["neurons"]

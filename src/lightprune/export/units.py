@@ -304,6 +304,7 @@ def _found_again(
     left out: the caller was warned when the groups were first found."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="find_units leaves out")
+        warnings.filterwarnings("ignore", message="find_units found attention-like softmaxes")
         return find_units(model, args, kwargs, kinds=kinds)
 
 

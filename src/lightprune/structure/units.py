@@ -389,7 +389,8 @@ def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list
             for _ in range(8):
                 if not isinstance(scores, fx.Node) or scores.target in _MATMUL:
                     break
-                tensors = [arg for arg in scores.args if isinstance(arg, fx.Node)]
+                # the scores, not a boolean mask beside them (torch.where(causal_mask, scores, -inf) in GPT-Neo)
+                tensors = sorted((arg for arg in scores.args if isinstance(arg, fx.Node)), key=_is_boolean)
                 if not tensors:
                     scores = None
                     break
@@ -397,6 +398,26 @@ def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list
             if isinstance(scores, fx.Node) and scores.target in _MATMUL:
                 cores.append((node, scores.args[0], scores.args[1], node.args[1], extra))
     return cores
+
+
+def _unfollowed_softmaxes(graph: _Graph) -> list[str]:
+    """Where the graph takes a softmax that no attention found by :func:`_cores` goes through, once per module."""
+    followed = set()
+    for core, *_ in _cores(graph):
+        if core.target in _MATMUL:
+            followed.add(_back_through(core.args[0], {"dropout", "to", "_to_copy", "type_as", "clone", "contiguous"}))
+    places = [
+        graph.where(node)
+        for node in graph.graph.nodes
+        if node.op == "call_function" and node.target in _SOFTMAX and node not in followed
+    ]
+    return list(dict.fromkeys(places))
+
+
+def _is_boolean(node: fx.Node) -> bool:
+    """Whether the traced node is a boolean tensor (a mask)."""
+    value = node.meta.get("val")
+    return isinstance(value, Tensor) and value.dtype == torch.bool
 
 
 @dataclass(frozen=True)
@@ -642,6 +663,16 @@ def find_units(
     groups = []
     if "heads" in kinds:
         groups += _find_heads(graph)
+        unfollowed = _unfollowed_softmaxes(graph)
+        if unfollowed and not required:
+            warnings.warn(
+                f"find_units found attention-like softmaxes in {', '.join(unfollowed[:3])}"
+                f"{', ...' if len(unfollowed) > 3 else ''} that it cannot follow back to matmul(query, key) (baddbmm, "
+                "a disentangled or relative attention): their heads are left out, only other units are returned; "
+                "pass kinds=['neurons'] to say that is meant",
+                UserWarning,
+                stacklevel=2,
+            )
     if "neurons" in kinds:
         groups += _find_neurons(graph)
     for group in [group for group in groups if _cuts_a_tie(group, tied)]:
