@@ -401,14 +401,20 @@ def _clip() -> tuple[nn.Module, dict]:
     return transformers.CLIPModel(config).eval(), example
 
 
+_SEQ2SEQ = {
+    "vocab_size": 64,
+    "d_model": 32,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+}
+"""The size of the tiny encoder-decoder models below."""
+
+
 def _whisper() -> tuple[nn.Module, dict]:
     config = transformers.WhisperConfig(
-        vocab_size=64,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
+        **_SEQ2SEQ,
         encoder_ffn_dim=40,
         decoder_ffn_dim=40,
         num_mel_bins=8,
@@ -428,13 +434,25 @@ def _whisper() -> tuple[nn.Module, dict]:
 @pytest.mark.parametrize("build", [_clip, _whisper], ids=["clip", "whisper"])
 def test_a_model_that_needs_more_than_its_dummy_inputs_loads_back_on_inputs_given(tmp_path, build) -> None:
     model, example = build()
+    small = _halved_and_saved(model, example, tmp_path)
+    with pytest.raises(CompactError, match=r"[Pp]ass example_inputs / example_kwargs"):
+        load_compact(type(small), tmp_path)
+    _assert_loads_back(small, example, tmp_path)
+
+
+def _halved_and_saved(model: nn.Module, example: dict, path) -> nn.Module:
+    """``model`` with half its units removed, saved to ``path`` with its per-layer counts recorded."""
     prune_units(model, find_units(model, (), example), 0.5)
     small = remove_units(model, (), example)
     assert small.config.lightprune_kept_units is not None
-    small.save_pretrained(tmp_path)
-    with pytest.raises(CompactError, match=r"[Pp]ass example_inputs / example_kwargs"):
-        load_compact(type(small), tmp_path)
-    loaded = load_compact(type(small), tmp_path, example_kwargs=example)
+    small.save_pretrained(path)
+    return small
+
+
+def _assert_loads_back(small: nn.Module, example: dict, path) -> None:
+    """``load_compact`` on the example inputs gives back an eval model computing exactly what ``small`` computes."""
+    loaded = load_compact(type(small), path, example_kwargs=example)
+    assert not loaded.training
     for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
         assert torch.equal(a, b)
 
@@ -442,12 +460,7 @@ def test_a_model_that_needs_more_than_its_dummy_inputs_loads_back_on_inputs_give
 def _translation(model_class: type, config_class: type, **options: object) -> tuple[nn.Module, dict]:
     """A tiny encoder-decoder translation model (Marian, M2M100) and inputs of one forward."""
     config = config_class(
-        vocab_size=64,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
+        **_SEQ2SEQ,
         encoder_ffn_dim=48,
         decoder_ffn_dim=48,
         max_position_embeddings=32,
@@ -478,14 +491,7 @@ def _translation(model_class: type, config_class: type, **options: object) -> tu
 )
 def test_translation_models_load_back_like_from_pretrained(tmp_path, build) -> None:
     model, example = build()
-    prune_units(model, find_units(model, (), example), 0.5)
-    small = remove_units(model, (), example)
-    assert small.config.lightprune_kept_units is not None
-    small.save_pretrained(tmp_path)
-    loaded = load_compact(type(small), tmp_path, example_kwargs=example)
-    assert not loaded.training
-    for a, b in zip(outputs(small, example), outputs(loaded, example), strict=True):
-        assert torch.equal(a, b)
+    _assert_loads_back(_halved_and_saved(model, example, tmp_path), example, tmp_path)
 
 
 def test_a_save_whose_weights_transformers_converts_is_refused_by_load_compact_naming_that(tmp_path) -> None:
