@@ -1083,7 +1083,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95, 0.98, 0.99])
+    parser.add_argument(
+        "--sparsities", type=float, nargs="+", default=None, help="default: 0.9 0.95 0.98 0.99 (--quick: 0.9 0.98)"
+    )
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
@@ -1138,10 +1140,10 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         masking=args.masking,
     )
-    seeds, sparsities, repeats = args.seeds, args.sparsities, args.timing_repeats
+    seeds, sparsities, repeats = args.seeds, args.sparsities or [0.9, 0.95, 0.98, 0.99], args.timing_repeats
     if args.quick:
         settings = replace(settings, epochs=4, limit_train=4096, limit_test=2000)
-        seeds, sparsities, repeats = seeds[:1], [0.9, 0.98], min(repeats, 1)
+        seeds, sparsities, repeats = seeds[:1], args.sparsities or [0.9, 0.98], min(repeats, 1)
     command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     if args.timing_only:
