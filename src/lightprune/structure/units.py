@@ -113,6 +113,8 @@ _LINEAR = {_aten.linear.default}
 _ADDMM = {_aten.addmm.default}
 _SDPA = {_aten.scaled_dot_product_attention.default}
 _SOFTMAX = {_aten.softmax.int, _aten._softmax.default, _aten._safe_softmax.default}
+_TO_PROBABILITIES = {"dropout", "to", "_to_copy", "type_as", "clone", "contiguous"}
+"""Operations between an eager attention's softmax and the matmul with the values."""
 _MATMUL = {_aten.matmul.default, _aten.bmm.default}
 _IGNORED_USERS = {_aten._assert_tensor_metadata.default}
 # elementwise: every output feature depends only on the same input feature (with scalars or per-token factors)
@@ -382,7 +384,7 @@ def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
             cores.append((node, node.args[0], node.args[1], node.args[2], [mask]))
         elif node.target in _MATMUL:
-            probs = _back_through(node.args[0], {"dropout", "to", "_to_copy", "type_as", "clone", "contiguous"})
+            probs = _back_through(node.args[0], _TO_PROBABILITIES)
             if probs is None or probs.target not in _SOFTMAX:
                 continue
             scores, extra = probs.args[0], []
@@ -400,12 +402,10 @@ def _cores(graph: _Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list
     return cores
 
 
-def _unfollowed_softmaxes(graph: _Graph) -> list[str]:
-    """Where the graph takes a softmax that no attention found by :func:`_cores` goes through, once per module."""
-    followed = set()
-    for core, *_ in _cores(graph):
-        if core.target in _MATMUL:
-            followed.add(_back_through(core.args[0], {"dropout", "to", "_to_copy", "type_as", "clone", "contiguous"}))
+def _unfollowed_softmaxes(graph: _Graph, cores: list[tuple[fx.Node, ...]]) -> list[str]:
+    """Where the graph takes a softmax that none of the attentions ``cores`` (of :func:`_cores`) goes through, once
+    per module."""
+    followed = {_back_through(core.args[0], _TO_PROBABILITIES) for core, *_ in cores if core.target in _MATMUL}
     places = [
         graph.where(node)
         for node in graph.graph.nodes
@@ -532,9 +532,9 @@ def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Project
     return reader
 
 
-def _find_heads(graph: _Graph) -> list[UnitGroup]:
+def _find_heads(graph: _Graph, cores: list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[Any]]]) -> list[UnitGroup]:
     groups = []
-    for core, q, k, v, extra in _cores(graph):
+    for core, q, k, v, extra in cores:
         where = graph.where(core)
         q_shape, v_shape = _shape(q), _shape(v)
         if q_shape is None or v_shape is None:
@@ -662,8 +662,9 @@ def find_units(
     graph = _Graph(_export(model, args, kwargs), type(model).__name__)
     groups = []
     if "heads" in kinds:
-        groups += _find_heads(graph)
-        unfollowed = _unfollowed_softmaxes(graph)
+        cores = _cores(graph)
+        groups += _find_heads(graph, cores)
+        unfollowed = _unfollowed_softmaxes(graph, cores)
         if unfollowed and not required:
             warnings.warn(
                 f"find_units found attention-like softmaxes in {', '.join(unfollowed[:3])}"
