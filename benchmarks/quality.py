@@ -146,6 +146,9 @@ OPT_IN_ARMS = (
     "lp_set_erk_3x",
 )
 DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in OPT_IN_ARMS)
+SPARSITIES = (0.9, 0.95, 0.98, 0.99)
+"""The protocol's sparsities; ``--quick`` runs :data:`QUICK_SPARSITIES` unless ``--sparsities`` names others."""
+QUICK_SPARSITIES = (0.9, 0.98)
 """The protocol's arms (what a plain run and ``--quick`` run); the learning-rate-rewinding pair, 2:4, ERK and dynamic
 sparse training are asked for by name."""
 
@@ -1084,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
-        "--sparsities", type=float, nargs="+", default=None, help="default: 0.9 0.95 0.98 0.99 (--quick: 0.9 0.98)"
+        "--sparsities", type=float, nargs="+", default=None, help=f"default: {SPARSITIES} (--quick: {QUICK_SPARSITIES})"
     )
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--epochs", type=int, default=20)
@@ -1140,10 +1143,10 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         masking=args.masking,
     )
-    seeds, sparsities, repeats = args.seeds, args.sparsities or [0.9, 0.95, 0.98, 0.99], args.timing_repeats
+    seeds, sparsities, repeats = args.seeds, args.sparsities or list(SPARSITIES), args.timing_repeats
     if args.quick:
         settings = replace(settings, epochs=4, limit_train=4096, limit_test=2000)
-        seeds, sparsities, repeats = seeds[:1], args.sparsities or [0.9, 0.98], min(repeats, 1)
+        seeds, sparsities, repeats = seeds[:1], args.sparsities or list(QUICK_SPARSITIES), min(repeats, 1)
     command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     if args.timing_only:
