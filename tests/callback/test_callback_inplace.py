@@ -369,8 +369,8 @@ class ZerosAfterEveryBatch(L.Callback):
         for _, module, name in masked.selection:
             mask = masked.mask(module, name)
             if mask is not None:
-                weight = module.get_parameter(name) if not prune.is_pruned(module) else getattr(module, name)
-                self.violations += int(bool((weight.detach()[~mask.bool()] != 0).any()))
+                weight = getattr(module, name).detach()  # (the plain Parameter, or the reparametrized product)
+                self.violations += int(bool((weight[~mask.bool()] != 0).any()))
         self.batches += 1
 
 
