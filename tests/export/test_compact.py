@@ -163,6 +163,25 @@ def test_cnn_with_batchnorm_constants_exact_at_the_borders(padding_mode):
     assert_same_function(small, model, (torch.randn(2, 3, 8, 8),))
 
 
+def test_a_compact_model_with_border_corrections_pickles_and_traces_again(tmp_path):
+    """Unpickling a GraphModule traces its code again: the correction map must be traceable."""
+    torch.manual_seed(3)
+    model = _randomize(ConvBN("zeros"))
+    prune.ln_structured(model.conv1, "weight", amount=0.5, n=2, dim=0)
+    small = compact(model, torch.randn(2, 3, 8, 8))
+    assert any(getattr(n.target, "__name__", "") == "constant_input_correction" for n in small.graph.nodes)
+    torch.save(small, tmp_path / "small.pt")
+    loaded = torch.load(tmp_path / "small.pt", weights_only=False)
+    again = compact(small, torch.randn(2, 3, 8, 8))
+    traced = torch.fx.symbolic_trace(small)
+    for shape in [(4, 3, 8, 8), (1, 3, 8, 8)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            want = small(x)
+            assert torch.equal(loaded(x), want) and torch.equal(traced(x), want)
+        assert_same_function(again, model, (x,))
+
+
 @pytest.mark.parametrize("dims", [1, 3])
 def test_conv1d_and_conv3d(dims):
     class Net(nn.Module):

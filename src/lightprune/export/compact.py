@@ -796,20 +796,19 @@ def constant_input_correction(x: Tensor, kernel: Tensor, stride: Any, padding: A
 
     ``kernel`` is ``sum_j c_j W[:, j]`` with a singleton input dimension; the result is that kernel convolved with
     an all-ones image of ``x``'s spatial size, with the convolution's stride, padding and dilation: interior
-    positions get the plain sum, border positions only the taps that fall inside the image. An unbatched ``x``
-    (no batch dimension, as a convolution accepts) gets an unbatched result.
+    positions get the plain sum, border positions only the taps that fall inside the image. The result has no batch
+    dimension, so it broadcasts over a batched ``x`` and matches an unbatched one (which a convolution accepts too).
+    The function has no Python branch on ``x``: ``torch.fx`` traces through it, so a compacted model holding it can
+    be traced again, pickled and loaded (unpickling a ``GraphModule`` traces its code again).
 
     Example:
         >>> kernel = torch.ones(1, 1, 3)  # one output channel, a constant input channel of value 1, kernel 3
         >>> constant_input_correction(torch.zeros(2, 5, 4), kernel, (1,), (1,), (1,))
-        tensor([[[2., 3., 3., 2.]]])
-        >>> constant_input_correction(torch.zeros(5, 4), kernel, (1,), (1,), (1,))  # unbatched
         tensor([[2., 3., 3., 2.]])
     """
-    spatial = x.shape[-(kernel.dim() - 2) :]
-    conv = (F.conv1d, F.conv2d, F.conv3d)[kernel.dim() - 3]
-    batch = () if x.dim() == kernel.dim() - 1 else (1,)
-    ones = torch.ones((*batch, 1, *spatial), dtype=kernel.dtype, device=kernel.device)
+    dims = len(stride)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    ones = torch.ones(x.shape[-dims:], dtype=kernel.dtype, device=kernel.device).unsqueeze(0)
     return conv(ones, kernel, None, stride, padding, dilation).to(x.dtype)
 
 
