@@ -568,6 +568,42 @@ def test_mask_buffer_and_multihead_attention_prune_checkpoint_and_resume(tmp_pat
     assert_same_resumed(resumed, uninterrupted)
 
 
+class WeightNormed(Net):
+    """The first layer under the old-style ``nn.utils.weight_norm``: its forward pre-hook, registered before any
+    pruning, computes ``weight`` from ``weight_v`` before ``weight_v``'s pruning hook runs. Every training step
+    records how far the layer's output is from the masked math and whether ``weight_v_orig`` got a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the old API is deprecated, still common in vocoders
+            self.net[0] = nn.utils.weight_norm(self.net[0])
+        self.errors: list[float] = []
+        self.got_gradient: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        layer, x = self.net[0], batch[0]
+        if "weight_v_orig" in layer._parameters:
+            v = torch.where(layer.weight_v_mask, layer.weight_v_orig, 0)
+            want = nn.functional.linear(x, layer.weight_g * v / v.norm(dim=1, keepdim=True), layer.bias)
+            self.errors.append(float((layer(x) - want).abs().max().detach()))
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.errors:
+            self.got_gradient.append(self.net[0].weight_v_orig.grad is not None)
+
+
+def test_a_tensor_read_by_an_earlier_pre_hook_is_current_at_every_step() -> None:
+    """Reparametrized ``weight_v`` under weight_norm: the forward uses this step's masked value (before, the last
+    forward's, and no gradient at all after a validation pass)."""
+    callback = PruningCallback(Linear(final=0.5, start=0, end=12, frequency=4), parameter_names=["weight", "weight_v"])
+    model, _ = fit(callback, WeightNormed(), max_epochs=2, val_dataloaders=loader(16))
+    assert callback.selection == ["net.0.weight_v", "net.2.weight", "net.4.weight"]
+    assert len(model.errors) == 2 * STEPS_PER_EPOCH - 4 and max(model.errors) < 1e-5, model.errors  # pruned at step 4
+    assert all(model.got_gradient) and len(model.got_gradient) == len(model.errors)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 7. validate / test / predict and the sanity check never prune
 # ----------------------------------------------------------------------------------------------------------------------

@@ -92,8 +92,9 @@ class PruningCallback(Callback):
     the masks and weights of the uninterrupted run, as long as Lightning replays the same batches: a mid-epoch
     checkpoint needs a resumable dataloader, and a run bounded by ``max_steps`` resumed from a checkpoint written at
     an epoch's end trains one extra batch (a Lightning issue; the callback warns when it happens). Pruned tensors
-    that a parent reads without calling their module's forward (``nn.MultiheadAttention``'s ``out_proj``) are
-    recomputed by the callback, so they never go stale.
+    that a parent reads without calling their module's forward (``nn.MultiheadAttention``'s ``out_proj``), or that
+    another forward pre-hook registered before the pruning reads (the old-style ``nn.utils.weight_norm``'s
+    ``weight_v``), are recomputed by the callback before every step, so they never go stale.
 
     The selection is made when fit starts (``on_fit_start``), after ``LightningModule.configure_model``, so layers
     built there are pruned too. A selected parameter that is tied to other modules (GPT-2's ``lm_head.weight`` is

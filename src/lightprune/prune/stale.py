@@ -6,6 +6,11 @@ parent may read it without calling that forward: ``nn.MultiheadAttention`` reads
 the last backward ("Trying to backward through the graph a second time"). :class:`StaleRefresher` learns, during
 the first training step after new tensors are pruned, which of them a forward recomputes; the others it recomputes
 itself whenever asked (before every training step and before evaluation). Tensors whose forward runs cost nothing.
+
+A forward pre-hook registered on the module before it was pruned runs before the pruning hook, so it reads the
+tensor of the last forward too: the old-style ``nn.utils.weight_norm`` computes ``weight`` from ``weight_v`` there.
+Such tensors are recomputed before every step as well (lightprune's own input-recording hooks do not count: they
+read no weights).
 This is an engine matter: a plain training loop needs it as much as the Lightning callback does.
 """
 
@@ -16,7 +21,7 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
-from lightprune.prune._reparam import find_hook
+from lightprune.prune._reparam import BasePruningMethod, find_hook
 
 __all__ = ["StaleRefresher"]
 
@@ -77,15 +82,18 @@ class StaleRefresher:
         if not self._pending:
             return
         self._pending = False
-        unhooked = {(id(module), name) for module, name in self._unhooked}
-        self._watched = [
-            (module, name, weakref.ref(module.__dict__[name]))
-            for module, name in pairs
-            if find_hook(module, name)[1] is not None
-            and isinstance(module.__dict__.get(name), Tensor)
-            and (id(module), name) not in self._hooked
-            and (id(module), name) not in unhooked
-        ]
+        known = self._hooked | {(id(module), name) for module, name in self._unhooked}
+        self._watched = []
+        for module, name in pairs:
+            key, hook = find_hook(module, name)
+            if hook is None or not isinstance(module.__dict__.get(name), Tensor) or (id(module), name) in known:
+                continue
+            known.add((id(module), name))
+            if _read_by_an_earlier_hook(module, key):
+                self._unhooked.append((module, name))
+                hook(module, ())  # read before its own hook runs in this step's forward: current from now on
+            else:
+                self._watched.append((module, name, weakref.ref(module.__dict__[name])))
 
     def classify(self) -> None:
         """After the step: a watched tensor still in place was not recomputed by its module's forward pre-hook."""
@@ -102,3 +110,14 @@ class StaleRefresher:
             _, hook = find_hook(module, name)
             if hook is not None:
                 hook(module, ())
+
+
+def _read_by_an_earlier_hook(module: nn.Module, key: int | None) -> bool:
+    """Whether a forward pre-hook of another library runs before the pruning hook ``key`` of ``module`` (and may read
+    the pruned tensor it has not yet recomputed)."""
+    for other, hook in module._forward_pre_hooks.items():
+        if other == key:
+            return False
+        if not isinstance(hook, BasePruningMethod) and not getattr(hook, "__module__", "").startswith("lightprune."):
+            return True
+    return False
