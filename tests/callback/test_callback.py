@@ -864,6 +864,20 @@ def test_prune_channel_bias_zeroes_the_bias_of_pruned_channels(make_permanent: b
     assert (pruning_hook_names(model) == set()) is make_permanent
 
 
+@pytest.mark.parametrize(
+    ("layer", "name", "bias"),
+    [
+        (nn.MultiheadAttention(8, 2), "in_proj_weight", "in_proj_bias"),
+        (nn.LSTM(8, 4), "weight_ih_l0", "bias_ih_l0"),
+    ],
+)
+def test_prune_channel_bias_refuses_a_tensor_whose_bias_it_would_leave_whole(layer: nn.Module, name: str, bias: str):
+    callback = PruningCallback(0.5, method="ln_structured", prune_channel_bias=True, parameters=[(layer, name)])
+    with pytest.raises(ValueError, match=rf"0\.{name} \({type(layer).__name__}\) has its bias in '{bias}'"):
+        callback.check_model(nn.Sequential(layer))
+    PruningCallback(0.5, method="ln_structured", parameters=[(layer, name)]).check_model(nn.Sequential(layer))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 12. Configuration mistakes raise at construction or setup, naming the value and what is allowed
 # ----------------------------------------------------------------------------------------------------------------------

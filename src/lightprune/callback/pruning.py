@@ -147,7 +147,8 @@ class PruningCallback(Callback):
         parameter_names: attribute names that may be pruned (default ``("weight",)``: no biases).
         prune_channel_bias: with a structured method pruning output channels (``dim=0``), also zero the bias
             entries of the pruned channels (refused at setup for a layer whose weight is stored ``(in, out)``, such
-            as transformers' ``Conv1D`` or a ``ConvTranspose``: its dim 0 runs over inputs).
+            as transformers' ``Conv1D`` or a ``ConvTranspose``: its dim 0 runs over inputs; and for a tensor with
+            a bias of its own other than ``bias``, such as ``in_proj_weight`` and ``in_proj_bias``).
         rewind: lottery-ticket rewinding after every event: ``None`` (off), ``"init"`` (the weights when training
             starts), an int ``k`` (the weights after ``k`` units of time) or a snapshot taken earlier with
             :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot

@@ -407,7 +407,9 @@ def check_rows(selection: Selection) -> None:
 def channel_biases(selection: Selection) -> list[nn.Module]:
     """The modules whose bias ``prune_channel_bias`` zeroes with the output channels their weight's mask removes
     along dim 0; refuse a layer whose weight's dim 0 runs over its inputs (an ``(in, out)`` weight: transformers'
-    ``Conv1D``, ``ConvTranspose``), where those entries would be the bias of other channels.
+    ``Conv1D``, ``ConvTranspose``), where those entries would be the bias of other channels, and a tensor other than
+    ``weight`` with a bias of its own beside it (``in_proj_weight`` and ``in_proj_bias``, ``weight_ih_l0`` and
+    ``bias_ih_l0``), which the option would leave whole.
 
     Example:
         >>> with_bias, without = nn.Linear(2, 3), nn.Linear(2, 3, bias=False)
@@ -423,6 +425,13 @@ up.weight (ConvTranspose1d, weight (4, 2, 1)) runs over its inputs: exclude it o
 
     biases = []
     for qualified, module, name in selection:
+        paired = name.replace("weight", "bias")
+        if name != "weight" and paired != name and isinstance(getattr(module, paired, None), Tensor):
+            raise ValueError(
+                f"prune_channel_bias=True zeroes a layer's 'bias' beside its pruned 'weight', but {qualified} "
+                f"({type(module).__name__}) has its bias in {paired!r}, which it does not follow: exclude "
+                f"{qualified} or set prune_channel_bias=False"
+            )
         if name != "weight" or not isinstance(getattr(module, "bias", None), Tensor):
             continue
         if row_dim(module, name) != 0:
