@@ -878,6 +878,44 @@ def test_prune_channel_bias_refuses_a_tensor_whose_bias_it_would_leave_whole(lay
     PruningCallback(0.5, method="ln_structured", parameters=[(layer, name)]).check_model(nn.Sequential(layer))
 
 
+class SparseEmbedding(TinyNet):
+    """Token ids through ``nn.Embedding(sparse=True)`` (sparse gradients) into :class:`TinyNet`'s layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(20, 8, sparse=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(self.embed((x.abs() * 5).long().clamp(max=19)).mean(dim=1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "refused"),
+    [
+        ({}, "mask_dtype=torch.bool"),
+        ({"mask_dtype": None, "masking": "inplace"}, "masking='inplace'"),
+        ({"mask_dtype": None, "importance": "movement"}, "importance='movement'"),
+        ({"mask_dtype": None}, None),
+    ],
+)
+def test_sparse_gradients_are_refused_at_setup_where_they_cannot_be_masked(kwargs: dict, refused: str | None) -> None:
+    """Before, the fit trained densely up to the first event and failed there (or at the first step)."""
+    callback = PruningCallback(Constant(0.5, at=3), module_types=[nn.Embedding, nn.Linear], **kwargs)
+    model = SparseEmbedding()
+    before = model.embed.weight.detach().clone()
+    if refused is None:
+        fit(callback, model, max_epochs=1)
+        assert zeros(model.embed.weight) + sum(zeros(w) for w in weights(model).values()) == round(0.5 * (160 + N))
+        return
+    with pytest.raises(
+        ValueError, match=rf"\['embed\.weight'\] belong to modules with sparse=True, .*{re.escape(refused)}"
+    ):
+        fit(callback, model, max_epochs=1)
+    assert torch.equal(model.embed.weight, before)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 12. Configuration mistakes raise at construction or setup, naming the value and what is allowed
 # ----------------------------------------------------------------------------------------------------------------------

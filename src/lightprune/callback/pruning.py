@@ -877,6 +877,9 @@ class PruningCallback(Callback):
         if self.regrow is not None:
             setup_checks.check_regrowth(selection, model, self.regrow, self.masking, adapted)
         setup_checks.refuse_frozen_movement(selection, self._importance.kind)
+        setup_checks.refuse_sparse_gradients(
+            selection, self.mask_dtype, self.masking, self._importance.kind, self.regrow
+        )
         return MaskedSelection(
             selection,
             ties,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
@@ -374,6 +375,45 @@ def refuse_frozen_movement(selection: Selection, importance: str, when: str = "a
         raise ValueError(
             f"importance='movement' ranks by the weights' gradients, which the frozen (requires_grad=False {when}) "
             f"tensors {frozen[:3]} do not have: use 'magnitude' or 'activation', exclude them, or unfreeze them"
+        )
+
+
+def refuse_sparse_gradients(
+    selection: Selection, mask_dtype: torch.dtype | None, masking: str, importance: str, regrow: str | None
+) -> None:
+    """Refuse, naming them, selected tensors of modules with sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``) where the fit would fail at its first event or step: only a reparametrization
+    with floating masks (``mask_dtype=None``) passes a sparse gradient through, and only magnitude pruning reads no
+    gradient.
+
+    Example:
+        >>> embedding = nn.Embedding(10, 4, sparse=True)
+        >>> refuse_sparse_gradients([("emb.weight", embedding, "weight")], None, "reparametrize", "magnitude", None)
+        >>> refuse_sparse_gradients(  # doctest: +ELLIPSIS
+        ...     [("emb.weight", embedding, "weight")], torch.bool, "reparametrize", "magnitude", None
+        ... )
+        Traceback (most recent call last):
+        ...
+        ValueError: ['emb.weight'] belong to modules with sparse=True, whose sparse gradients mask_dtype=torch.bool ...
+    """
+    sparse = [q for q, module, _ in selection if getattr(module, "sparse", False) is True]
+    if not sparse:
+        return
+    settings = [
+        f"{key}={value!r}"
+        for key, value, fits in [
+            ("mask_dtype", mask_dtype, mask_dtype is None or mask_dtype.is_floating_point),
+            ("masking", masking, masking == "reparametrize"),
+            ("importance", importance, importance == "magnitude"),
+            ("regrow", regrow, regrow is None),
+        ]
+        if not fits
+    ]
+    if settings:
+        raise ValueError(
+            f"{sparse[:3]} belong to modules with sparse=True, whose sparse gradients {', '.join(settings)} cannot "
+            "handle (the fit would fail at its first event): set sparse=False on them, exclude them, or use "
+            "mask_dtype=None, masking='reparametrize' and importance='magnitude' without regrowth"
         )
 
 
