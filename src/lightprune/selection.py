@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_MODULE_TYPES",
     "check_parameter_names",
     "compile_patterns",
+    "includes_left_out",
     "parameter_owners",
     "patterns_matching_none",
     "pruned_tensor_names",
@@ -236,6 +237,34 @@ def unmatched_patterns(
         for name, _ in _own_parameters(module)
     ]
     return patterns_matching_none(names, include, exclude)
+
+
+def includes_left_out(
+    model: nn.Module, selection: Sequence[tuple[str, nn.Module, str]], include: Sequence[str] | str | None
+) -> dict[str, list[str]]:
+    r"""The ``include`` patterns that match parameters of ``model`` none of which ``selection`` holds (under any of
+    their names): the module types, attribute names or ``exclude`` left every tensor they name out. Maps each such
+    pattern to the first names it matches.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.ModuleDict({"rnn": nn.LSTM(2, 2), "head": nn.Linear(2, 2)})
+        >>> selection = select_parameters(model, include=[r"rnn\.weight_ih_l0", r"head\..*"])
+        >>> [name for name, _, _ in selection], includes_left_out(model, selection, [r"rnn\.weight_ih_l0", r"head\..*"])
+        (['head.weight'], {'rnn\\.weight_ih_l0': ['rnn.weight_ih_l0']})
+    """
+    kept = {id(prune.original(module, name)) for _, module, name in selection}
+    named = [
+        (_qualify(prefix, name), id(parameter))
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name, parameter in _own_parameters(module)
+    ]
+    left_out = {}
+    for pattern in compile_patterns("include", include):
+        matches = [(qualified, ident) for qualified, ident in named if pattern.fullmatch(qualified)]
+        if matches and not any(ident in kept for _, ident in matches):
+            left_out[pattern.pattern] = [qualified for qualified, _ in matches[:3]]
+    return left_out
 
 
 def patterns_matching_none(

@@ -1062,6 +1062,27 @@ def test_patterns_that_match_no_parameter_are_warned_and_a_narrowed_selection_is
     assert not [w for w in caught if "default selection" in str(w.message)]
 
 
+def test_an_include_pattern_whose_tensors_the_type_filters_leave_out_is_warned() -> None:
+    """The user named the LSTM's tensor; the default module types and names drop it: say so."""
+    model = TinyNet()
+    model.rnn = nn.LSTM(8, 4)
+    callback = PruningCallback(0.5, include=[r"rnn\.weight_hh_l0", r"net\.0\.weight", r"net\.[24]\..*"])
+    with pytest.warns(
+        UserWarning, match=r"include pattern 'rnn\\\\.weight_hh_l0' matches \['rnn\.weight_hh_l0'\], but "
+    ):
+        callback.check_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the biases of net are left out, but the pattern's weights are selected
+        callback = PruningCallback(
+            0.5,
+            include=[r"rnn\.weight_hh_l0", r"net\..*"],
+            parameter_names=["weight", "weight_hh_l0"],
+            module_types=None,
+        )
+        callback.check_model(model)
+        PruningCallback(0.5, parameters=[(model.rnn, "weight_hh_l0")]).check_model(model)
+
+
 def test_tensor_pruned_by_torch_prune_is_refused_at_setup() -> None:
     model = Net()
     torch.nn.utils.prune.l1_unstructured(model.net[2], "weight", amount=0.5)

@@ -58,6 +58,7 @@ from lightprune.selection import (
     DEFAULT_MODULE_TYPES,
     check_parameter_names,
     compile_patterns,
+    includes_left_out,
     parameter_owners,
     resolve_module_types,
     resolve_pairs,
@@ -138,7 +139,9 @@ class PruningCallback(Callback):
         unit: ``"step"`` (optimizer steps; training batches under manual optimization) or ``"epoch"``; the
             schedule's times, ``rewind`` and ``activation_window`` are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
-        include: regular expressions; a parameter's qualified name must fully match one (``None``: all).
+        include: regular expressions; a parameter's qualified name must fully match one (``None``: all). The
+            filters below apply too: a pattern that matches no parameter, or only parameters the filters leave out
+            (an LSTM's ``weight_hh_l0`` under the default types and names), is warned about at setup.
         exclude: regular expressions; parameters whose qualified name fully matches one are skipped (a tied tensor,
             such as an output layer sharing the input embeddings, under every one of its names).
         module_types: module classes, or their import paths (``"transformers.pytorch_utils.Conv1D"``), whose
@@ -837,13 +840,21 @@ class PruningCallback(Callback):
                 "qualified names, e.g. 'model.fc1.weight': write '.*fc1\\.weight' to match a suffix)",
                 category=UserWarning,
             )
-        return select_parameters(
+        selection = select_parameters(
             model,
             include=self.include,
             exclude=self.exclude,
             module_types=self.module_types,
             parameter_names=self.parameter_names,
         )
+        for pattern, names in includes_left_out(model, selection, self.include).items():
+            rank_zero_warn(
+                f"PruningCallback: include pattern {pattern!r} matches {names}, but module_types / parameter_names / "
+                "exclude leave all of it out: add its module type and attribute name to module_types and "
+                "parameter_names (or pass parameters=[(module, name)]) to prune it",
+                category=UserWarning,
+            )
+        return selection
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
