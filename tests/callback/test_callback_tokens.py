@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -101,28 +100,33 @@ def unpadded_sums(model: PaddedBert, batches: list[dict[str, Tensor]], moments: 
     return sums
 
 
-class Totals(Callback):
-    """Placed after the PruningCallback: its input statistics once calibration ran (before any training step), by
-    layer (OBS: each layer's ``H``, shared or not)."""
+class Totals:
+    """The PruningCallback's input statistics as the event when training starts reads them (after calibration,
+    before any training step), by layer (OBS: each layer's ``H``, shared or not)."""
 
     def __init__(self, pruning: PruningCallback) -> None:
         self.pruning = pruning
         self.totals: dict[str, Tensor] = {}
+        importance = pruning._importance
+        used = importance.after_event  # the statistics are reset once the event used them: read them first
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        state = self.pruning.state_dict()["importance"]  # copied: the window before the event adds in place
-        if "obs" in state:
-            shares = state["obs"]["shares"]
-            self.totals = {name: state["obs"]["totals"][owner].clone() for name, owner in shares.items()}
-        else:
-            self.totals = {name: total.clone() for name, total in state["activation"]["totals"].items()}
+        def read_then_reset() -> None:
+            state = self.pruning.state_dict()["importance"]
+            if "obs" in state:
+                shares = state["obs"]["shares"]
+                self.totals = {name: state["obs"]["totals"][owner].clone() for name, owner in shares.items()}
+            else:
+                self.totals = {name: total.clone() for name, total in state["activation"]["totals"].items()}
+            used()
+
+        importance.after_event = read_then_reset
 
 
 def calibrated_totals(**options: Any) -> dict[str, Tensor]:
     as_tuples = options.pop("as_tuples", False)
     options.setdefault("importance", "activation")
     pruning = PruningCallback(
-        Constant(0.5, at=1),
+        Constant(0.5, at=0),
         calibration_batches=CALIBRATION,
         scope="row",
         include=ENCODER,
@@ -130,7 +134,7 @@ def calibrated_totals(**options: Any) -> dict[str, Tensor]:
         **options,
     )
     totals = Totals(pruning)
-    quiet_trainer([pruning, totals], max_steps=1).fit(PaddedBert(as_tuples))
+    quiet_trainer([pruning], max_steps=1).fit(PaddedBert(as_tuples))
     return totals.totals
 
 

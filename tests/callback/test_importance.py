@@ -104,6 +104,33 @@ def test_wanda_per_row_masks_match_the_formula() -> None:
     assert callback.state_dict()["importance"]["activation"] == {"totals": {}, "calls": {}}  # reset after the event
 
 
+def test_calibration_batches_without_an_event_at_the_start_are_not_run_and_do_not_join_the_window() -> None:
+    """Before, the calibration batches ran and their sums joined the first event's window: other masks."""
+    kwargs = {"importance": "activation", "activation_window": 2, "scope": "row", "make_permanent": False}
+    with pytest.warns(UserWarning, match=r"calibration_batches=3 gives statistics .* prunes nothing at step 0"):
+        calibrated = fit([PruningCallback(Constant(0.5, at=3), calibration_batches=3, **kwargs)], max_steps=5)
+    plain = fit([PruningCallback(Constant(0.5, at=3), **kwargs)], max_steps=5)
+    assert masks(calibrated).keys() == {f"{layer}.weight_mask" for layer in LAYERS}
+    assert all(torch.equal(mask, masks(plain)[key]) for key, mask in masks(calibrated).items())
+
+
+@pytest.mark.parametrize("importance", ["activation", "obs"])
+def test_a_one_shot_event_from_a_dense_checkpoint_is_calibrated(tmp_path: Path, importance: str) -> None:
+    """A checkpoint without the callback's state (dense training) starts its schedule: the event is due and the
+    calibration batches give it statistics (before, none ran, and the event failed asking for them)."""
+    dense = TinyNet()
+    trainer = quiet_trainer([], max_steps=3, num_sanity_val_steps=0)
+    trainer.fit(dense)
+    trainer.save_checkpoint(tmp_path / "dense.ckpt")
+    callback = PruningCallback(0.5, importance=importance, scope="row", calibration_batches=2, make_permanent=False)
+    model = fit([callback], TinyNet(), max_epochs=2, max_steps=5, ckpt_path=tmp_path / "dense.ckpt")
+    for layer in LAYERS:
+        mask = model.get_submodule(layer).weight_mask
+        assert (~mask).sum(dim=1).tolist() == [mask.shape[1] // 2] * mask.shape[0], layer
+    with pytest.raises(ValueError, match=rf"importance='{importance}' needs input statistics, .* at step 3, before"):
+        fit([PruningCallback(0.5, importance=importance)], TinyNet(), max_epochs=2, ckpt_path=tmp_path / "dense.ckpt")
+
+
 def test_activation_hooks_exist_only_inside_the_window() -> None:
     seen: list[tuple[int, int]] = []
 

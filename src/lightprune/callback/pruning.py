@@ -207,7 +207,10 @@ class PruningCallback(Callback):
         calibration_batches: with ``importance="activation"`` or ``"obs"``, before training starts, run this many
             batches of the training dataloader through ``training_step`` under ``torch.no_grad()`` (eval mode,
             ``self.log`` skipped, random generators untouched) and add their statistics, so an event at time 0
-            (one-shot Wanda or SparseGPT, then fine-tuning, in one fit) has statistics. Not run when resuming.
+            (one-shot Wanda or SparseGPT, then fine-tuning, in one fit) has statistics. Run only for such an event
+            (one that prunes when training starts); otherwise skipped with a warning, so their sums never join a
+            later event's window. Not run when resuming from a checkpoint holding the callback's state; a
+            checkpoint without it (dense training) starts the schedule, calibration included.
         reconstruct: recompute the kept weights at every event so the pruned layer's output on the calibration
             data (the inputs collected in the ``activation_window`` before the event, or the ``calibration_batches``
             for an event at time 0) changes as little as possible. One meaning, two mechanisms:
@@ -550,10 +553,13 @@ class PruningCallback(Callback):
         )
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
-        self._check_first_event(fresh)
-        if fresh and self.sequential:
-            self._sequential_first_event(trainer, pl_module)
-        elif fresh and self.calibration_batches:
+        # the callback's schedule starts with this fit (also from a checkpoint without its state, a dense one)
+        now, starting = self._now(trainer), not self._resumed and self._last_event < 0
+        first_due = starting and self._resolved.target(now) > 0  # an event that prunes, before any training batch
+        self._check_first_event(first_due, now)
+        if starting and self.sequential:
+            self._sequential_first_event(trainer, pl_module, now)
+        elif first_due and self.calibration_batches:
             calibrate(
                 trainer,
                 pl_module,
@@ -561,7 +567,14 @@ class PruningCallback(Callback):
                 lambda batch: self._importance.start_batch(find_token_mask(batch, self.token_mask)),
                 lambda: self._importance.finish_batch(self._reducer(trainer, "sum")),
             )
-        self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
+        elif starting and self.calibration_batches:  # (their sums would join the first event's window)
+            rank_zero_warn(
+                f"PruningCallback: calibration_batches={self.calibration_batches} gives statistics to an event when "
+                f"training starts, but the schedule {self._resolved!r} prunes nothing at {self.unit} {now}: its "
+                "first event is ranked on its activation_window alone, and no calibration batch runs",
+                category=UserWarning,
+            )
+        self._step(trainer, pl_module, now, log_to_module=False)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -709,6 +722,7 @@ class PruningCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = True
         self._last_event = int(state_dict.get("last_event", -1))
         self._last_regrow = int(state_dict.get("last_regrow", -1))
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
@@ -733,6 +747,7 @@ class PruningCallback(Callback):
         Runs in ``setup``, before Lightning restores a checkpoint's state into the callback (``load_state_dict``).
         """
         self._resolved = None
+        self._resumed = False  # a checkpoint's state was restored into the callback (load_state_dict)
         self._last_event = -1
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
@@ -1085,36 +1100,37 @@ class PruningCallback(Callback):
         index = bisect.bisect_right(self._events, self._last_event)
         return self._events[index] if index < len(self._events) else None
 
-    def _check_first_event(self, fresh: bool) -> None:
-        """An event when training starts has no statistics to rank by, unless calibration provides them."""
-        if not fresh or self._resolved is None or self._resolved.first_event > 0 or self._resolved.target(0) == 0:
-            return  # (an event at level 0 prunes nothing, so it needs no statistics)
+    def _check_first_event(self, due: bool, now: int) -> None:
+        """An event that prunes when training starts (``due``, at ``now``) has no statistics to rank by, unless
+        calibration provides them."""
+        if not due or self._resolved is None:
+            return
         kind = self._importance.kind
         if kind == "movement":
             raise ValueError(
                 f"importance='movement' needs optimizer steps before an event, but the schedule {self._resolved!r} "
-                f"has one at {self.unit} 0: start it later"
+                f"has one at {self.unit} {now}: start it later"
             )
         if self.units is not None and self.reconstruct and not self.calibration_batches:
             raise ValueError(
                 f"reconstruct=True refits from input statistics, but the schedule {self._resolved!r} has an event at "
-                f"{self.unit} 0, before any training batch: set calibration_batches (e.g. 8) or start it later"
+                f"{self.unit} {now}, before any training batch: set calibration_batches (e.g. 8) or start it later"
             )
         if kind in choices.STATISTICS_IMPORTANCES and not self.calibration_batches:
             raise ValueError(
                 f"importance={kind!r} needs input statistics, but the schedule {self._resolved!r} has an event "
-                f"at {self.unit} 0, before any training batch: set calibration_batches (e.g. 8) or start it later"
+                f"at {self.unit} {now}, before any training batch: set calibration_batches (e.g. 8) or start it later"
             )
 
-    def _sequential_first_event(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The event at the start, block by block: calibration batches through the blocks already pruned, then the
-        block's OBS event, until every block is pruned (``sequential=True``)."""
+    def _sequential_first_event(self, trainer: Trainer, pl_module: LightningModule, now: int) -> None:
+        """The event at the start (``now``), block by block: calibration batches through the blocks already pruned,
+        then the block's OBS event, until every block is pruned (``sequential=True``)."""
         assert self._resolved is not None and self._masked is not None and self._importance.hessians is not None
-        target = self._resolved.target(0)
-        if self._resolved.first_event > 0 or target == 0:
+        target = self._resolved.target(now)
+        if target == 0:
             raise ValueError(
-                f"sequential=True calibrates an event at {self.unit} 0, but the schedule {self._resolved!r} has none "
-                "that prunes: use a one-shot schedule (a float) or a ramp starting above 0, or sequential=False"
+                f"sequential=True calibrates an event at {self.unit} {now}, but the schedule {self._resolved!r} has "
+                "none that prunes: use a one-shot schedule (a float) or a ramp starting above 0, or sequential=False"
             )
         hessians = self._importance.hessians
         for block in blocks([qualified for qualified, _, _ in self._masked.selection]):
@@ -1128,7 +1144,7 @@ class PruningCallback(Callback):
             )
             self._masked.reconstruct_to(target, hessians.hessian, only=names)
             hessians.reset()
-        self._last_event = self._resolved.first_event
+        self._last_event = self._resolved.latest_event(now)
         self._stale.expect_new()
         self._log(trainer, pl_module, target, log_to_module=False)
 
