@@ -6,6 +6,7 @@ on fixed batches without shuffling): its layers' inputs and gradients up to an e
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,25 @@ def test_calibration_batches_without_an_event_at_the_start_are_not_run_and_do_no
     plain = fit([PruningCallback(Constant(0.5, at=3), **kwargs)], max_steps=5)
     assert masks(calibrated).keys() == {f"{layer}.weight_mask" for layer in LAYERS}
     assert all(torch.equal(mask, masks(plain)[key]) for key, mask in masks(calibrated).items())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reader"),
+    [
+        ({"importance": "activation"}, "importance='activation'"),
+        ({"importance": "obs"}, "importance='obs'"),
+        ({"scope": "owl", "importance": "activation"}, "importance='activation'"),
+    ],
+)
+def test_input_statistics_of_a_projection_its_parent_calls_are_refused_at_setup(kwargs: dict, reader: str) -> None:
+    """MultiheadAttention computes with out_proj.weight without calling out_proj: before, the first event failed
+    after the training before it, asking for calibration batches that were set."""
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True), nn.Linear(8, 2))
+    callback = PruningCallback(Constant(0.5, at=2), calibration_batches=0, **kwargs)
+    with pytest.raises(ValueError, match=rf"{re.escape(reader)} records .* \['0\.self_attn\.out_proj\.weight'\]"):
+        callback.check_model(model)
+    PruningCallback(Constant(0.5, at=2), exclude=r".*out_proj\.weight", **kwargs).check_model(model)
+    PruningCallback(Constant(0.5, at=2)).check_model(model)  # magnitude reads no input
 
 
 @pytest.mark.parametrize("importance", ["activation", "obs"])

@@ -902,6 +902,8 @@ class PruningCallback(Callback):
         adapted = setup_checks.check_adapters(selection, model, self._importance.kind)
         if self.regrow is not None:
             setup_checks.check_regrowth(selection, model, self.regrow, self.masking, adapted)
+        if self._importance.kind in choices.STATISTICS_IMPORTANCES:  # (scope="owl" needs importance="activation")
+            setup_checks.refuse_unrecorded_inputs(selection, model, f"importance={self._importance.kind!r}")
         setup_checks.refuse_frozen_movement(selection, self._importance.kind)
         setup_checks.refuse_sparse_gradients(
             selection, self.mask_dtype, self.masking, self._importance.kind, self.regrow

@@ -485,6 +485,42 @@ up.weight (ConvTranspose1d, weight (4, 2, 1)) runs over its inputs: exclude it o
     return biases
 
 
+def called_by_their_parent(selection: Selection, model: nn.Module) -> list[str]:
+    """The selected tensors whose module's forward never runs because its parent computes with the weight itself:
+    the ``out_proj`` of ``nn.MultiheadAttention``. Hooks on those modules see nothing.
+
+    Example:
+        >>> attention = nn.MultiheadAttention(4, 2)
+        >>> called_by_their_parent([("out_proj.weight", attention.out_proj, "weight")], attention)
+        ['out_proj.weight']
+    """
+    out_projections = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    return [q for q, module, _ in selection if id(module) in out_projections]
+
+
+def refuse_unrecorded_inputs(selection: Selection, model: nn.Module, reader: str) -> None:
+    """Refuse input statistics (``reader``: the option reading them) for tensors whose module's forward never runs
+    (:func:`called_by_their_parent`), naming them: their inputs cannot be recorded, and the first event would fail
+    for want of statistics after the training before it.
+
+    Example:
+        >>> attention = nn.MultiheadAttention(4, 2)
+        >>> refuse_unrecorded_inputs(  # doctest: +ELLIPSIS
+        ...     [("out_proj.weight", attention.out_proj, "weight")], attention, "importance='activation'"
+        ... )
+        Traceback (most recent call last):
+        ...
+        ValueError: importance='activation' records each layer's inputs in its forward, which never runs for ...
+    """
+    unseen = called_by_their_parent(selection, model)
+    if unseen:
+        raise ValueError(
+            f"{reader} records each layer's inputs in its forward, which never runs for the MultiheadAttention "
+            f"projections {unseen[:3]} (their parent computes with their weights): exclude them (for example "
+            "exclude=[r'.*out_proj\\.weight']) or use another importance"
+        )
+
+
 def check_regrowth(
     selection: Selection, model: nn.Module, regrow: str, masking: str, adapted: Mapping[str, Any]
 ) -> None:
@@ -510,8 +546,7 @@ def check_regrowth(
         )
     if regrow != "rigl" or masking == "inplace":
         return
-    out_projections = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    unseen = [q for q, module, _ in selection if id(module) in out_projections]
+    unseen = called_by_their_parent(selection, model)
     if unseen:
         raise ValueError(
             f"regrow='rigl' with masking='reparametrize' collects dense gradients from each module's own forward, "
