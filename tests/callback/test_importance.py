@@ -134,6 +134,59 @@ def test_input_statistics_of_a_projection_its_parent_calls_are_refused_at_setup(
     PruningCallback(Constant(0.5, at=2)).check_model(model)  # magnitude reads no input
 
 
+class TwoLoaders(TinyNet):
+    """Trained on a dict of two loaders: every batch is ``{"a": batch, "b": batch}``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return sum(super(TwoLoaders, self).training_step(part, batch_idx) for part in batch.values())
+
+    def train_dataloader(self) -> Any:
+        return {"a": super().train_dataloader(), "b": super().train_dataloader()}
+
+
+class Manual(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+class FromIterator(TinyNet):
+    def training_step(self, dataloader_iter: Any) -> Tensor:
+        batch, _, _ = next(dataloader_iter)
+        return super().training_step(batch, 0)
+
+
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [(TinyNet, {"precision": "bf16-true"}), (TinyNet, {"precision": "64-true"}), (TwoLoaders, {})],
+)
+@pytest.mark.parametrize("importance", ["activation", "obs"])
+def test_calibration_batches_are_the_batches_training_step_gets(model: type, options: dict, importance: str) -> None:
+    """Converted to the precision's dtype, combined from several loaders (before: a dtype error, or the dict's keys
+    handed to training_step as batches)."""
+    callback = PruningCallback(0.5, importance=importance, scope="row", calibration_batches=2, make_permanent=False)
+    pruned = fit([callback], model(), max_steps=2, **options)
+    for layer in LAYERS:
+        mask = pruned.get_submodule(layer).weight_mask
+        assert (~mask).sum(dim=1).tolist() == [mask.shape[1] // 2] * mask.shape[0], layer
+
+
+@pytest.mark.parametrize(("model", "reason"), [(Manual, "a manual-optimization"), (FromIterator, "dataloader_iter")])
+def test_a_training_step_calibration_cannot_run_is_refused_before_training(model: type, reason: str) -> None:
+    module = model()
+    before = {key: value.clone() for key, value in module.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"calibration_batches .*{reason}"):
+        fit([PruningCallback(0.5, importance="activation", calibration_batches=2)], module, max_steps=2)
+    assert all(torch.equal(value, before[key]) for key, value in module.state_dict().items())
+    fit([PruningCallback(Constant(0.5, at=1), importance="activation")], model(), max_steps=2)  # a window serves
+
+
 @pytest.mark.parametrize("importance", ["activation", "obs"])
 def test_a_one_shot_event_from_a_dense_checkpoint_is_calibrated(tmp_path: Path, importance: str) -> None:
     """A checkpoint without the callback's state (dense training) starts its schedule: the event is due and the

@@ -10,7 +10,7 @@ sampler or dropout would otherwise change the training run that follows).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,30 +54,82 @@ def calibrate(
         ...     def training_step(self, batch, batch_idx):
         ...         self.seen.append((batch_idx, self.training, torch.is_grad_enabled()))
         ...         return self.layer(batch).sum()
-        >>> strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
-        >>> trainer = SimpleNamespace(train_dataloader=[torch.ones(1, 2)] * 5, strategy=strategy)
+        >>> strategy = SimpleNamespace(batch_to_device=lambda batch, dataloader_idx: batch)
+        >>> precision = SimpleNamespace(convert_input=lambda batch: batch, train_step_context=contextlib.nullcontext)
+        >>> loader = torch.utils.data.DataLoader(torch.ones(5, 2), batch_size=1)
+        >>> trainer = SimpleNamespace(train_dataloader=loader, strategy=strategy, precision_plugin=precision)
         >>> module = Tiny()
         >>> calibrate(trainer, module, 2, lambda batch: None, lambda: None), module.seen, module.training
         (2, [(0, False, False), (1, False, False)], True)
     """
-    loader: Any = trainer.train_dataloader
-    if loader is None:
-        raise ValueError("calibration_batches needs the training dataloader, which this fit does not have")
+    refuse_uncalibratable(pl_module)
+    loader = _training_batches(trainer, "calibration_batches needs the training dataloader")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     done = 0
     with torch.random.fork_rng(devices=devices), _quiet_eval(pl_module), torch.no_grad():
         for index, batch in enumerate(loader):
             if index >= batches:
                 break
-            batch = trainer.strategy.batch_to_device(batch)
+            batch = _as_trained_on(trainer, pl_module, batch)
             start_batch(batch)
             try:
-                pl_module.training_step(batch, index)
+                with trainer.precision_plugin.train_step_context():  # autocast; the -true precisions' default dtype
+                    pl_module.training_step(batch, index)
             finally:
                 finish_batch()
             done += 1
     reshard(pl_module)
     return done
+
+
+def refuse_uncalibratable(pl_module: LightningModule) -> None:
+    """Refuse, naming the reason, a ``training_step`` calibration cannot run forward under ``torch.no_grad()``: one
+    that steps its optimizers itself (manual optimization) or takes the dataloader's iterator.
+
+    Example:
+        >>> class Manual(LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        >>> refuse_uncalibratable(Manual())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: calibration_batches runs training_step forward under torch.no_grad(), which a manual-optimization...
+    """
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    if not pl_module.automatic_optimization:
+        raise ValueError(
+            "calibration_batches runs training_step forward under torch.no_grad(), which a manual-optimization "
+            "training_step (manual_backward, optimizer.step) cannot run: start the schedule after a few steps, so "
+            "that the activation_window before its first event gives the statistics"
+        )
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        raise ValueError(
+            "calibration_batches hands training_step one batch at a time, but this training_step takes "
+            "dataloader_iter: start the schedule after a few steps, so that the activation_window before its first "
+            "event gives the statistics"
+        )
+
+
+def _training_batches(trainer: Trainer, needs: str) -> Iterable[Any]:
+    """The training batches as ``training_step`` receives them: from one dataloader, or combined from several (a
+    dict or list of them) in the fit's mode."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loader: Any = trainer.train_dataloader
+    if loader is None:
+        raise ValueError(f"{needs}, which this fit does not have")
+    mode = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    return (batch for batch, _, _ in CombinedLoader(loader, mode=getattr(mode, "_mode", "max_size_cycle")))
+
+
+def _as_trained_on(trainer: Trainer, pl_module: LightningModule, batch: Any) -> Any:
+    """``batch`` as the training loop hands it to ``training_step``: the precision's input conversion, the module's
+    batch-transfer hooks and the device."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 def reshard(pl_module: LightningModule) -> None:
@@ -103,15 +155,18 @@ def first_batch(trainer: Trainer) -> Any:
 
     Example:
         >>> from types import SimpleNamespace
-        >>> strategy = SimpleNamespace(batch_to_device=lambda batch: batch)
-        >>> first_batch(SimpleNamespace(train_dataloader=[torch.ones(1, 2)] * 3, strategy=strategy)).shape
+        >>> module = LightningModule()
+        >>> strategy = SimpleNamespace(batch_to_device=lambda batch, dataloader_idx: batch)
+        >>> precision = SimpleNamespace(convert_input=lambda batch: batch)
+        >>> loader = torch.utils.data.DataLoader(torch.ones(3, 2), batch_size=1)
+        >>> trainer = SimpleNamespace(train_dataloader=loader, strategy=strategy, precision_plugin=precision)
+        >>> trainer.lightning_module = module
+        >>> first_batch(trainer).shape
         torch.Size([1, 2])
     """
-    loader: Any = trainer.train_dataloader
-    if loader is None:
-        raise ValueError("finding units needs a training batch, and this fit has no training dataloader")
+    loader = _training_batches(trainer, "finding units needs a training batch from the training dataloader")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         for batch in loader:
-            return trainer.strategy.batch_to_device(batch)
+            return _as_trained_on(trainer, trainer.lightning_module, batch)
     raise ValueError("finding units needs a training batch, and the training dataloader is empty")

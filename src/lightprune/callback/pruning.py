@@ -206,10 +206,11 @@ class PruningCallback(Callback):
             many units of time (optimizer steps, or epochs) before each event; outside the window no hook is attached.
         calibration_batches: with ``importance="activation"`` or ``"obs"``, before training starts, run this many
             batches of the training dataloader through ``training_step`` under ``torch.no_grad()`` (eval mode,
-            ``self.log`` skipped, random generators untouched) and add their statistics, so an event at time 0
-            (one-shot Wanda or SparseGPT, then fine-tuning, in one fit) has statistics. Run only for such an event
-            (one that prunes when training starts); otherwise skipped with a warning, so their sums never join a
-            later event's window. Not run when resuming from a checkpoint holding the callback's state; a
+            ``self.log`` skipped, random generators untouched, each batch prepared as the training loop prepares it;
+            refused for manual optimization and a ``dataloader_iter`` step) and add their statistics, so an event
+            at time 0 (one-shot Wanda or SparseGPT, then fine-tuning, in one fit) has statistics. Run only for
+            such an event (one that prunes when training starts); otherwise skipped with a warning, so their sums
+            never join a later event's window. Not run when resuming from a checkpoint holding the callback's state; a
             checkpoint without it (dense training) starts the schedule, calibration included.
         reconstruct: recompute the kept weights at every event so the pruned layer's output on the calibration
             data (the inputs collected in the ``activation_window`` before the event, or the ``calibration_batches``
@@ -1199,6 +1200,7 @@ class PruningCallback(Callback):
                 reduce_fx="max",
                 prog_bar=True,
                 sync_dist=True,
+                batch_size=1,  # a maximum weighs no batch; a dataloader_iter training_step has none to infer it from
             )
 
     @property
