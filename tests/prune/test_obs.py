@@ -98,6 +98,8 @@ def reference(
                 masked - start[r]
             ):
                 w[r] = masked
+    else:  # no update: the dead columns were zeroed for the ranking only, the kept weights stay as they were
+        w = weight.double() * kept
     return w, kept
 
 
@@ -206,6 +208,22 @@ def test_dead_inputs_give_no_nan_and_zero_weights() -> None:
     prune.obs_unstructured(layer, "weight", prune.input_second_moment(layer, x), amount=0.25)
     assert bool(torch.isfinite(layer.weight).all())
     assert torch.equal(layer.weight[:, 2], torch.zeros(4))
+
+
+def test_without_reconstruction_dead_inputs_rank_first_and_kept_weights_stay() -> None:
+    """``reconstruct=False`` leaves the kept weights as they are: the dead columns are zeroed for the ranking only
+    (before, they were zeroed in the layer too: 6 zeros a row under a mask of 4)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    x[:, 2:8] = 0  # six dead input features, two of them kept in each row
+    layer = nn.Linear(8, 4)
+    weight = layer.weight.detach().clone()
+    prune.obs_unstructured(layer, "weight", prune.input_second_moment(layer, x), amount=0.5, per_row=True,
+                           reconstruct=False)  # fmt: skip
+    kept = layer.weight_mask.bool()
+    assert kept.sum(dim=1).tolist() == [4] * 4
+    assert torch.equal(layer.weight, torch.where(kept, weight, 0))
+    assert int((layer.weight == 0).sum()) == 16
 
 
 def test_transformers_conv1d_is_the_transposed_linear() -> None:

@@ -450,8 +450,10 @@ def sparsegpt(
         w[:, i1:i2] = quantized
         if reconstruct and i2 < columns:
             w[:, i2:] -= errors @ upper[i1:i2, i2:]
-    if before is not None:
-        _keep_better_rows(w, before, kept, hessian.to(w.device, dtype))
+    if before is None:  # the kept weights as they were (the dead columns were zeroed for the ranking only)
+        original = weight.detach()
+        return torch.where(kept.to(original.device), original, torch.zeros((), dtype=original.dtype)), kept
+    _keep_better_rows(w, before, kept, hessian.to(w.device, dtype))
     return w.to(weight.dtype), kept
 
 
