@@ -228,7 +228,7 @@ class Tied(Frozen):
         (
             {"schedule": 0.5, "calibration_batches": 1},
             Tied,
-            r"reconstruct=True rewrites the kept weights of Linear\.weight, which is tied to \['embedding\.weight'\]",
+            r"reconstruct=True rewrites the kept weights of net\.4\.weight, which is tied to \[.embedding\.weight.\]",
         ),
         ({"schedule": Constant(0.5, at=1)}, WithConv3d, r"OBS pruning cannot handle conv\.weight \(Conv3d\)"),
         (

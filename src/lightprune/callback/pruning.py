@@ -899,7 +899,7 @@ class PruningCallback(Callback):
             biases = setup_checks.channel_biases(selection)
         ties = setup_checks.find_ties(selection, parameter_owners(model))
         if self.reconstruct:
-            setup_checks.refuse_reconstructing_ties(ties)
+            setup_checks.refuse_reconstructing_ties(ties, selection)
         adapted = setup_checks.check_adapters(selection, model, self._importance.kind)
         if self.regrow is not None:
             setup_checks.check_regrowth(selection, model, self.regrow, self.masking, adapted)

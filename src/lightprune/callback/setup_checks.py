@@ -605,18 +605,27 @@ def find_ties(
     return ties
 
 
-def refuse_reconstructing_ties(ties: list[tuple[nn.Module, str, list[tuple[str, nn.Module, str]]]]) -> None:
+def refuse_reconstructing_ties(
+    ties: list[tuple[nn.Module, str, list[tuple[str, nn.Module, str]]]], selection: Selection
+) -> None:
     """OBS's reconstruction rewrites the kept weights for the selected layer's own output; a tensor tied to another
     module (GPT-2's ``lm_head`` is its input embedding) would change there too, for inputs the update never saw.
 
     Example:
-        >>> refuse_reconstructing_ties([])
+        >>> head, embedding = nn.Linear(4, 3, bias=False), nn.Embedding(3, 4)
+        >>> head.weight = embedding.weight
+        >>> ties = [(head, "weight", [("embed.weight", embedding, "weight")])]
+        >>> refuse_reconstructing_ties(ties, [("head.weight", head, "weight")])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: reconstruct=True rewrites the kept weights of head.weight, which is tied to ['embed.weight']: ...
     """
     if not ties:
         return
     module, name, others = ties[0]
+    qualified = next((q for q, m, n in selection if m is module and n == name), f"{type(module).__name__}.{name}")
     raise ValueError(
-        f"reconstruct=True rewrites the kept weights of {type(module).__name__}.{name}, which is tied to "
+        f"reconstruct=True rewrites the kept weights of {qualified}, which is tied to "
         f"{[q for q, _, _ in others][:3]}: the update fits this layer's output only and would change theirs too; "
         "exclude the tied tensor or set reconstruct=False"
     )
