@@ -81,6 +81,34 @@ def test_sums_shares_and_reduce_match_a_token_by_token_reference(
             torch.testing.assert_close(stats.total(name, key), expected * ranks)
 
 
+@pytest.mark.parametrize("order", ["aux first", "proj first"])
+def test_a_module_applied_to_another_input_too_sums_its_own(order: str) -> None:
+    """``aux(a)`` and a shared ``proj(a) + proj(b)``: proj read aux's input first, then one aux never read. Before,
+    proj kept sharing aux's sums (``a`` alone); and aux, reading ``a`` only, must not take proj's ``b`` either."""
+    generator = torch.Generator().manual_seed(0)
+    aux, proj = nn.Linear(3, 2), nn.Linear(3, 2)
+    recorded = [
+        feature_sums(name, layer, 3, moments=True, outer=True) for name, layer in (("aux", aux), ("proj", proj))
+    ]
+    stats = InputStatistics(recorded, share_inputs=True)
+    inputs: dict[str, list[Tensor]] = {"aux": [], "proj": []}
+    for _ in range(2):
+        a, b = torch.randn(4, 3, generator=generator), torch.randn(4, 3, generator=generator)
+        stats.start()
+        if order == "aux first":
+            aux(a), proj(a), proj(b)
+        else:
+            proj(a), proj(b), aux(a)
+        stats.finish_batch(lambda flat: flat)
+        inputs["aux"].append(a)
+        inputs["proj"] += [a, b]
+    assert stats.shares["proj"] == "proj" and stats.shares["aux"] == "aux"
+    for name, seen in inputs.items():
+        rows = torch.cat(seen)
+        torch.testing.assert_close(stats.total(name, "outer"), rows.T @ rows, msg=name)
+        assert stats.calls[name] == len(seen)
+
+
 def test_activation_state_keeps_its_checkpoint_format_and_loads_it() -> None:
     """The keys and value types the checkpoints of earlier versions hold; a round trip gives equal moments."""
     layer = nn.Linear(3, 2)

@@ -16,6 +16,8 @@ units' refit the per-feature sums, token counts and ``X^T X`` of the consuming p
   at a time (no concatenated copy of every ``H``).
 * **Shared inputs.** With ``share_inputs=True``, layers that read the very same input tensor in a forward (the query,
   key and value projections of an attention block) sum one set of statistics, owned by the first layer that read it.
+  Sharing holds only for layers that read exactly the owner's inputs in every call: a shared module applied to
+  another input too (``aux(a)``, then ``proj(a) + proj(b)``) sums its own, found in its first batch.
 * **Checkpoint state.** :meth:`~InputStatistics.state_dict` / :meth:`~InputStatistics.load_state_dict` hold the
   totals, forward counts and shares; loading checks every name and shape against the recorded layers.
 
@@ -207,6 +209,8 @@ class InputStatistics:
         self._pending_calls: dict[str, int] = {}
         self._handles: list[Any] = []
         self._inputs: dict[tuple[Any, ...], tuple[str, Tensor]] = {}  # this batch's inputs -> first layer reading
+        self._read: dict[str, list[tuple[Any, ...]]] = {}  # this batch's inputs of each layer, by key, in order
+        self._verified: set[str] = set()  # layers whose sharing (or not) a whole batch confirmed
         self._mask: Tensor | None = None
 
     # --------------------------------------------------------------------------------------------------------------
@@ -240,37 +244,67 @@ class InputStatistics:
             x = args[0] if args else None
             if not isinstance(x, Tensor) or recording_paused():
                 return
-            if self.share_inputs and self._owner(recorded, x) != name:
-                return  # the layer that read this very input first sums it for both
+            if self.share_inputs:
+                key = self._key(recorded, x)
+                self._read.setdefault(name, []).append(key)
+                if name not in self._verified:  # held to the batch's end: ids stay unique, and a layer found not
+                    self._inputs.setdefault(key, (name, x))  # to share after all can sum what it read
+                if self._owner(recorded, key, x) != name:
+                    return  # the layer that read this very input first sums it for both (checked at the batch's end)
             pending = self._pending.get(name)
             if pending is None:  # shared until this batch found it reads its own input: it cannot sum it now
                 return
-            # sums in their own dtype: a mixed-precision forward runs its hooks under autocast, whose matmul would
-            # compute X^T X in bfloat16 or float16
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                if recorded.tokens:
-                    x = real_positions(x.detach(), self._mask)
-                recorded.add(x.detach(), pending)
-            self._pending_calls[name] += 1
+            self._add(recorded, x, pending)
 
         return collect
 
-    def _owner(self, recorded: Recorded, x: Tensor) -> str:
-        """Which layer sums this input: the first to read the same tensor the first time both were seen."""
-        known = self.shares.get(recorded.name)
-        if known is not None:
-            return known
+    def _add(self, recorded: Recorded, x: Tensor, pending: dict[str, Tensor]) -> None:
+        # sums in their own dtype: a mixed-precision forward runs its hooks under autocast, whose matmul would
+        # compute X^T X in bfloat16 or float16
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            if recorded.tokens:
+                x = real_positions(x.detach(), self._mask)
+            recorded.add(x.detach(), pending)
+        self._pending_calls[recorded.name] += 1
+
+    @staticmethod
+    def _key(recorded: Recorded, x: Tensor) -> tuple[Any, ...]:
+        """An input, as layers reading it alike see it: the tensor, and a convolution's window over it."""
         conv = recorded.module if isinstance(recorded.module, (nn.Conv1d, nn.Conv2d)) else None
         layout = (
             None if conv is None else (conv.kernel_size, conv.stride, conv.padding, conv.dilation, type(conv).__name__)
         )
-        owner, _ = self._inputs.setdefault((id(x), layout), (recorded.name, x))  # held: no other tensor takes its id
+        return (id(x), layout)
+
+    def _owner(self, recorded: Recorded, key: tuple[Any, ...], x: Tensor) -> str:
+        """Which layer sums this input: the first to read the same tensor the first time both were seen."""
+        known = self.shares.get(recorded.name)
+        if known is not None:
+            return known
+        owner, _ = self._inputs.setdefault(key, (recorded.name, x))  # held: no other tensor takes its id
         self.shares[recorded.name] = owner
         return owner
+
+    def _check_shares(self) -> None:
+        """At the end of the first batch a layer ran in: a layer sharing its owner's statistics must have read
+        exactly the owner's inputs; one that read others sums its own from now on, this batch's inputs included
+        (held until now)."""
+        for name in [n for n in self._read if n not in self._verified]:
+            owner = self.shares.get(name, name)
+            self._verified.add(name)
+            if owner == name or self._read[name] == self._read.get(owner):
+                continue
+            self.shares[name] = name
+            recorded = self.recorded[name]
+            self._pending[name], self._pending_calls[name] = recorded.zeros(), 0
+            for key in self._read[name]:
+                self._add(recorded, self._inputs[key][1], self._pending[name])
 
     def finish_batch(self, reduce: Reduce) -> None:
         """Stop recording; sum this batch's statistics across processes (``reduce``: a sum all-reduce) and add them
         to the totals. Every process must call it at the same batches."""
+        if self.share_inputs:
+            self._check_shares()
         self._detach()
         names = [n for n in self.recorded if n in self._pending and self.shares.get(n, n) == n]
         if not self.together:
@@ -313,7 +347,7 @@ class InputStatistics:
     def _detach(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._inputs, self._mask = [], {}, None
+        self._handles, self._inputs, self._read, self._mask = [], {}, {}, None
 
     def stop(self) -> None:
         """Remove the hooks and drop the batch in progress (an exception, the end of fit); the totals stay."""
@@ -387,3 +421,4 @@ class InputStatistics:
         self.calls = {str(k): int(v) for k, v in calls.items()}
         if shares is not None:
             self.shares = {str(k): str(v) for k, v in shares.items()}
+            self._verified = set(self.shares)  # checked when found
