@@ -44,8 +44,9 @@ __all__ = [
 ]
 
 DEFAULT_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-"""Modules whose ``weight`` is pruned by default. Subclasses count too (e.g. ``nn.LazyLinear`` and the ``out_proj`` of
-``nn.MultiheadAttention``); transposed convolutions, norms and embeddings do not."""
+"""Modules whose ``weight`` is pruned by default. Subclasses count too (e.g. ``nn.LazyLinear``, once a forward has
+materialized it, and the ``out_proj`` of ``nn.MultiheadAttention``); transposed convolutions, norms and embeddings do
+not."""
 
 _ORIG_SUFFIX = "_orig"
 

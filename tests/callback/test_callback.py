@@ -891,6 +891,29 @@ class SparseEmbedding(TinyNet):
         return self.net(self.embed((x.abs() * 5).long().clamp(max=19)).mean(dim=1))
 
 
+class Lazy(TinyNet):
+    """The first layer is an ``nn.LazyLinear``: materialized by its first forward, or in ``setup`` when asked."""
+
+    def __init__(self, materialize: bool) -> None:
+        super().__init__()
+        self.net[0] = nn.LazyLinear(16)
+        self.materialize = materialize
+
+    def setup(self, stage: str) -> None:
+        if self.materialize:
+            self(torch.zeros(1, 8))
+
+
+def test_a_lazy_module_not_yet_materialized_is_refused_naming_it() -> None:
+    """Before, setup failed inside a size check with torch's message, which names no tensor."""
+    with pytest.raises(ValueError, match=r"\['net\.0\.weight'\] belong to lazy modules not yet initialized"):
+        PruningCallback(0.5).check_model(Lazy(materialize=False))
+    with pytest.raises(ValueError, match=r"\['net\.0\.weight'\] belong to lazy modules not yet initialized"):
+        fit(PruningCallback(0.5), Lazy(materialize=False))
+    model, _ = fit(PruningCallback(Constant(0.5, at=2)), Lazy(materialize=True))
+    assert sum(zeros(w) for w in weights(model).values()) == N // 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "refused"),
     [

@@ -848,7 +848,9 @@ class PruningCallback(Callback):
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
         if self.parameters is not None:
-            return resolve_pairs(model, self.parameters)
+            pairs = resolve_pairs(model, self.parameters)
+            setup_checks.refuse_uninitialized(pairs)
+            return pairs
         unmatched = unmatched_patterns(model, self.include, self.exclude)
         if unmatched:  # a pattern matches the whole qualified name: "fc1.weight" is not "model.fc1.weight"
             rank_zero_warn(
@@ -863,6 +865,7 @@ class PruningCallback(Callback):
             module_types=self.module_types,
             parameter_names=self.parameter_names,
         )
+        setup_checks.refuse_uninitialized(selection)
         for pattern, names in includes_left_out(model, selection, self.include).items():
             rank_zero_warn(
                 f"PruningCallback: include pattern {pattern!r} matches {names}, but module_types / parameter_names / "

@@ -355,6 +355,28 @@ def check_adapters(selection: Selection, model: nn.Module, importance: str) -> d
     return adapted
 
 
+def refuse_uninitialized(selection: Selection) -> None:
+    """Refuse, naming them, selected tensors of lazy modules (``nn.LazyLinear``...) not yet materialized: the
+    selection is made when fit starts, before any forward, and its counts need their shapes.
+
+    Example:
+        >>> refuse_uninitialized([("fc.weight", nn.LazyLinear(2), "weight")])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: ['fc.weight'] belong to lazy modules not yet initialized when fit starts: ...
+    """
+    lazy = [
+        q
+        for q, module, name in selection
+        if isinstance(prune.original(module, name), nn.parameter.UninitializedParameter)
+    ]
+    if lazy:
+        raise ValueError(
+            f"{lazy[:3]} belong to lazy modules not yet initialized when fit starts: the selection needs their shapes; "
+            "run one forward on an example input first (in LightningModule.setup or configure_model), or exclude them"
+        )
+
+
 def refuse_frozen_movement(selection: Selection, importance: str, when: str = "at setup") -> None:
     """Under movement importance, refuse frozen selected tensors (``requires_grad=False``), naming them: without
     gradients their score is zero everywhere, and an event would prune them in index order. (Dynamic sparse training
