@@ -35,6 +35,8 @@ __all__ = [
     "compile_patterns",
     "includes_left_out",
     "parameter_owners",
+    "parametrized_hint",
+    "parametrized_left_out",
     "patterns_matching_none",
     "pruned_tensor_names",
     "resolve_module_types",
@@ -304,6 +306,64 @@ def check_parameter_names(parameter_names: Any) -> None:
         )
 
 
+def parametrized_hint(module: nn.Module, name: str) -> str:
+    """Where the tensors behind ``module.<name>`` are when a ``torch.nn.utils.parametrize`` parametrization computes
+    it (``""`` when none does): the ``original`` Parameters to prune instead.
+
+    Example:
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> parametrized_hint(weight_norm(nn.Linear(2, 2)), "weight")  # doctest: +ELLIPSIS
+        "'weight' is computed by a torch.nn.utils.parametrize parametrization (_WeightNorm) from ['original0', ..."
+    """
+    from torch.nn.utils import parametrize
+
+    if not parametrize.is_parametrized(module, name):
+        return ""
+    parametrizations = module.parametrizations[name]
+    kinds = ", ".join(type(p).__name__ for p in parametrizations)
+    originals = [n for n, _ in parametrizations.named_parameters(recurse=False)]
+    return (
+        f"{name!r} is computed by a torch.nn.utils.parametrize parametrization ({kinds}) from {originals}: prune "
+        f"those, e.g. (module.parametrizations.{name}, {originals[-1]!r}), when the parametrization keeps zeros"
+    )
+
+
+def parametrized_left_out(
+    model: nn.Module,
+    module_types: Sequence[type[nn.Module]] | type[nn.Module] | None = DEFAULT_MODULE_TYPES,
+    parameter_names: Sequence[str] | str | None = ("weight",),
+    exclude: Sequence[str] | str | None = None,
+) -> list[str]:
+    r"""The qualified names of tensors :func:`select_parameters` would select but cannot: computed by a
+    ``torch.nn.utils.parametrize`` parametrization (the new ``weight_norm``, ``spectral_norm``, ``orthogonal``), so
+    not Parameters of their module. ``exclude`` patterns leave them out here too.
+
+    Example:
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> parametrized_left_out(nn.Sequential(weight_norm(nn.Linear(2, 2)), nn.Linear(2, 2)))
+        ['0.weight']
+    """
+    from torch.nn.utils import parametrize
+
+    if isinstance(module_types, type):
+        module_types = (module_types,)
+    types = tuple(module_types) if module_types is not None else (nn.Module,)
+    excludes = compile_patterns("exclude", exclude)
+    found = []
+    for prefix, module in model.named_modules():
+        if not isinstance(module, types) or not parametrize.is_parametrized(module):
+            continue
+        for name in module.parametrizations:
+            if parameter_names is not None and name not in (
+                (parameter_names,) if isinstance(parameter_names, str) else parameter_names
+            ):
+                continue
+            qualified = _qualify(prefix, name)
+            if not any(pattern.fullmatch(qualified) for pattern in excludes):
+                found.append(qualified)
+    return found
+
+
 def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> list[tuple[str, nn.Module, str]]:
     """Turn explicit ``(module, name)`` pairs into ``(qualified_name, module, name)`` triples.
 
@@ -350,6 +410,8 @@ def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> l
             base = name[: -len(_ORIG_SUFFIX)]
             if name.endswith(_ORIG_SUFFIX) and base in parameters:
                 hint = f" ({name!r} holds the original values of the pruned tensor {base!r}; pass {base!r})"
+            elif parametrized_hint(module, name):
+                hint = f" ({parametrized_hint(module, name)})"
             where = f"module {prefix!r}" if prefix else "the model itself"
             raise ValueError(
                 f"{where} ({type(module).__name__}) has no parameter {name!r}; "

@@ -891,6 +891,25 @@ class SparseEmbedding(TinyNet):
         return self.net(self.embed((x.abs() * 5).long().clamp(max=19)).mean(dim=1))
 
 
+def test_layers_under_a_parametrization_are_named_where_the_selection_cannot_take_them() -> None:
+    """``torch.nn.utils.parametrizations.weight_norm``: ``weight`` is computed, not a Parameter. Before, the default
+    selection skipped the layer without a word, and an explicit pair was refused as a missing parameter."""
+    model = TinyNet()
+    model.net[0] = nn.utils.parametrizations.weight_norm(model.net[0])
+    with pytest.warns(UserWarning, match=r"\['net\.0\.weight'\] are computed by torch\.nn\.utils\.parametrize"):
+        PruningCallback(0.5).check_model(model)
+    with pytest.raises(
+        ValueError, match=r"'weight' is computed by .*\(_WeightNorm\) from \['original0', 'original1'\]"
+    ):
+        PruningCallback(0.5, parameters=[(model.net[0], "weight")]).check_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PruningCallback(0.5, exclude=r"net\.0\..*").check_model(model)
+    callback = PruningCallback(0.5, parameters=[(model.net[0].parametrizations.weight, "original1")])
+    pruned, _ = fit(callback, model, max_epochs=1)
+    assert zeros(pruned.net[0].weight) == 64  # the forward's weight: weight_norm keeps the original's zeros
+
+
 class Lazy(TinyNet):
     """The first layer is an ``nn.LazyLinear``: materialized by its first forward, or in ``setup`` when asked."""
 

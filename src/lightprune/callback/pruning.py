@@ -60,6 +60,7 @@ from lightprune.selection import (
     compile_patterns,
     includes_left_out,
     parameter_owners,
+    parametrized_left_out,
     resolve_module_types,
     resolve_pairs,
     select_parameters,
@@ -866,6 +867,15 @@ class PruningCallback(Callback):
             parameter_names=self.parameter_names,
         )
         setup_checks.refuse_uninitialized(selection)
+        parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude)
+        if parametrized:
+            rank_zero_warn(
+                f"PruningCallback: {parametrized[:3]} are computed by torch.nn.utils.parametrize parametrizations, "
+                "so the selection leaves them out: prune their originals by name (for weight_norm: "
+                "'...parametrizations.weight.original1', with module_types=None and parameter_names=None), or "
+                "exclude them",
+                category=UserWarning,
+            )
         for pattern, names in includes_left_out(model, selection, self.include).items():
             rank_zero_warn(
                 f"PruningCallback: include pattern {pattern!r} matches {names}, but module_types / parameter_names / "
