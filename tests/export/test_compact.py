@@ -286,6 +286,32 @@ def test_concatenation():
     assert_same_function(small, model, (torch.randn(5, 3, 4, 4),))
 
 
+def test_concatenation_with_the_model_input_dense_net_style():
+    """``cat([x, relu(c1(x))])``, then ``cat`` of that with ``c2``'s output: the input's channels are kept, the
+    pruned ones of c1 and c2 removed (before, an operand no layer made stopped compact at every later cat)."""
+
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(9, 6, 3, padding=1)
+            self.head = nn.Conv2d(15, 4, 1)
+
+        def forward(self, x):
+            x = torch.cat([x, torch.relu(self.c1(x))], 1)
+            x = torch.cat([x, torch.relu(self.c2(x))], dim=1)
+            return self.head(x)
+
+    torch.manual_seed(8)
+    model = _randomize(Dense())
+    prune.ln_structured(model.c1, "weight", amount=0.5, n=2, dim=0)
+    prune.ln_structured(model.c2, "weight", amount=0.5, n=2, dim=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        small = compact(model, torch.randn(2, 3, 6, 6))
+    assert weights(small) == {"c1.weight": (3, 3, 3, 3), "c2.weight": (3, 6, 3, 3), "head.weight": (4, 9, 1, 1)}
+    assert_same_function(small, model, (torch.randn(5, 3, 6, 6),))
+
+
 def test_channels_reaching_an_unsupported_operation_are_kept():
     class Softmaxed(nn.Module):
         def __init__(self):

@@ -578,15 +578,33 @@ class _Analysis:
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
         if not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(dim, int):
             return None
-        parts = [self.tracked(t) for t in tensors]
         ndim = len(self.shape(node) or ())
-        if not ndim or any(p is None or p.dim != dim % ndim for p in parts):
+        tracked = [self.tracked(t) for t in tensors]
+        if not ndim or all(p is None for p in tracked):
+            return None
+        parts = [
+            self.untracked_part(t, dim % ndim, ndim) if p is None else p for p, t in zip(tracked, tensors, strict=True)
+        ]
+        if any(p is None or p.dim != dim % ndim for p in parts):
             return None
         return _Channels(
             dim % ndim,
             [i for p in parts for i in p.ids],
             torch.cat([p.const for p in parts]),
             torch.cat([p.is_const for p in parts]),
+        )
+
+    def untracked_part(self, arg: Any, dim: int, ndim: int) -> _Channels | None:
+        """An operand of a concatenation whose channels no layer made (the model's input): new channels, kept."""
+        shape = self.shape(arg) if isinstance(arg, fx.Node) else None
+        if shape is None or len(shape) != ndim:
+            return None
+        count = int(shape[dim])
+        return _Channels(
+            dim,
+            self.new_ids(count, pinned=True),
+            torch.zeros(count, dtype=torch.float64),
+            torch.zeros(count, dtype=torch.bool),
         )
 
     def kept_pruned_channels(self) -> dict[tuple[str, str], int]:
