@@ -217,6 +217,19 @@ def test_a_failed_save_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
 
 
+def test_an_overwritten_file_keeps_its_permissions_and_a_missing_folder_is_named(tmp_path):
+    """As ``torch.save`` and ``safetensors.torch.save_file`` (before: 0o600 became 0o644, and a missing folder was
+    reported under the hidden temporary file's name)."""
+    path = tmp_path / "m.safetensors"
+    save_sparse({"w": torch.zeros(4)}, path)
+    path.chmod(0o600)
+    save_sparse({"w": torch.ones(4)}, path)
+    assert path.stat().st_mode & 0o777 == 0o600 and torch.equal(load_sparse(path)["w"], torch.ones(4))
+    missing = tmp_path / "no_such_folder" / "m.safetensors"
+    with pytest.raises(FileNotFoundError, match=rf"cannot save '{missing}': its folder '{missing.parent}' does not"):
+        save_sparse({"w": torch.ones(4)}, missing)
+
+
 def test_names_of_version_1_entries_are_ordinary_names(tmp_path):
     state = {"w": torch.zeros(1000), "w.__values__": torch.ones(2), "w.__bitmask__": torch.zeros(9)}
     save_sparse(state, tmp_path / "x.safetensors")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Mapping
@@ -212,9 +213,13 @@ def _write(path: str | os.PathLike[str], encoded: list[_Encoded]) -> None:
     # into a temporary file beside the target, then renamed over it: a failed or interrupted save leaves any
     # previous file at ``path`` whole
     path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save {str(path)!r}: its folder {str(path.parent)!r} does not exist")
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         with open(partial, "wb", buffering=0) as handle:
+            if path.exists():  # overwritten in place as open() would: the file keeps its permissions
+                os.chmod(partial, stat.S_IMODE(path.stat().st_mode))
             _write_all(handle, struct.pack("<Q", len(header)) + header)
             _write_all(handle, np.array([item.crc for item in encoded], dtype="<u4"))
             for pad, run in placed:
