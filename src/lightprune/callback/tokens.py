@@ -12,7 +12,8 @@ collector :class:`lightprune.statistics.InputStatistics`:
 2. **Applying it.** A layer whose input features are on the input's last dim (Linear, transformers' ``Conv1D``)
    counts only the positions ``(b, t)`` where the mask is nonzero, *when its input starts with the mask's shape*
    ``(B, T, ..., d)``. An input of another shape (a classifier's pooled ``(B, d)``, a sequence-first ``(T, B, d)``)
-   has no positions to match and counts whole. Convolutions count every position (their channels sit on dim 1).
+   has no positions to match and counts whole (but a ``(T, B, d)`` with ``B == T`` cannot be told from a batch-first
+   input: it is filtered as one). Convolutions count every position (their channels sit on dim 1).
    (:func:`real_positions`, defined in :mod:`lightprune.statistics` beside the collector, re-exported here.)
 """
 
