@@ -319,7 +319,7 @@ def parametrized_hint(module: nn.Module, name: str) -> str:
 
     if not parametrize.is_parametrized(module, name):
         return ""
-    parametrizations = module.parametrizations[name]
+    parametrizations: nn.ModuleList = getattr(module, "parametrizations")[name]  # noqa: B009 (a Module's attribute)
     kinds = ", ".join(type(p).__name__ for p in parametrizations)
     originals = [n for n, _ in parametrizations.named_parameters(recurse=False)]
     return (
@@ -348,15 +348,15 @@ def parametrized_left_out(
     if isinstance(module_types, type):
         module_types = (module_types,)
     types = tuple(module_types) if module_types is not None else (nn.Module,)
+    names = (parameter_names,) if isinstance(parameter_names, str) else parameter_names
     excludes = compile_patterns("exclude", exclude)
     found = []
     for prefix, module in model.named_modules():
         if not isinstance(module, types) or not parametrize.is_parametrized(module):
             continue
-        for name in module.parametrizations:
-            if parameter_names is not None and name not in (
-                (parameter_names,) if isinstance(parameter_names, str) else parameter_names
-            ):
+        parametrized: nn.ModuleDict = getattr(module, "parametrizations")  # noqa: B009 (a Module's attribute)
+        for name in parametrized:
+            if names is not None and name not in names:
                 continue
             qualified = _qualify(prefix, name)
             if not any(pattern.fullmatch(qualified) for pattern in excludes):
