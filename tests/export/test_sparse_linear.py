@@ -165,6 +165,20 @@ def test_sparse_linear_and_converted_models_deep_copy():
     assert isinstance(again[0], SparseLinear)
 
 
+def test_a_state_dict_loads_into_a_layer_with_another_nonzero_count():
+    """The usual recipe (rebuild the model, then ``load_state_dict``) with a checkpoint of the layer pruned otherwise:
+    before, torch's copy into the CSR buffer failed (same shapes, other nonzero counts)."""
+    torch.manual_seed(0)
+    dense = torch.randn(6, 8)
+    saved = SparseLinear(dense * (dense.abs() > 1.0), torch.randn(6))
+    target = SparseLinear(torch.randn(6, 8), torch.zeros(6))
+    assert saved.weight._nnz() != target.weight._nnz()
+    target.load_state_dict(saved.state_dict())
+    x = torch.randn(3, 8)
+    assert torch.equal(target(x), saved(x)) and target.weight._nnz() == saved.weight._nnz()
+    assert target.weight.layout == torch.sparse_csr and target.weight is not saved.weight
+
+
 def test_a_model_that_cannot_be_copied_is_named():
     class Cached(nn.Module):
         def __init__(self):

@@ -32,6 +32,20 @@ def _to_csr(weight: Tensor) -> Tensor:
         return weight.detach().to_sparse_csr()
 
 
+def _take_the_nonzero_count(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """torch loads a buffer by copying into it, which a CSR tensor accepts only from one with as many nonzeros: the
+    layer takes a buffer of the checkpoint's count first (the same layer pruned otherwise), then torch copies in."""
+    incoming, current = state_dict.get(prefix + "weight"), module._buffers.get("weight")
+    if (
+        isinstance(incoming, Tensor)
+        and isinstance(current, Tensor)
+        and incoming.layout == current.layout == torch.sparse_csr
+        and incoming.shape == current.shape
+        and incoming._nnz() != current._nnz()
+    ):
+        module._buffers["weight"] = incoming.to(current.device, current.dtype).clone()
+
+
 class SparseLinear(nn.Module):
     """``nn.Linear`` for inference with its weight in torch's sparse CSR layout: cost follows the nonzeros.
 
@@ -64,6 +78,7 @@ class SparseLinear(nn.Module):
             )
         self.register_buffer("weight", _to_csr(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_load_state_dict_pre_hook(_take_the_nonzero_count)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SparseLinear:
         """An independent copy: torch cannot deep-copy a sparse CSR tensor, so the weight is cloned instead.
