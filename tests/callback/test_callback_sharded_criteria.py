@@ -427,9 +427,9 @@ def test_two_ranks_activation_movement_and_adopted_zeros(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) -> None:
-    for part in ("two", "three"):
-        (tmp_path / part).mkdir()
+def test_obs_with_the_sparsegpt_update_on_two_ranks(tmp_path: Path) -> None:
+    """(Three ranks: ``obs_row`` in the three-rank launch below.)"""
+    (tmp_path / "two").mkdir()
     run(tmp_path / "two", 2, "obs,obs_sequential,obs_saliency")
     obs = load(tmp_path / "two", "obs")
     assert check_obs_against_one_process(obs, "global") == 3  # steps 2, 4 and 6
@@ -448,18 +448,17 @@ def test_obs_with_the_sparsegpt_update_on_two_and_three_ranks(tmp_path: Path) ->
             assert torch.equal(ranked[key], layer_saliency(layer, "weight", ranked["H " + key])), (step, key)
     sequential = load(tmp_path / "two", "obs_sequential")
     assert check_sequential_obs_against_one_process(sequential) == 3  # net.0, net.2, net.4: one block each
-    run(tmp_path / "three", 3, "obs_row")
-    row = load(tmp_path / "three", "obs_row")
-    assert check_obs_against_one_process(row, "row") == 3  # steps 0 (on the calibration batches), 2 and 4
-    for key in NAMES:
-        mask = row["final"]["masks"][key]
-        assert (~mask).sum(dim=1).tolist() == [round(0.6 * mask.shape[1])] * mask.shape[0], key
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_three_ranks_calibrated_rows_n_m_and_resume_mid_window(tmp_path: Path) -> None:
-    run(tmp_path, 3, "row,nm,resume,resume_movement")
+def test_three_ranks_calibrated_rows_n_m_obs_rows_and_resume_mid_window(tmp_path: Path) -> None:
+    run(tmp_path, 3, "row,nm,resume,resume_movement,obs_row")  # (one launch of three processes for all of them)
+    obs_row = load(tmp_path, "obs_row")
+    assert check_obs_against_one_process(obs_row, "row") == 3  # steps 0 (on the calibration batches), 2 and 4
+    for key in NAMES:
+        mask = obs_row["final"]["masks"][key]
+        assert (~mask).sum(dim=1).tolist() == [round(0.6 * mask.shape[1])] * mask.shape[0], key
     row = load(tmp_path, "row")
     assert check_against_one_process(row, "row") == 3  # steps 0 (on the calibration batches), 2 and 4
     want = window_totals(row, 3, set(), calibration=2)
