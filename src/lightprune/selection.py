@@ -333,10 +333,11 @@ def parametrized_left_out(
     module_types: Sequence[type[nn.Module]] | type[nn.Module] | None = DEFAULT_MODULE_TYPES,
     parameter_names: Sequence[str] | str | None = ("weight",),
     exclude: Sequence[str] | str | None = None,
+    include: Sequence[str] | str | None = None,
 ) -> list[str]:
     r"""The qualified names of tensors :func:`select_parameters` would select but cannot: computed by a
     ``torch.nn.utils.parametrize`` parametrization (the new ``weight_norm``, ``spectral_norm``, ``orthogonal``), so
-    not Parameters of their module. ``exclude`` patterns leave them out here too.
+    not Parameters of their module. ``include`` and ``exclude`` patterns apply to them too.
 
     Example:
         >>> from torch.nn.utils.parametrizations import weight_norm
@@ -349,7 +350,7 @@ def parametrized_left_out(
         module_types = (module_types,)
     types = tuple(module_types) if module_types is not None else (nn.Module,)
     names = (parameter_names,) if isinstance(parameter_names, str) else parameter_names
-    excludes = compile_patterns("exclude", exclude)
+    excludes, includes = compile_patterns("exclude", exclude), compile_patterns("include", include)
     found = []
     for prefix, module in model.named_modules():
         if not isinstance(module, types) or not parametrize.is_parametrized(module):
@@ -359,6 +360,8 @@ def parametrized_left_out(
             if names is not None and name not in names:
                 continue
             qualified = _qualify(prefix, name)
+            if includes and not any(pattern.fullmatch(qualified) for pattern in includes):
+                continue
             if not any(pattern.fullmatch(qualified) for pattern in excludes):
                 found.append(qualified)
     return found

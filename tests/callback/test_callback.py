@@ -905,6 +905,7 @@ def test_layers_under_a_parametrization_are_named_where_the_selection_cannot_tak
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PruningCallback(0.5, exclude=r"net\.0\..*").check_model(model)
+        PruningCallback(0.5, include=r"net\.[24]\.weight").check_model(model)  # chosen by name: not asked for
     callback = PruningCallback(0.5, parameters=[(model.net[0].parametrizations.weight, "original1")])
     pruned, _ = fit(callback, model, max_epochs=1)
     assert zeros(pruned.net[0].weight) == 64  # the forward's weight: weight_norm keeps the original's zeros

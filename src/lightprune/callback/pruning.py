@@ -867,7 +867,7 @@ class PruningCallback(Callback):
             parameter_names=self.parameter_names,
         )
         setup_checks.refuse_uninitialized(selection)
-        parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude)
+        parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude, self.include)
         if parametrized:
             rank_zero_warn(
                 f"PruningCallback: {parametrized[:3]} are computed by torch.nn.utils.parametrize parametrizations, "
