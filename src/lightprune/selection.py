@@ -123,6 +123,20 @@ def compile_patterns(kind: str, patterns: Sequence[str] | str | None) -> list[re
     return compiled
 
 
+def _filters(
+    module_types: Sequence[type[nn.Module]] | type[nn.Module] | None, parameter_names: Sequence[str] | str | None
+) -> tuple[tuple[type[nn.Module], ...] | None, set[str] | None]:
+    """``module_types`` and ``parameter_names`` as a tuple of classes and a set of names (``None``: any)."""
+    if isinstance(module_types, type):
+        module_types = (module_types,)
+    if isinstance(parameter_names, str):
+        parameter_names = (parameter_names,)
+    return (
+        None if module_types is None else tuple(module_types),
+        None if parameter_names is None else set(parameter_names),
+    )
+
+
 def select_parameters(
     model: nn.Module,
     *,
@@ -183,12 +197,7 @@ def select_parameters(
     """
     includes = compile_patterns("include", include)
     excludes = compile_patterns("exclude", exclude)
-    if isinstance(module_types, type):
-        module_types = (module_types,)
-    types = None if module_types is None else tuple(module_types)
-    if isinstance(parameter_names, str):
-        parameter_names = (parameter_names,)
-    names = None if parameter_names is None else set(parameter_names)
+    types, names = _filters(module_types, parameter_names)
 
     excluded = {  # a tensor excluded under one of its names is excluded under all of them
         id(parameter)
@@ -346,14 +355,11 @@ def parametrized_left_out(
     """
     from torch.nn.utils import parametrize
 
-    if isinstance(module_types, type):
-        module_types = (module_types,)
-    types = tuple(module_types) if module_types is not None else (nn.Module,)
-    names = (parameter_names,) if isinstance(parameter_names, str) else parameter_names
+    types, names = _filters(module_types, parameter_names)
     excludes, includes = compile_patterns("exclude", exclude), compile_patterns("include", include)
     found = []
     for prefix, module in model.named_modules():
-        if not isinstance(module, types) or not parametrize.is_parametrized(module):
+        if (types is not None and not isinstance(module, types)) or not parametrize.is_parametrized(module):
             continue
         parametrized: nn.ModuleDict = getattr(module, "parametrizations")  # noqa: B009 (a Module's attribute)
         for name in parametrized:
@@ -411,10 +417,11 @@ def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> l
         if name not in parameters:
             hint = ""
             base = name[: -len(_ORIG_SUFFIX)]
+            computed = parametrized_hint(module, name)
             if name.endswith(_ORIG_SUFFIX) and base in parameters:
                 hint = f" ({name!r} holds the original values of the pruned tensor {base!r}; pass {base!r})"
-            elif parametrized_hint(module, name):
-                hint = f" ({parametrized_hint(module, name)})"
+            elif computed:
+                hint = f" ({computed})"
             where = f"module {prefix!r}" if prefix else "the model itself"
             raise ValueError(
                 f"{where} ({type(module).__name__}) has no parameter {name!r}; "

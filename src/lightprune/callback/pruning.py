@@ -848,10 +848,14 @@ class PruningCallback(Callback):
 
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
+        selection = self._resolved_selection(model)
+        setup_checks.refuse_uninitialized(selection)
+        return selection
+
+    def _resolved_selection(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+        """The explicit ``parameters``, or the pattern selection with its warnings."""
         if self.parameters is not None:
-            pairs = resolve_pairs(model, self.parameters)
-            setup_checks.refuse_uninitialized(pairs)
-            return pairs
+            return resolve_pairs(model, self.parameters)
         unmatched = unmatched_patterns(model, self.include, self.exclude)
         if unmatched:  # a pattern matches the whole qualified name: "fc1.weight" is not "model.fc1.weight"
             rank_zero_warn(
@@ -866,7 +870,6 @@ class PruningCallback(Callback):
             module_types=self.module_types,
             parameter_names=self.parameter_names,
         )
-        setup_checks.refuse_uninitialized(selection)
         parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude, self.include)
         if parametrized:
             rank_zero_warn(
