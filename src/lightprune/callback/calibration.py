@@ -120,8 +120,8 @@ def _training_batches(trainer: Trainer, needs: str) -> Iterable[Any]:
     loader: Any = trainer.train_dataloader
     if loader is None:
         raise ValueError(f"{needs}, which this fit does not have")
-    mode = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
-    return (batch for batch, _, _ in CombinedLoader(loader, mode=getattr(mode, "_mode", "max_size_cycle")))
+    fitted = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)  # the fit's, for its mode
+    return (batch for batch, _, _ in CombinedLoader(loader, mode=getattr(fitted, "_mode", "max_size_cycle")))
 
 
 def _as_trained_on(trainer: Trainer, pl_module: LightningModule, batch: Any) -> Any:
