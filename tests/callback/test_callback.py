@@ -772,6 +772,29 @@ def test_rewind_after_every_event(rewind: Any) -> None:
     assert not live & {tensor.untyped_storage().data_ptr() for tensor in snapshot.values()}
 
 
+def test_a_snapshot_that_lacks_a_selected_tensor_is_refused_before_training() -> None:
+    """A snapshot of the inner network (names without ``net.``) would rewind nothing: lottery-ticket rounds would
+    silently be plain fine-tuning."""
+    model = Net()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for snapshot, match in (
+        (PruningCallback.snapshot_weights(model.net), r"no entry for the pruned net\.0\.weight, .*'0\.bias'"),
+        ({}, r"no entry for the pruned net\.0\.weight.*its keys: none"),
+        (
+            {**PruningCallback.snapshot_weights(model), "net.2.weight": torch.zeros(3, 3)},
+            r"holds the pruned net\.2\.weight \(\(3, 3\) in the snapshot",
+        ),
+    ):
+        callback = PruningCallback(Constant(0.5, at=2), rewind=snapshot)
+        with pytest.raises(ValueError, match=match):
+            fit(callback, model)
+        assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # no step was taken
+    # a snapshot of the whole model holding more (an unselected bias of another shape) is fine
+    extra = {**PruningCallback.snapshot_weights(model), "net.0.bias": torch.zeros(1)}
+    fit(PruningCallback(Constant(0.5, at=2), rewind=extra, make_permanent=False), model, max_steps=2)
+    assert torch.equal(model.net[0].weight_orig, extra["net.0.weight"])  # rewound at the event, the fit's end
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rewind_snapshot_lives_on_cpu_for_a_cuda_model() -> None:
     callback = PruningCallback(Linear(final=0.5, start=2, end=6, frequency=2), rewind="init")

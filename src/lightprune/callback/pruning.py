@@ -156,7 +156,8 @@ class PruningCallback(Callback):
         rewind: lottery-ticket rewinding after every event: ``None`` (off), ``"init"`` (the weights when training
             starts), an int ``k`` (the weights after ``k`` units of time) or a snapshot taken earlier with
             :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot
-            lives on the CPU.
+            lives on the CPU; taken of the module given to ``fit``, it holds every selected tensor under its name
+            there: one that lacks any (a snapshot of a submodule) is refused when training starts.
         make_permanent: at the end of fit, remove the reparametrization of the tensors this callback pruned, so
             the model holds plain Parameters with zeros (always so with ``masking="inplace"``).
         masking: ``"reparametrize"`` (torch's ``name_orig * name_mask`` before every forward, the default) or
@@ -945,6 +946,9 @@ class PruningCallback(Callback):
         cap against the restored counts."""
         if self._masked is None:
             return
+        if self._given_snapshot is not None and self._rewind_snapshot is self._given_snapshot:
+            tensors = [prune.original(module, name) for _, module, name in self._masked.selection]
+            rewinding.check_snapshot(pl_module, self._given_snapshot, tensors)
         self._load_sharded_masks(trainer)
         self._load_sharded_sums(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lightprune import prune
 
-__all__ = ["named_weights", "rewind_into", "snapshot_weights"]
+__all__ = ["check_snapshot", "named_weights", "rewind_into", "snapshot_weights"]
 
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -59,3 +59,38 @@ def rewind_into(model: nn.Module, snapshot: Mapping[str, Tensor]) -> None:
                 parameter.copy_(saved)
     for module in model.modules():
         prune.refresh_pruned(module)
+
+
+def check_snapshot(model: nn.Module, snapshot: Mapping[str, Tensor], tensors: Iterable[Tensor]) -> None:
+    """Refuse a given snapshot that does not hold each of ``tensors`` (the selected ones) in its shape under its
+    user-facing name in ``model``: :func:`rewind_into` would leave them as they are, and lottery-ticket rounds would
+    silently become plain fine-tuning (a snapshot of a submodule has names without the submodule's prefix).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 1))
+        >>> check_snapshot(net, snapshot_weights(net), [net[0].weight])
+        >>> check_snapshot(net, snapshot_weights(net[0]), [net[0].weight])
+        Traceback (most recent call last):
+        ...
+        ValueError: rewind: the snapshot has no entry for the pruned 0.weight (its keys: 'bias', 'weight'); ...
+    """
+    wanted = {id(tensor) for tensor in tensors}
+    missing, reshaped = [], []
+    for name, parameter in named_weights(model):
+        if id(parameter) not in wanted:
+            continue
+        saved = snapshot.get(name)
+        if saved is None:
+            missing.append(name)
+        elif saved.shape != parameter.shape:
+            reshaped.append(f"{name} ({tuple(saved.shape)} in the snapshot, {tuple(parameter.shape)} in the model)")
+    if missing:
+        keys = sorted(snapshot)
+        shown = ", ".join(repr(key) for key in keys[:5]) + (f", ... ({len(keys)} keys)" if len(keys) > 5 else "")
+        raise ValueError(
+            f"rewind: the snapshot has no entry for the pruned {', '.join(missing)} (its keys: {shown or 'none'}); "
+            f"take it with snapshot_weights({type(model).__name__}), the module given to fit: its names are "
+            "qualified from there"
+        )
+    if reshaped:
+        raise ValueError(f"rewind: the snapshot holds the pruned {', '.join(reshaped)}: it is of another model")
