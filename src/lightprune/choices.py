@@ -27,6 +27,8 @@ __all__ = [
     "METHOD_CLASSES",
     "MODELS",
     "OPTIMIZERS",
+    "OWL_LAMBDA",
+    "OWL_THRESHOLD",
     "REGROW",
     "REGROW_EVERY",
     "REGROW_FRACTION",
@@ -72,6 +74,13 @@ ALLOCATION_SCOPES = ("erk", "owl")
 
 REGROW = ("rigl", "set")
 """Dynamic sparse training: how masks regrow (the largest dense gradients, or at random)."""
+
+OWL_THRESHOLD = 5.0
+"""OWL's ``M``: a score is an outlier when it exceeds ``M`` times the mean score of its block
+(:func:`lightprune.prune.allocation.owl_blocks`); the paper's default, and the callback's and the app's."""
+
+OWL_LAMBDA = 0.08
+"""OWL's ``lambda``: the blocks' sparsities span ``2 * lambda`` around the target (the paper's default for LLaMA)."""
 
 REGROW_EVERY, REGROW_FRACTION, REGROW_UNTIL = 100, 0.3, 0.75
 """RigL's published update settings: the defaults of the callback's and the app's ``regrow_every``,

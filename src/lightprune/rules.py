@@ -224,13 +224,24 @@ def importance_problems(
     return problems
 
 
-def owl_problems(threshold: Any, lam: Any) -> list[Problem]:
-    """OWL's ``M`` (``owl_threshold``) is a number > 0 and its ``lambda`` (``owl_lambda``) one in [0, 0.5].
+def owl_problems(threshold: Any, lam: Any, *, scope: str | None = None) -> list[Problem]:
+    """OWL's ``M`` (``owl_threshold``) is a number > 0 and its ``lambda`` (``owl_lambda``) one in [0, 0.5]; with a
+    ``scope`` other than ``"owl"`` both keep their defaults (a forgotten ``scope="owl"`` would otherwise allocate
+    nothing, silently).
 
     Example:
         >>> [p.key for p in owl_problems(0, 0.08)]
         ['owl_threshold']
+        >>> [p.key for p in owl_problems(5.0, 0.2, scope="global")]  # an option of what is off
+        ['owl_lambda']
     """
+    if scope is not None and scope != "owl":
+        given = (("owl_threshold", threshold, choices.OWL_THRESHOLD), ("owl_lambda", lam, choices.OWL_LAMBDA))
+        return [
+            Problem(key, value, f"is used with scope='owl' only (scope={scope!r}: no OWL allocation)")
+            for key, value, default in given
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value == default)
+        ]
 
     def number(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

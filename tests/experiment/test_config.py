@@ -395,7 +395,9 @@ def test_build_callback_passes_every_key_named_like_a_callback_argument(monkeypa
 
     monkeypatch.setattr(PruningCallback, "__init__", spy)
     cfg = OmegaConf.structured(ExperimentConfig)
-    cfg.pruning = OmegaConf.structured(_PruningWithMoreKeys(seed=7, owl_lambda=0.1, regrow="set", regrow_every=9))
+    cfg.pruning = OmegaConf.structured(
+        _PruningWithMoreKeys(seed=7, scope="owl", importance="activation", owl_lambda=0.1, regrow="set", regrow_every=9)
+    )
     callback = build_callback(cfg)
     arguments = set(inspect.signature(PruningCallback).parameters)
     built = {"schedule", "include", "exclude", "rewind", "mask_dtype"}  # converted from the config's values

@@ -83,8 +83,8 @@ KEYS: dict[str, Key] = {
     "pruning.sequential": Key(["maybe"], ["true"]),  # needs importance=obs and calibration batches
     "pruning.adopt_zeros": Key(["maybe"], []),
     "pruning.max_layer_sparsity": Key(["abc", "[0.9]"], ["0", "-0.1", "1.5", "nan"]),
-    "pruning.owl_threshold": Key(["abc"], ["0", "-1", "nan"]),
-    "pruning.owl_lambda": Key(["abc"], ["-0.1", "0.6", "nan"]),
+    "pruning.owl_threshold": Key(["abc"], ["0", "-1", "nan"], ["pruning=wanda_gradual", "pruning.scope=owl"]),
+    "pruning.owl_lambda": Key(["abc"], ["-0.1", "0.6", "nan", "0.2"], ["pruning=wanda_gradual", "pruning.scope=erk"]),
     "pruning.regrow": Key(["[1]"], ["grow"]),
     "pruning.regrow_every": Key(["abc", "1.5"], ["0", "-1"], ["pruning=rigl_erk"]),
     "pruning.regrow_fraction": Key(["abc"], ["0", "1", "nan"], ["pruning=rigl_erk"]),

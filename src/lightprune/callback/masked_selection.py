@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightprune import adapters, prune
+from lightprune import adapters, choices, prune
 from lightprune.callback.inplace import InPlaceMasks
 from lightprune.callback.mask_strategy import (
     MaskStrategy,
@@ -96,7 +96,7 @@ class MaskedSelection:
         inplace: bool = False,
         max_layer_sparsity: float = 1.0,
         adapted: Mapping[str, nn.Module] | None = None,
-        owl: tuple[float, float] = (allocation.OWL_THRESHOLD, allocation.OWL_LAMBDA),
+        owl: tuple[float, float] = (choices.OWL_THRESHOLD, choices.OWL_LAMBDA),
     ) -> None:
         self.owl_threshold, self.owl_lambda = owl
         self.selection, self.ties, self.biases = selection, ties, biases

@@ -25,6 +25,7 @@ __all__ = [
     "check_choice",
     "check_n_m_schedule",
     "check_owl",
+    "check_unused_inputs",
     "is_n_m",
     "method_entry",
     "method_name",
@@ -182,8 +183,9 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not supported: allowed are {allowed}")
 
 
-def check_owl(threshold: Any, lam: Any) -> tuple[float, float]:
-    """OWL's two hyper-parameters as floats: ``threshold`` (``M``) > 0 and ``lam`` (``lambda``) in [0, 0.5].
+def check_owl(threshold: Any, lam: Any, scope: str | None = None) -> tuple[float, float]:
+    """OWL's two hyper-parameters as floats: ``threshold`` (``M``) > 0 and ``lam`` (``lambda``) in [0, 0.5], left at
+    their defaults unless ``scope`` is ``"owl"`` (or not given).
 
     Example:
         >>> check_owl(5, 0.08)
@@ -192,8 +194,12 @@ def check_owl(threshold: Any, lam: Any) -> tuple[float, float]:
         Traceback (most recent call last):
         ...
         ValueError: owl_lambda=0.8: must be a float in [0, 0.5] (the layers' sparsities span 2 * lambda)
+        >>> check_owl(5, 0.2, "global")
+        Traceback (most recent call last):
+        ...
+        ValueError: owl_lambda=0.2: is used with scope='owl' only (scope='global': no OWL allocation)
     """
-    problems = rules.owl_problems(threshold, lam)
+    problems = rules.owl_problems(threshold, lam, scope=scope)
     raise_problems(problems)
     return float(threshold), float(lam)
 
@@ -253,6 +259,29 @@ def resolve_method_options(
     check_choice("scope", scope, SCOPES)
     raise_problems(rules.method_problems(method_name(cls) or cls.__name__, kind, scope=scope))
     return cls, kwargs, scope
+
+
+def check_unused_inputs(token_mask: Any, example_inputs: Any, *, reads_inputs: bool, units: bool) -> None:
+    """Refuse a ``token_mask`` set away from its default where no input statistics are taken (``reads_inputs``),
+    and ``example_inputs`` without structured units: either would change nothing, silently.
+
+    Example:
+        >>> check_unused_inputs("attention_mask", None, reads_inputs=False, units=False)
+        >>> check_unused_inputs("mask", None, reads_inputs=False, units=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: token_mask='mask' is used with importance='activation' or 'obs' (or a units refit) only: ...
+    """
+    if not reads_inputs and not (isinstance(token_mask, str) and token_mask == "attention_mask"):
+        raise ValueError(
+            f"token_mask={token_mask!r} is used with importance='activation' or 'obs' (or a units refit) only: "
+            "no input statistics are taken here, so it would change nothing"
+        )
+    if not units and example_inputs is not None:
+        raise ValueError(
+            f"example_inputs (a {type(example_inputs).__name__}) is used with method='neurons' or 'heads' only "
+            "(to trace the forward that finds the units): it would change nothing here"
+        )
 
 
 def check_n_m_schedule(schedule: Schedule, method: str, n: int, m: int) -> None:

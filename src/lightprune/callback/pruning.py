@@ -36,6 +36,7 @@ from lightprune.callback.options import (
     check_choice,
     check_n_m_schedule,
     check_owl,
+    check_unused_inputs,
     method_entry,
     method_name,
     raise_problems,
@@ -49,8 +50,7 @@ from lightprune.callback.reconstruction import blocks
 from lightprune.callback.regrowth import DenseGradients, RegrowPlan
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
 from lightprune.callback.units import ExampleInputs, UnitRanking, UnitSelection, example_from_batch, find_groups
-from lightprune.choices import ALLOCATION_SCOPES
-from lightprune.prune.allocation import OWL_LAMBDA, OWL_THRESHOLD
+from lightprune.choices import ALLOCATION_SCOPES, OWL_LAMBDA, OWL_THRESHOLD
 from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
 from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
@@ -247,7 +247,7 @@ class PruningCallback(Callback):
             keyword arguments). Default: the first training batch, a dict passed as keyword arguments (Hugging
             Face style), a tensor as the one argument, a tuple or list by its first element (``(inputs, targets)``);
             a resumed fit reads the first batch it trains on (a resumable loader's position is not used up). A model
-            whose units cannot be found is refused when training starts, naming it.
+            whose units cannot be found is refused when training starts, naming it. Refused with a weight method.
         max_layer_sparsity: the largest share of any one tensor's units (weights, or channels) that may be pruned,
             in (0, 1]; 1.0 (the default) is no cap. A global ranking can otherwise take every weight of a layer
             whose weights are small next to the others' (layer collapse: a collapsed output layer outputs its bias
@@ -261,11 +261,13 @@ class PruningCallback(Callback):
             another string another key, a callable ``batch -> (B, T) mask`` finds it in any batch, ``None`` counts
             every position. A layer whose input starts with the mask's ``(B, T)`` (``(B, T, d)`` in a transformer)
             counts only the positions where the mask is nonzero; other inputs count whole, and convolutions count
-            every position (see :mod:`lightprune.callback.tokens`).
+            every position (see :mod:`lightprune.callback.tokens`). Set away from its default where no input
+            statistics are taken, it is refused (it would change nothing).
         owl_threshold: with ``scope="owl"``, OWL's ``M``: a score above ``M`` times its block's mean (over the
             unpruned entries of the block's tensors) is an outlier (default 5).
         owl_lambda: with ``scope="owl"``, OWL's ``lambda``: the outlier ratios are mapped linearly onto densities
             spanning ``2 * lambda`` whose mean (weighted by size) is the target's (default 0.08), before the caps.
+            Either set away from its default with another scope is refused (a forgotten ``scope="owl"``).
         regrow: dynamic sparse training (:mod:`lightprune.callback.regrowth`): ``None`` (masks only grow, the
             default), ``"rigl"`` or ``"set"``. Every ``regrow_every`` optimizer steps before ``regrow_until``, each
             pruned tensor drops its ``k`` smallest active weights and regrows ``k`` of the entries then inactive,
@@ -365,7 +367,7 @@ class PruningCallback(Callback):
                 max_layer_sparsity=max_layer_sparsity,
             )
         )
-        self.owl_threshold, self.owl_lambda = check_owl(owl_threshold, owl_lambda)
+        self.owl_threshold, self.owl_lambda = check_owl(owl_threshold, owl_lambda, scope)
         raise_problems(
             rules.regrow_problems(
                 regrow,
@@ -460,6 +462,8 @@ class PruningCallback(Callback):
         self.sequential = sequential
         self.token_mask = token_mask
         self._importance = Importance(importance, activation_window)
+        reads_inputs = self._importance.kind in choices.STATISTICS_IMPORTANCES or bool(self.units and reconstruct)
+        check_unused_inputs(token_mask, example_inputs, reads_inputs=reads_inputs, units=self.units is not None)
         self._events: list[int] = []  # the resolved schedule's events, to find the next one
         self._collecting = False  # this training batch's inputs feed the activation statistics
         self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"

@@ -739,7 +739,7 @@ def _check_rules(problems: list[str], pruning: Any) -> None:
         scope=pruning.scope,
         reconstruct=reconstruct,
     )
-    found += rules.owl_problems(pruning.owl_threshold, pruning.owl_lambda)
+    found += rules.owl_problems(pruning.owl_threshold, pruning.owl_lambda, scope=pruning.scope)
     found += rules.regrow_problems(
         pruning.regrow,
         pruning.regrow_every,

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightprune.choices import OWL_LAMBDA, OWL_THRESHOLD
+
 __all__ = [
     "apportion",
     "block_outlier_ratios",
@@ -47,12 +49,6 @@ __all__ = [
     "owl_offsets",
 ]
 
-OWL_THRESHOLD = 5.0
-"""OWL's ``M``: a score is an outlier when it exceeds ``M`` times the mean score of its block (:func:`owl_blocks`)
-(the paper's default)."""
-
-OWL_LAMBDA = 0.08
-"""OWL's ``lambda``: the blocks' sparsities span ``2 * lambda`` around the target (the paper's default for LLaMA)."""
 
 _BISECTIONS = 200
 
