@@ -1000,6 +1000,8 @@ def test_sparse_gradients_are_refused_at_setup_where_they_cannot_be_masked(kwarg
             r"is not supported: use one of .*a BasePruningMethod subclass",
         ),
         ({"method_kwargs": {"amount": 0.5}}, r"method_kwargs must not contain 'amount'"),
+        ({"method": "ln_structured", "method_kwargs": {"dim": "0"}}, r"method_kwargs dim='0' must be an int"),
+        ({"method": "random_structured", "method_kwargs": {"dim": 0.0}}, r"method_kwargs dim=0.0 must be an int"),
         ({"method_kwargs": {"dim": 0}}, r"method_kwargs=\{'dim': 0\} do not fit L1Unstructured"),
         ({"method": "ln_structured", "method_kwargs": {"p": 2}}, r"method_kwargs=.*'p': 2.* do not fit LnStructured"),
         (
@@ -1066,6 +1068,12 @@ def _explicit_bias(model: Net) -> dict[str, Any]:
             r"no parameter of the model matches the selection: include=None, exclude='\.\*'",
         ),
         (_explicit_bias, {}, r"net.0.bias has shape \(16,\): structured pruning needs >= 2 dims"),
+        (
+            lambda model: {"method": "ln_structured", "method_kwargs": {"n": "bogus"}},
+            {},
+            r"method_kwargs=\{'n': 'bogus', 'dim': 0\} cannot rank the channels of net.0.weight \(\(16, 8\), "
+            r"torch.float32\) with LnStructured: .*bogus",
+        ),
         (
             lambda model: {"parameters": [(nn.Linear(2, 2), "weight")]},
             {},

@@ -245,6 +245,8 @@ def resolve_method_options(
     entry = method_entry(cls)
     if kind == "structured":
         kwargs.setdefault("dim", 0)  # output channels, for a structured class of the user's too
+        if not is_int(kwargs["dim"]):  # (else the first event fails, mid-training)
+            raise ValueError(f"method_kwargs dim={kwargs['dim']!r} must be an int (the dim of the channels)")
     for key, value in (entry.defaults or {} if entry is not None else {}).items():
         kwargs.setdefault(key, value)
     fixed = entry is not None and entry.fixed_amount

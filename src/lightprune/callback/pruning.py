@@ -910,7 +910,7 @@ class PruningCallback(Callback):
     def _masked_selection(self, model: nn.Module, selection: list[tuple[str, nn.Module, str]]) -> MaskedSelection:
         """The selection with its ties, channel biases and adapters, checked against the method and scope."""
         if self.structured:
-            setup_checks.check_dims(selection, self.method_kwargs)
+            setup_checks.check_dims(selection, self.method_kwargs, self.method)
         if self.scope == "row":
             setup_checks.check_rows(selection)
         if self._n_m is not None:

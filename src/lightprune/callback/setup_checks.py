@@ -600,9 +600,12 @@ fc.weight has shape (2, 6); exclude it or choose another m
             )
 
 
-def check_dims(selection: Selection, method_kwargs: Mapping[str, Any]) -> None:
-    """A structured method needs tensors of two or more dims, and its ``dim`` among them (else the first event
-    fails, mid-training)."""
+def check_dims(
+    selection: Selection, method_kwargs: Mapping[str, Any], method: type[prune.BasePruningMethod] | None = None
+) -> None:
+    """A structured method needs tensors of two or more dims, and its ``dim`` among them; the engine's ``method``
+    (given) must rank each tensor's channels with its other ``method_kwargs`` (``ln_structured``'s ``n``: a norm
+    torch knows for that shape and dtype). Else the first event fails, mid-training."""
     dim = method_kwargs.get("dim")
     for qualified, module, name in selection:
         tensor = prune.original(module, name)
@@ -613,6 +616,15 @@ def check_dims(selection: Selection, method_kwargs: Mapping[str, Any]) -> None:
                 f"method_kwargs dim={dim} is out of range for {qualified} of shape {tuple(tensor.shape)}: "
                 f"allowed dims are {-tensor.dim()} ... {tensor.dim() - 1}"
             )
+        if method is not None and method.__module__.startswith("lightprune."):  # amount 0, dims cut to 1: no cost
+            tiny = torch.zeros([min(size, 1) for size in tensor.shape], dtype=tensor.dtype)
+            try:
+                method(amount=0, **method_kwargs).compute_mask(tiny, torch.ones_like(tiny))
+            except (RuntimeError, TypeError, ValueError) as err:
+                raise ValueError(
+                    f"method_kwargs={dict(method_kwargs)!r} cannot rank the channels of {qualified} "
+                    f"({tuple(tensor.shape)}, {tensor.dtype}) with {method.__name__}: {err}"
+                ) from err
 
 
 def find_ties(
