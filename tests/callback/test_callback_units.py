@@ -8,6 +8,7 @@ least-squares refit must bring the pruned model closer to the dense one; what ca
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning as L
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightprune.callback import PruningCallback
-from lightprune.schedules import Cubic
+from lightprune.schedules import Constant, Cubic
 from lightprune.structure import UnitError
 from tiny_lightning import ResumableBatches
 
@@ -293,6 +294,41 @@ def test_a_model_without_the_units_is_refused_naming_it() -> None:
         trainer([PruningCallback(0.5, method="neurons")], max_steps=1).fit(NoUnits(), loader)
     with pytest.raises(UnitError, match="include/exclude leave none of the heads groups"):
         trainer([PruningCallback(0.5, method="heads", include="nothing")], max_steps=1).fit(Lit("bert"), data())
+
+
+class TorchEncoder(NoUnits):
+    """torch's own encoder layer: its MultiheadAttention computes with ``out_proj.weight`` without calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=24, dropout=0.0, batch_first=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reader"),
+    [
+        ({"importance": "activation"}, "importance='activation'"),
+        ({"reconstruct": True}, "reconstruct=True"),
+        ({"importance": "activation", "reconstruct": True}, "importance='activation'"),
+    ],
+)
+def test_heads_of_a_multihead_attention_are_not_ranked_or_refit_on_inputs_never_recorded(
+    kwargs: dict[str, Any], reader: str
+) -> None:
+    """Before, the statistics of ``out_proj`` stayed empty: every activation score was 0 (heads pruned by index) and
+    the refit solved to a zero ``out_proj``, the kept heads' columns too, with no word."""
+    loader = DataLoader(TensorDataset(torch.randn(8, 5, 16)), batch_size=4)
+    model = TorchEncoder()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fit = trainer([PruningCallback(Constant(0.5, at=2), method="heads", **kwargs)], max_steps=4)
+    with pytest.raises(ValueError, match=rf"{re.escape(reader)} records each layer's inputs .* \['layer.self_attn"):
+        fit.fit(model, loader)
+    assert fit.global_step == 0 and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # ranked by magnitude, without a refit, the heads prune (out_proj's columns of two heads)
+    fit = trainer([PruningCallback(Constant(0.5, at=2), method="heads", make_permanent=False)], max_steps=4)
+    fit.fit(TorchEncoder(), loader)
+    assert fit.global_step == 4
 
 
 @pytest.mark.parametrize("pattern", [r".*layer\.0\..*", r"model\.encoder\.layer\.0\.intermediate\.dense\.weight"])

@@ -58,3 +58,20 @@ def test_refit_needs_second_moments() -> None:
     keeps = prune_units(mlp, groups, 1)
     with pytest.raises(ValueError, match=r"refit needs the second moments of '2'"):
         refit_consumers(mlp, groups, keeps, stats)
+
+
+def test_moments_of_no_input_are_refused_by_the_refit_and_the_activation_ranking() -> None:
+    """Empty moments (a projection whose forward never ran) used to solve to a zero weight, and to score every unit
+    0, so the units went by index."""
+    from lightprune.structure.statistics import Moments
+
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    groups = find_units(mlp, (torch.randn(2, 3),))
+    empty = {"2": Moments.empty(4, outer=True)}
+    with pytest.raises(ValueError, match=r"no input of '2' was recorded: its forward never ran"):
+        prune_units(mlp, groups, 1, importance="activation", moments=empty)
+    keeps = prune_units(mlp, groups, 1)
+    weight = mlp[2].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"refit: no input of '2' was recorded"):
+        refit_consumers(mlp, groups, keeps, empty)
+    assert torch.equal(mlp[2].weight, weight)

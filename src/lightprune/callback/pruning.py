@@ -801,8 +801,12 @@ class PruningCallback(Callback):
                 "inputs or the inputs, to trace the forward with others)"
             ) from err
         masked = UnitSelection(pl_module, groups, self.scope, self.mask_dtype, self.seed, self.reconstruct)
-        self._masked = masked
         moments = self._importance.kind == "activation" or self.reconstruct
+        if moments:  # the units are ranked or refit on the inputs of the projections reading them
+            reader = "importance='activation'" if self._importance.kind == "activation" else "reconstruct=True"
+            way_out = "use importance='magnitude' without reconstruct for these units, or exclude their layers"
+            setup_checks.refuse_unrecorded_inputs(masked.consumers(), pl_module, reader, way_out)
+        self._masked = masked
         self._importance.bind(masked.selection, inputs_of=masked.consumers(), moments=moments, outer=self.reconstruct)
         self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(masked.plain_state_dict)
         masked.share_with_averages(neighbours.averaged_models(trainer))

@@ -520,10 +520,15 @@ def called_by_their_parent(selection: Selection, model: nn.Module) -> list[str]:
     return [q for q, module, _ in selection if id(module) in out_projections]
 
 
-def refuse_unrecorded_inputs(selection: Selection, model: nn.Module, reader: str) -> None:
+def refuse_unrecorded_inputs(
+    selection: Selection,
+    model: nn.Module,
+    reader: str,
+    way_out: str = "exclude them (for example exclude=[r'.*out_proj\\.weight']) or use another importance",
+) -> None:
     """Refuse input statistics (``reader``: the option reading them) for tensors whose module's forward never runs
-    (:func:`called_by_their_parent`), naming them: their inputs cannot be recorded, and the first event would fail
-    for want of statistics after the training before it.
+    (:func:`called_by_their_parent`), naming them and ``way_out``: their inputs cannot be recorded, and the first
+    event would fail for want of statistics after the training before it (or, for units, rank and refit on none).
 
     Example:
         >>> attention = nn.MultiheadAttention(4, 2)
@@ -538,8 +543,7 @@ def refuse_unrecorded_inputs(selection: Selection, model: nn.Module, reader: str
     if unseen:
         raise ValueError(
             f"{reader} records each layer's inputs in its forward, which never runs for the MultiheadAttention "
-            f"projections {unseen[:3]} (their parent computes with their weights): exclude them (for example "
-            "exclude=[r'.*out_proj\\.weight']) or use another importance"
+            f"projections {unseen[:3]} (their parent computes with their weights): {way_out}"
         )
 
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.prune.amount import _compute_nparams_toprune
-from lightprune.structure.statistics import Moments
+from lightprune.structure.statistics import NEVER_CALLED, Moments
 from lightprune.structure.units import Slice, UnitGroup
 
 __all__ = ["IMPORTANCES", "SCOPES", "check_unit_amount", "group_masks", "prune_units", "unit_scores"]
@@ -86,6 +86,8 @@ def unit_scores(
         for piece in group.consume:
             if piece.module not in moments:
                 raise ValueError(f"no activation moments for {piece.module!r}; collect them with collect_moments")
+            if moments[piece.module].count == 0:  # (every score would be 0: the units pruned by index)
+                raise ValueError(f"no input of {piece.module!r} was recorded: {NEVER_CALLED}")
             norms = moments[piece.module].squares.cpu().narrow(0, piece.offset, group.count * piece.per_unit)
             weights = _per_unit(_weight(model, piece), piece, group.count).double().cpu()
             score = score * norms.reshape(group.count, -1).sum(1).sqrt() * weights.square().sum(1).sqrt()

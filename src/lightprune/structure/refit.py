@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.structure.statistics import Moments
+from lightprune.structure.statistics import NEVER_CALLED, Moments
 from lightprune.structure.units import UnitGroup
 
 __all__ = ["refit_consumers"]
@@ -74,6 +74,8 @@ def refit_consumers(
                 raise ValueError(
                     f"refit needs the second moments of {piece.module!r}'s inputs (collect_moments(..., outer=True))"
                 )
+            if stats.count == 0:  # (the least squares would solve to zero weights: the layer's output erased)
+                raise ValueError(f"refit: no input of {piece.module!r} was recorded: {NEVER_CALLED}")
             module = model.get_submodule(piece.module)
             param = prune.original(module, piece.name)
             weight = param.detach().movedim(piece.dim, -1).double().cpu()  # (out, in)

@@ -25,6 +25,12 @@ from lightprune.structure.units import UnitError, UnitGroup
 
 __all__ = ["Moments", "collect_moments"]
 
+NEVER_CALLED = (
+    "its forward never ran (a parent computing with its weight, as nn.MultiheadAttention does with out_proj), so its "
+    "inputs cannot be recorded"
+)
+"""Why a module's input moments can be empty: said by the refit and the activation ranking, which refuse them."""
+
 
 @dataclass
 class Moments:
