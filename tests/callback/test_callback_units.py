@@ -388,3 +388,27 @@ def test_a_dict_batch_the_forward_cannot_take_is_named_with_the_way_out() -> Non
     callback = PruningCallback(0.5, method="neurons", example_inputs=lambda batch: {"input_ids": batch["input_ids"]})
     trainer([callback], max_steps=1).fit(DictBatches("bert"), batches)  # the way out the message names
     assert len(unit_states(callback)) == 2
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        [{"method": "neurons"}, {"include": r".*intermediate\.dense\.weight", "name": "mlp"}],
+        [{"include": r".*intermediate\.dense\.weight", "name": "mlp"}, {"method": "neurons"}],
+        [{"method": "neurons"}, {"method": "neurons", "name": "again"}],
+    ],
+)
+def test_a_unit_callback_overlapping_another_is_refused_before_training(pair: list[dict[str, Any]]) -> None:
+    """Both masks stacked on the same tensors, and the unstructured callback's exact count was missed."""
+    callbacks = [PruningCallback(Constant(0.5, at=2), **kwargs) for kwargs in pair]
+    fit = trainer(callbacks, max_steps=3)
+    with pytest.raises(ValueError, match=r"two PruningCallbacks select the same parameters \[.*intermediate\.dense"):
+        fit.fit(Lit("bert"), data())
+    assert fit.global_step == 0
+
+
+def test_heads_and_neurons_in_two_callbacks_prune_side_by_side() -> None:
+    heads, neurons = (PruningCallback(Constant(0.5, at=2), method=m, name=m) for m in ("heads", "neurons"))
+    fit = trainer([heads, neurons], max_steps=3)
+    fit.fit(Lit("bert"), data())
+    assert fit.global_step == 3

@@ -801,6 +801,7 @@ class PruningCallback(Callback):
                 "inputs or the inputs, to trace the forward with others)"
             ) from err
         masked = UnitSelection(pl_module, groups, self.scope, self.mask_dtype, self.seed, self.reconstruct)
+        setup_checks.refuse_overlaps(masked.selection, self._other_selections(trainer), self._log_prefix)
         moments = self._importance.kind == "activation" or self.reconstruct
         if moments:  # the units are ranked or refit on the inputs of the projections reading them
             reader = "importance='activation'" if self._importance.kind == "activation" else "reconstruct=True"
@@ -903,13 +904,17 @@ class PruningCallback(Callback):
         neighbours.refuse_other_pruning(trainer)
         if self.mask_dtype == torch.bool:
             neighbours.refuse_averaged_bool_buffers(trainer)
-        others = [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
-        setup_checks.refuse_overlaps(selection, others, self._log_prefix)
+        setup_checks.refuse_overlaps(selection, self._other_selections(trainer), self._log_prefix)
         setup_checks.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
         setup_checks.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
         if self._default_types and self.parameters is None and self.include is None and self.exclude is None:
             setup_checks.warn_small_share(selection, parameter_owners(pl_module))  # (the selection by type alone)
         return self._masked_selection(pl_module, selection)
+
+    def _other_selections(self, trainer: Trainer) -> list[PruningCallback]:
+        """The fit's other PruningCallbacks whose selection is made (units are found when training starts, so a
+        unit callback checks against the others then, and they do not see its selection)."""
+        return [c for c in trainer.callbacks if isinstance(c, PruningCallback) and c is not self and c._masked]
 
     def _masked_selection(self, model: nn.Module, selection: list[tuple[str, nn.Module, str]]) -> MaskedSelection:
         """The selection with its ties, channel biases and adapters, checked against the method and scope."""
