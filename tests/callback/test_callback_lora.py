@@ -537,3 +537,23 @@ def test_ddp_ranks_hold_identical_masks_and_adapters_and_the_effective_weight_st
     assert sum(int((~m.bool()).sum()) for m in final_masks.values()) == round(
         0.6 * sum(m.numel() for m in final_masks.values())
     )
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]])
+def test_neurons_are_the_models_not_the_adapters_ranks(targets: list[str]) -> None:
+    """A LoRA adapter's lora_A -> lora_B looks like an MLP whose width is its rank: it was pruned as neurons, halving
+    every adapter's rank, where the adapters' own tensors are documented as never pruned."""
+    from lightprune.callback.units import find_groups
+
+    model = Lora("llama", target_modules=targets)
+    ids = next(iter(tokens()))[0]
+    groups = find_groups(model, "neurons", (ids,), {})
+    assert len(groups) == 2 and all(group.count == 32 for group in groups)  # the two MLPs, intermediate_size 32
+    callback = PruningCallback(Constant(0.5, at=1), method="neurons", summary=False)
+    fit = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    fit.callbacks.append(callback)
+    fit.fit(model)
+    assert [(total, pruned) for total, pruned in callback._masked.counts()] == [(32, 16), (32, 16)]
+    for name, layer in lora_layers(model.model).items():  # every rank of every adapter is still there
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert bool((a != 0).any(1).all()) and bool((b != 0).any(0).all()), name
