@@ -3,6 +3,7 @@ overflowed, and what the callback reads from gradients (movement scores, RigL's 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -89,3 +90,53 @@ def test_rigl_does_not_move_masks_at_a_step_the_scaler_skips() -> None:
         if step in drops:
             assert not did, step  # a skipped step: the masks stay
     assert any(did for _, did in moved)
+
+
+class SpikeOnAPrunedInput(TinyNet):
+    """Input feature 3 spikes in the batch of step 2 (an update step), and the first layer's column 3 is the
+    smallest, so it is pruned whole: the float16 overflow lands on pruned gradient entries alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.net[0].weight[:, 3] = 1e-6
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        if batch_idx == 1:
+            x = x.clone()
+            x[:, 3] = 1e4
+        return nn.functional.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("masking", ["inplace", "reparametrize"])
+def test_rigl_does_not_move_masks_when_only_pruned_gradients_overflow(masking: str) -> None:
+    """In place, the pruned entries' inf was zeroed before the skip was looked for: the masks moved at a skipped
+    step, and RigL regrew exactly the overflowing entries."""
+    callback = PruningCallback(
+        0.8,
+        scope="layerwise",
+        regrow="rigl",
+        regrow_every=2,
+        regrow_until=1.0,
+        masking=masking,
+        summary=False,
+        make_permanent=False,
+    )
+    masks: list[Tensor] = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            masks.append(callback._masked.mask(pl_module.net[0], "weight").bool().clone())
+
+    scales = Scales()
+    model = SpikeOnAPrunedInput()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([callback, scales, Watch()], max_steps=4, plugins=[float16()]).fit(model)
+    assert not bool(masks[0][:, 3].any())  # the column is pruned
+    if scales.scales[1] < scales.scales[0]:  # the scaler skipped step 2 (in place it sees the pruned infs)
+        assert torch.equal(masks[1], masks[0])
+        assert any("the masks did not move at step 2" in str(w.message) for w in caught)
+    else:  # reparametrized: the masked forward gives the pruned entries no float16 gradient, nothing overflowed
+        assert masking == "reparametrize" and not torch.equal(masks[1], masks[0])  # an update like any other

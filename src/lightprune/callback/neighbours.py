@@ -147,7 +147,8 @@ def spawned(trainer: Trainer) -> bool:
 def scaler_skips_step(trainer: Trainer, optimizer: Any) -> bool:
     """Whether the gradient scaler of a float16 mixed-precision fit will skip this step of ``optimizer``: one of its
     gradients is not finite. Read in ``on_before_optimizer_step``, where Lightning has unscaled them and the scaler
-    decides the same way; ``False`` without an enabled scaler (float32, bfloat16).
+    decided the same way, before in-place masking zeroes the pruned entries; ``False`` without an enabled scaler
+    (float32, bfloat16).
 
     Example:
         >>> from types import SimpleNamespace

@@ -645,12 +645,13 @@ class PruningCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # a float16 step the scaler skips has inf or NaN gradients: read (one pass over them) only where they are used,
+        # before in-place masking writes zeros over the pruned entries (an overflow there alone skips the step too)
+        reads_gradients = self._importance.movement is not None or self._plan is not None
+        self._skipped_step = reads_gradients and neighbours.scaler_skips_step(trainer, optimizer)
         if self._masked is not None:
             self._follow_optimizers(trainer, pl_module)
             self._masked.strategy.before_optimizer_step()  # the gradients are final; clipping and the step follow
-        # a float16 step the scaler skips has inf or NaN gradients: read (one pass over them) only where they are used
-        reads_gradients = self._importance.movement is not None or self._plan is not None
-        self._skipped_step = reads_gradients and neighbours.scaler_skips_step(trainer, optimizer)
         if not self._skipped_step:
             self._importance.optimizer_step(optimizer)  # movement: the gradients are final (accumulated, unscaled)
 
