@@ -371,3 +371,41 @@ def test_rigl_refuses_what_it_cannot_collect_and_regrowth_refuses_adapters() -> 
         quiet_trainer([PruningCallback(0.5, regrow="set")], max_steps=2).fit(Adapted())
     with pytest.raises(ValueError, match=r"method='semi_structured': regrow=set .* semi_structured is n:m"):
         PruningCallback(0.5, regrow="set", method="semi_structured")
+
+
+class ReadsItsHead(TinyNet):
+    """The last layer's weight is read by the parent (``F.linear``), its module's forward never called."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        head = self.net[4]
+        return nn.functional.linear(self.net[3](self.net[2](self.net[1](self.net[0](x)))), head.weight, head.bias)
+
+
+class WeightNormed(TinyNet):
+    """The old ``weight_norm``, whose pre-hook (before the pruning's) reads ``weight_v`` to compute ``weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn.utils.weight_norm(self.net[2])
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")
+@pytest.mark.parametrize(("model", "include"), [(ReadsItsHead, r".*weight"), (WeightNormed, r".*weight(_v)?")])
+def test_rigl_takes_the_dense_gradient_of_a_tensor_no_module_forward_recomputes(model: type, include: str) -> None:
+    """Reparametrized, such a tensor's dense gradient was all zeros (its forward hook never saw the tensor the loss
+    read): RigL regrew the first inactive entries by index. Now both maskings move the same masks."""
+    masks = {}
+    for masking in ("reparametrize", "inplace"):
+        callback = PruningCallback(  # (0.5: weight_norm divides by each row's norm, which must not vanish)
+            0.5, scope="layerwise", regrow="rigl", regrow_every=2, regrow_until=1.0, include=include,
+            module_types=None, parameter_names=["weight", "weight_v"], masking=masking, summary=False,
+            make_permanent=False,
+        )  # fmt: skip
+        quiet_trainer([callback], max_steps=7).fit(net := model())
+        assert all(bool(p.isfinite().all()) for p in net.parameters())
+        masks[masking] = {q: callback._masked.mask(m, n).bool() for q, m, n in callback._masked.selection}
+        assert callback._last_regrow == 6  # the masks moved after steps 2, 4 and 6
+    assert masks["reparametrize"].keys() == masks["inplace"].keys()
+    for name, mask in masks["reparametrize"].items():
+        assert torch.equal(mask, masks["inplace"][name]), name
+

@@ -607,6 +607,7 @@ class PruningCallback(Callback):
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
         if self._grads is not None and self._plan is not None and self._plan.is_update(clock.now(trainer, "step") + 1):
             self._grads.start()  # this batch's backward belongs to the step (batch) after which the masks move
+            self._grads.hook_current(self._stale.refreshed)  # tensors a parent reads: no forward hook sees them
 
     @override
     def on_train_batch_end(

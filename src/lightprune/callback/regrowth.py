@@ -99,6 +99,7 @@ class DenseGradients:
         self.others = {(id(module), name): [(o, n) for _, o, n in owners] for module, name, owners in ties}
         self.sums: dict[str, Tensor] = {}
         self._handles: list[Any] = []
+        self._hooked_now: set[int] = set()  # tensors given a hook by hook_current, while collecting
 
     @property
     def collecting(self) -> bool:
@@ -128,6 +129,25 @@ class DenseGradients:
                 if parameter.requires_grad:
                     self._handles.append(parameter.register_hook(add))
 
+    def hook_current(self, pairs: Iterable[tuple[nn.Module, str]]) -> None:
+        """While collecting, put a gradient hook on the tensor each selected ``(module, name)`` of ``pairs`` holds
+        now: the pruned tensors a parent reads without calling their module (``F.linear(x, self.fc.weight)``, a
+        foreign pre-hook such as the old ``weight_norm``), which :class:`~lightprune.prune.stale.StaleRefresher`
+        recomputed before this batch. Their module's forward hook never sees the tensor the loss depends on. Call it
+        before every training batch of the step (each refresh makes a new tensor).
+        """
+        if not self._handles:
+            return
+        selected = {(id(module), name): qualified for qualified, module, name in self.selection}
+        for module, name in pairs:
+            qualified = selected.get((id(module), name))
+            tensor = module.__dict__.get(name)
+            if qualified is None or not isinstance(tensor, Tensor) or id(tensor) in self._hooked_now:
+                continue
+            if tensor.requires_grad and not tensor.is_leaf:
+                self._hooked_now.add(id(tensor))
+                self._handles.append(tensor.register_hook(self._adder(qualified)))
+
     def _adder(self, qualified: str) -> Callable[[Tensor], None]:
         def add(grad: Tensor) -> None:
             grad = grad.detach()
@@ -141,6 +161,7 @@ class DenseGradients:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._hooked_now = set()
 
     def take(self, reduce_mean: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
         """Stop, and return the summed gradients averaged across processes by ``reduce_mean``; forget them here.

@@ -104,6 +104,17 @@ class StaleRefresher:
                 self._hooked.add((id(module), name))
         self._watched = []
 
+    @property
+    def refreshed(self) -> list[tuple[nn.Module, str]]:
+        """The ``(module, name)`` pairs :meth:`refresh` recomputes: the tensors the model reads are the ones it
+        leaves in place (a gradient hook on them, after a refresh, sees what the forward did with them).
+
+        Example:
+            >>> StaleRefresher().refreshed
+            []
+        """
+        return list(self._unhooked)
+
     def refresh(self) -> None:
         """Recompute the tensors no forward pre-hook recomputes, from the current ``orig`` and mask."""
         for module, name in self._unhooked:
