@@ -409,3 +409,23 @@ def test_rigl_takes_the_dense_gradient_of_a_tensor_no_module_forward_recomputes(
     for name, mask in masks["reparametrize"].items():
         assert torch.equal(mask, masks["inplace"][name]), name
 
+
+class HeadOnlyOptimizer(TinyNet):
+    """A backbone kept fixed by leaving it out of the optimizer (its weights still require grad)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[4].parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("regrow", ["rigl", "set"])
+def test_a_tensor_no_optimizer_steps_keeps_its_mask_like_a_frozen_one(regrow: str) -> None:
+    """Before, every update dropped trained weights of such a tensor and regrew zeros that never trained."""
+    callback = PruningCallback(
+        0.5, scope="layerwise", regrow=regrow, regrow_every=2, regrow_until=1.0, summary=False, make_permanent=False
+    )
+    model = HeadOnlyOptimizer()
+    quiet_trainer([callback], max_steps=7).fit(model)
+    for layer in (model.net[0], model.net[2]):  # the same weights as pruned at step 0, none of them zero
+        assert torch.equal(layer.weight != 0, layer.weight_mask.bool())
+    head = model.net[4]
+    assert int(head.weight_mask.sum()) == head.weight.numel() // 2

@@ -319,7 +319,8 @@ class MaskedSelection:
         the old ones (a fresh ``CustomFromMask`` each, as a restore does: masks are no longer monotone); regrown
         weights start at zero and their optimizer state (momentum, Adam's moments) is zeroed. Every tensor keeps its
         count of active weights. A frozen tensor (``requires_grad=False``, e.g. a backbone that ``BackboneFinetuning``
-        holds frozen) keeps its mask: its regrown weights could not leave zero. Returns the share of each tensor's
+        holds frozen, or one none of ``optimizers`` steps, when they are given) keeps its mask: its regrown weights
+        could not leave zero. Returns the share of each tensor's
         active weights that moved: at most ``fraction``, less where a dropped weight was regrown by the same update
         (it keeps its value and state), 0 for a frozen tensor.
 
@@ -335,6 +336,8 @@ class MaskedSelection:
             (100, 80)
         """
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (2**63))
+        optimizers = list(optimizers)
+        stepped = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
         new: dict[str, Tensor] = {}
         grown: dict[str, Tensor] = {}
         shares: dict[str, float] = {}
@@ -346,7 +349,8 @@ class MaskedSelection:
             active = int(torch.count_nonzero(mask))
             k = moved_count(fraction, active, mask.numel() - active)
             shares[qualified] = 0.0
-            if k == 0 or not weight.requires_grad:  # frozen (BackboneFinetuning...): a regrown entry would stay 0
+            frozen = not weight.requires_grad or (optimizers and id(weight) not in stepped)  # (BackboneFinetuning...)
+            if k == 0 or frozen:  # a regrown entry would stay 0, where a trained weight was dropped
                 continue
             scores = None if grads is None else grads[qualified]
             fresh, grown[qualified] = drop_and_grow(weight, mask, k, grow_scores=scores, generator=generator)
