@@ -160,3 +160,16 @@ def test_a_registered_n_m_method_gets_the_n_m_rules_and_pattern(keep_leading: re
     assert build_callback(cfg).method_kwargs == {"n": 1, "m": 2}
     with pytest.raises(ConfigError, match="keep_leading ranks its N:M groups within each layer: use scope=layerwise"):
         validate_config(app_config("keep_leading", schedule="constant", final_sparsity=0.5, nm_n=1, nm_m=2))
+
+
+def test_a_registered_target_that_is_not_a_pruning_method_is_refused_by_name() -> None:
+    """Before, the callback built the target with amount=0 and said its kwargs 'do not fit Linear'."""
+    entry = registry.register(registry.Method("not_a_method", "torch.nn.Linear", "unstructured"))
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"method='not_a_method' is registered as <class 'torch.nn.modules.linear.Linear'>, which is not a",
+        ):
+            PruningCallback(0.5, method="not_a_method")
+    finally:
+        del registry.METHODS[entry.name]

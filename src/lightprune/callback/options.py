@@ -64,17 +64,21 @@ def resolve_method(method: str | type[prune.BasePruningMethod]) -> type[prune.Ba
     if isinstance(method, type) and issubclass(method, prune.BasePruningMethod):
         return method
     if isinstance(method, str):
-        if method in METHODS:
-            return METHODS[method]
         module_name, _, class_name = method.rpartition(".")
-        if module_name:
+        if method in METHODS:  # a registry entry names its class by import path too, loaded here
+            cls, what = METHODS[method], f" is registered as {METHODS[method]!r}, which"
+        elif module_name:
             try:
                 cls = getattr(importlib.import_module(module_name), class_name)
             except (ImportError, AttributeError) as err:
                 raise ValueError(f"method={method!r} could not be imported: {err}") from err
+            what = ""  # (the class it names, imported)
+        else:
+            cls, what = None, ""
+        if cls is not None:
             if isinstance(cls, type) and issubclass(cls, prune.BasePruningMethod):
                 return cls
-            raise ValueError(f"method={method!r} is not a lightprune.prune.BasePruningMethod subclass")
+            raise ValueError(f"method={method!r}{what} is not a lightprune.prune.BasePruningMethod subclass")
     allowed = ", ".join(repr(name) for name in METHODS)
     raise ValueError(
         f"method={method!r} is not supported: use one of {allowed}, a BasePruningMethod subclass or its import path"
