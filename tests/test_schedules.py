@@ -379,6 +379,16 @@ def test_repr_and_equality() -> None:
     assert Constant(1, at=2) == Constant(1.0, at=2)  # a sparsity is a number either way
 
 
+def test_points_equality_tells_steps_from_fractions() -> None:
+    # Points keeps its times inside ``points``: step 1 and 1.0 (the end of the run) must differ there too
+    steps, fractions = Points([(1, 0.5)]), Points([(1.0, 0.5)])
+    assert steps.resolve(100).events() != fractions.resolve(100).events()
+    assert steps != fractions and fractions != steps
+    assert Points([(0, 0.1), (1, 0.5)]) != Points([(0.0, 0.1), (1.0, 0.5)])
+    assert Points([(1, 0.5), (2, 1)]) == Points([(1, 0.5), (2, 1.0)])  # a sparsity is a number either way
+    assert Points([(0.5, 0.5)]) == Points([(0.5, 0.5)]) and Points([(1, 0.5)]) == Points([(1, 0.5)])
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Properties
 # ----------------------------------------------------------------------------------------------------------------------

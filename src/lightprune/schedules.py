@@ -343,12 +343,15 @@ class Schedule(ABC):
         return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
-        if type(self) is not type(other):
+        if not isinstance(other, Schedule) or type(self) is not type(other):
             return NotImplemented
-        ours, theirs = self._params(), other._params()  # type: ignore[attr-defined]
         # an int time is a step or an epoch, a float one a fraction of the run: at=1 and at=1.0 differ
-        times = (*self._position_args, *self._period_args)
-        return ours == theirs and all(type(ours[k]) is type(theirs[k]) for k in times)
+        return self._params() == other._params() and self._time_kinds() == other._time_kinds()
+
+    def _time_kinds(self) -> tuple[type, ...]:
+        """The types of the time arguments, which ``==`` compares besides their values (``1 == 1.0`` in Python)."""
+        params = self._params()
+        return tuple(type(params[name]) for name in (*self._position_args, *self._period_args))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -680,6 +683,10 @@ class Points(Schedule):
 
     def _resolved_params(self, total: int) -> dict[str, Any]:
         return {"points": [(_resolve_position(time, total), sparsity) for time, sparsity in self.points]}
+
+    def _time_kinds(self) -> tuple[type, ...]:
+        # the times sit inside ``points``, all of one type (checked at construction)
+        return (type(self._times[0]),)
 
     def _last_event_at_or_before(self, t: float) -> int | None:
         index = bisect.bisect_right(self._times, t) - 1
