@@ -351,6 +351,18 @@ def test_collection_construction_errors() -> None:
     assert list(SparsityCollection(["total"], total_key="overall").names) == ["total"]
 
 
+def test_collection_refuses_keys_that_are_not_str() -> None:
+    # names become output keys through str formatting: 1 and "1" would collapse into one key, one value lost
+    with pytest.raises(TypeError, match=r"^names\[0\]=1 is not a str \(int\); names must be str$"):
+        SparsityCollection([1, "1"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^names\[1\]=\('b',\) is not a str \(tuple\); names must be str$"):
+        SparsityCollection(["a", ("b",)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^prefix=None must be a str"):
+        SparsityCollection(["a"], prefix=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^total_key=0 must be a str, or None"):
+        SparsityCollection(["a"], total_key=0)  # type: ignore[arg-type]
+
+
 def test_collection_reset_forward_and_reductions() -> None:
     metric = SparsityCollection(["a", "b"])
     batch = metric({"a": torch.tensor([0, 1]), "b": torch.tensor([0, 0])})

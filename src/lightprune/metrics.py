@@ -225,7 +225,8 @@ class SparsityCollection(Metric):
         kwargs: Additional keyword arguments, see :ref:`Metric kwargs` for more info.
 
     Raises:
-        TypeError: if ``names`` is a single ``str`` (a sequence of its characters).
+        TypeError: if ``names`` is a single ``str`` (a sequence of its characters) or holds a name that is not a
+            ``str``, if ``prefix`` is not a ``str``, or if ``total_key`` is neither a ``str`` nor ``None``.
         ValueError: if ``names`` is empty or has duplicates, or ``total_key`` is one of the names.
 
     Example:
@@ -254,6 +255,13 @@ class SparsityCollection(Metric):
         names = list(names)
         if not names:
             raise ValueError("names is empty: give the name of at least one tensor")
+        for index, name in enumerate(names):  # 1 and "1" would both become the output key "1", one value lost
+            if not isinstance(name, str):
+                raise TypeError(f"names[{index}]={name!r} is not a str ({type(name).__name__}); names must be str")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix={prefix!r} must be a str (use '' for no prefix)")
+        if total_key is not None and not isinstance(total_key, str):
+            raise TypeError(f"total_key={total_key!r} must be a str, or None to leave the total out")
         seen: set[str] = set()
         repeated: set[str] = set()
         for name in names:  # one pass: list.count per name is quadratic in thousands of tensors
