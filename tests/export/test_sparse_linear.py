@@ -106,6 +106,27 @@ def test_latency_helpers():
         compare_latency({}, torch.zeros(2), warmup=-1)
 
 
+@pytest.mark.parametrize(
+    ("counts", "error", "pattern"),
+    [
+        ({"repeats": 2.5}, TypeError, r"^repeats=2.5 must be an int .*not a float$"),
+        ({"repeats": float("nan")}, TypeError, r"^repeats=nan must be an int"),
+        ({"repeats": True}, TypeError, r"^repeats=True must be an int .*not a bool$"),
+        ({"repeats": "3"}, TypeError, r"^repeats='3' must be an int"),
+        ({"warmup": 1.5}, TypeError, r"^warmup=1.5 must be an int"),
+        ({"warmup": False}, TypeError, r"^warmup=False must be an int"),
+        ({"repeats": 0}, ValueError, r"^repeats must be at least 1, got 0$"),
+    ],
+)
+def test_latency_refuses_round_counts_that_are_not_ints_before_any_call(counts, error, pattern):
+    calls = []
+    with pytest.raises(error, match=pattern):
+        measure_latency(lambda x: calls.append(x), torch.zeros(1), **counts)
+    with pytest.raises(error, match=pattern):
+        compare_latency({"a": lambda x: calls.append(x)}, torch.zeros(1), **counts)
+    assert calls == []
+
+
 def test_latency_waits_for_the_gpu_before_and_after_each_timed_call(monkeypatch):
     """A CUDA call returns once its kernels are queued: without a synchronize the timings would be launch times."""
     events = []

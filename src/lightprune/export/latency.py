@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightprune._checks import is_int
+
 __all__ = ["Latency", "compare_latency", "measure_latency"]
 
 
@@ -53,6 +55,28 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def check_rounds(repeats: Any, warmup: Any) -> None:
+    """Check the timed and untimed round counts before any model runs.
+
+    Raises:
+        TypeError: ``repeats`` or ``warmup`` is not an int (a bool, a float or NaN included).
+        ValueError: ``repeats`` below 1 or ``warmup`` below 0.
+
+    Example:
+        >>> check_rounds(2.5, 3)
+        Traceback (most recent call last):
+        ...
+        TypeError: repeats=2.5 must be an int (a number of timed calls), not a float
+    """
+    for name, value, what in (("repeats", repeats, "timed calls"), ("warmup", warmup, "untimed calls")):
+        if not is_int(value):  # True would pass for 1 and 2.0 fail later in range()
+            raise TypeError(f"{name}={value!r} must be an int (a number of {what}), not a {type(value).__name__}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be at least 0, got {warmup}")
+
+
 def _as_call(model: nn.Module | Callable[..., Any], example_inputs: Tensor | Sequence[Any]) -> Callable[[], Any]:
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     return lambda: model(*inputs)
@@ -82,6 +106,7 @@ def compare_latency(
         ``{name: Latency}`` in the order of ``models``.
 
     Raises:
+        TypeError: ``repeats`` or ``warmup`` is not an int (a bool, a float or NaN included), naming the value.
         ValueError: ``repeats`` below 1 or ``warmup`` below 0.
 
     Example:
@@ -90,10 +115,7 @@ def compare_latency(
         >>> sorted(result), result["dense"].repeats
         (['dense', 'half'], 3)
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be at least 0, got {warmup}")
+    check_rounds(repeats, warmup)
     calls = {name: _as_call(model, example_inputs) for name, model in models.items()}
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -115,6 +137,10 @@ def measure_latency(
     model: nn.Module | Callable[..., Any], example_inputs: Tensor | Sequence[Any], *, repeats: int = 20, warmup: int = 3
 ) -> Latency:
     """Time one model's forward pass (see :func:`compare_latency` for the protocol).
+
+    Raises:
+        TypeError: ``repeats`` or ``warmup`` is not an int (a bool, a float or NaN included), naming the value.
+        ValueError: ``repeats`` below 1 or ``warmup`` below 0.
 
     Example:
         >>> latency = measure_latency(nn.Linear(16, 4).eval(), torch.randn(2, 16), repeats=5)
