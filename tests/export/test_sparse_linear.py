@@ -127,6 +127,17 @@ def test_latency_refuses_round_counts_that_are_not_ints_before_any_call(counts, 
     assert calls == []
 
 
+def test_to_sparse_linear_checks_repeats_before_any_work():
+    calls = []
+    dense = nn.Sequential(nn.Linear(4, 4))  # no layer is sparse enough to be timed: repeats was never used
+    dense.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(ValueError, match=r"^repeats must be at least 1, got 0$"):
+        to_sparse_linear(dense, torch.randn(2, 4), repeats=0)
+    with pytest.raises(TypeError, match=r"^repeats=1.5 must be an int"):
+        to_sparse_linear(dense, torch.randn(2, 4), repeats=1.5)
+    assert calls == []  # refused before the copy ran the model
+
+
 def test_latency_waits_for_the_gpu_before_and_after_each_timed_call(monkeypatch):
     """A CUDA call returns once its kernels are queued: without a synchronize the timings would be launch times."""
     events = []

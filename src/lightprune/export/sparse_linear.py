@@ -13,10 +13,12 @@ import torch.nn.utils.prune as torch_prune
 from torch import Tensor, nn
 
 from lightprune.export._pruned import effective_state_dict
-from lightprune.export.latency import compare_latency
+from lightprune.export.latency import check_rounds, compare_latency
 from lightprune.layouts import is_transformers_conv1d
 
 __all__ = ["LayerDecision", "SparseLinear", "to_sparse_linear"]
+
+_LAYER_WARMUP = 2  # untimed calls per layer and variant before the timed ones
 
 
 def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -185,7 +187,8 @@ def to_sparse_linear(
         ``(model copy in eval mode, one LayerDecision per nn.Linear or Conv1D)``.
 
     Raises:
-        ValueError: ``min_sparsity`` outside [0, 1] or ``margin`` negative (or NaN).
+        TypeError: ``repeats`` is not an int (a bool, a float or NaN included).
+        ValueError: ``repeats`` below 1, ``min_sparsity`` outside [0, 1] or ``margin`` negative (or NaN).
 
     Example:
         >>> from lightprune import prune
@@ -198,6 +201,8 @@ def to_sparse_linear(
         >>> torch.allclose(fast(x), net.eval()(x), atol=1e-5)
         True
     """
+    # before the copy and the forward: a bad count would otherwise fail only once a layer is timed, or never
+    check_rounds(repeats, _LAYER_WARMUP)
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"min_sparsity must be in [0, 1], got {min_sparsity}")
     if not margin >= 0.0:
@@ -252,7 +257,9 @@ def to_sparse_linear(
             sparse.in_features, sparse.out_features, bias=bias is not None, dtype=weight.dtype, device=weight.device
         )
         dense.load_state_dict({"weight": weight, **({"bias": bias} if bias is not None else {})})
-        times = compare_latency({"dense": dense.eval(), "sparse": sparse}, seen[name], repeats=repeats, warmup=2)
+        times = compare_latency(
+            {"dense": dense.eval(), "sparse": sparse}, seen[name], repeats=repeats, warmup=_LAYER_WARMUP
+        )
         converted = times["dense"].median >= margin * times["sparse"].median
         decisions.append(LayerDecision(name, sparsity, times["dense"].median, times["sparse"].median, converted))
         if converted and not name:
