@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -168,6 +169,15 @@ def test_bad_inputs_name_the_key(tmp_path):
         save_sparse({"c": torch.ones(3, dtype=torch.complex64)}, tmp_path / "x.safetensors")
     with pytest.raises(TypeError, match=r"nn.Module or a state_dict"):
         save_sparse([torch.ones(3)], tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("key", [1, ("w",), None])
+def test_a_key_that_is_not_a_str_is_named(tmp_path, key):
+    path = tmp_path / "x.safetensors"
+    message = f"state_dict key {key!r} is not a str ({type(key).__name__}); keys are tensor names"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        save_sparse({"w": torch.ones(3), key: torch.ones(2)}, path)
+    assert not path.exists()
 
 
 def test_tensor_subclasses_are_refused_naming_the_key(tmp_path):

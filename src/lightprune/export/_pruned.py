@@ -87,6 +87,9 @@ def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Ten
     buffer that happens to be called ``attn_mask`` stays what it is. For a state_dict, every ``x_orig`` with an
     ``x_mask`` partner is a pair.
 
+    Raises:
+        TypeError: ``obj`` is neither a module nor a mapping, or a state_dict key is not a ``str`` (naming the key).
+
     Example:
         >>> layer = prune.l1_unstructured(nn.Linear(3, 1, bias=False), "weight", amount=2)
         >>> sorted(layer.state_dict()), list(effective_state_dict(layer))
@@ -103,6 +106,9 @@ def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Ten
         _warn_split_ties(obj, pairs)
     elif isinstance(obj, Mapping):
         state = dict(obj)
+        for key in state:  # the keys are names in a file or a module, and are matched as str below
+            if not isinstance(key, str):
+                raise TypeError(f"state_dict key {key!r} is not a str ({type(key).__name__}); keys are tensor names")
         pairs = pruned_pairs(list(state))
     else:
         raise TypeError(f"expected an nn.Module or a state_dict (a mapping of names to tensors), got {type(obj)!r}")

@@ -250,8 +250,8 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
             complete (it is written beside it first), so a failed save leaves the previous file whole.
 
     Raises:
-        TypeError: A value that is not a plain tensor (a DTensor shard, say), or a dtype safetensors cannot store,
-            naming the key.
+        TypeError: A key that is not a ``str``, a value that is not a plain tensor (a DTensor shard, say), or a
+            dtype safetensors cannot store, naming the key.
 
     Example:
         >>> import tempfile
