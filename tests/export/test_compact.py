@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -365,6 +366,31 @@ def test_untraceable_model_is_refused_naming_the_node():
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Inner()))
     with pytest.raises(CompactError, match=r"inside module '1.0'"):
         compact(model, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    ("rtol", "error", "pattern"),
+    [
+        (float("nan"), ValueError, r"^rtol=nan must be a finite number >= 0"),  # would pass any output
+        (float("inf"), ValueError, r"^rtol=inf must be a finite number >= 0"),
+        (-1, ValueError, r"^rtol=-1 must be a finite number >= 0"),
+        ("x", TypeError, r"^rtol='x' must be a real number, not a str$"),
+        (True, TypeError, r"^rtol=True must be a real number, not a bool$"),
+    ],
+)
+def test_a_tolerance_the_check_cannot_use_is_refused_before_tracing(monkeypatch, rtol, error, pattern):
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    prune.ln_structured(model[0], "weight", amount=0.5, n=2, dim=0)
+    small = compact(model, torch.randn(4, 8), rtol=0)  # zero is a tolerance: the floor of a few epsilons applies
+    assert small.get_submodule("0").out_features == 3
+
+    def no_tracing(*args):
+        raise AssertionError("traced before checking rtol")
+
+    # the package's ``compact`` attribute is the function: reach the module through sys.modules
+    monkeypatch.setattr(sys.modules["lightprune.export.compact"], "_trace_in_eval_mode", no_tracing)
+    with pytest.raises(error, match=pattern):
+        compact(model, torch.randn(4, 8), rtol=rtol)
 
 
 def test_in_place_update_read_elsewhere_keeps_the_channels():

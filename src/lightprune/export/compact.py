@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -907,6 +908,22 @@ def _outputs(model: nn.Module, inputs: tuple[Any, ...]) -> list[Tensor]:
     return [t for t in _pytree.tree_leaves(out) if isinstance(t, Tensor)]
 
 
+def _check_rtol(rtol: Any) -> None:
+    """Refuse a tolerance the final check cannot use, before the rewrite's work rather than after it.
+
+    Example:
+        >>> _check_rtol(float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: rtol=nan must be a finite number >= 0 (a tolerance relative to the largest output)
+    """
+    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real):
+        raise TypeError(f"rtol={rtol!r} must be a real number, not a {type(rtol).__name__}")
+    # NaN compares false with everything: ``difference > nan`` would pass any output
+    if not (math.isfinite(rtol) and rtol >= 0):
+        raise ValueError(f"rtol={rtol!r} must be a finite number >= 0 (a tolerance relative to the largest output)")
+
+
 def compact(model: nn.Module, example_inputs: Tensor | Sequence[Any], *, rtol: float = 1e-5) -> fx.GraphModule:
     """Return a smaller model computing the same function: pruned channels of Linear/Conv layers physically removed.
 
@@ -929,6 +946,8 @@ def compact(model: nn.Module, example_inputs: Tensor | Sequence[Any], *, rtol: f
         The compact model (``torch.fx.GraphModule``), in eval mode.
 
     Raises:
+        TypeError: ``rtol`` is not a real number (a bool included).
+        ValueError: ``rtol`` is negative, infinite or NaN (NaN would let any output pass the check).
         CompactError: The model cannot be traced by ``torch.fx`` (the message names the module and the last node
             traced), or the compact model does not reproduce the masked model on ``example_inputs``.
 
@@ -943,6 +962,7 @@ def compact(model: nn.Module, example_inputs: Tensor | Sequence[Any], *, rtol: f
         >>> torch.allclose(small(x), net.eval()(x), rtol=1e-5, atol=1e-6)
         True
     """
+    _check_rtol(rtol)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     gm = _trace_in_eval_mode(model)
     reference = copy.deepcopy(gm)
