@@ -97,6 +97,16 @@ def test_callable_importance_and_refusals() -> None:
         prune_units(mlp, [group], 1.0)
 
 
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_a_nan_amount_is_refused_naming_it(scope: str) -> None:
+    mlp = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    group = find_units(mlp, (torch.randn(1, 3),))[0]
+    weight = mlp[2].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"^amount=nan is out of range: a float amount is a fraction in \[0, 1\]"):
+        prune_units(mlp, [group], math.nan, scope=scope)
+    assert torch.equal(mlp[2].weight, weight) and not prune.is_pruned(mlp[2])
+
+
 def _pruned_units(model: nn.Module, group) -> torch.Tensor:
     """Units whose every entry (rows, bias, columns) reads zero in the model's tensors, computed independently."""
     gone = torch.ones(group.count, dtype=torch.bool)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.prune.amount import _compute_nparams_toprune
+from lightprune.prune.amount import _compute_nparams_toprune, validate_amount
 from lightprune.structure.statistics import NEVER_CALLED, Moments
 from lightprune.structure.units import Slice, UnitGroup
 
@@ -207,6 +207,10 @@ def prune_units(
         gradients: for ``importance="taylor"``.
         mask_dtype: the dtype of new masks.
 
+    Raises:
+        ValueError: an unknown ``scope`` or ``importance``; an ``amount`` that is not a float in ``[0, 1]`` or an int
+            ``>= 0`` (a bool, NaN or a non-number included), or that prunes every unit of a group.
+
     Example:
         >>> from lightprune.structure import find_units
         >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
@@ -221,6 +225,7 @@ def prune_units(
         raise ValueError(f"amount must be a float in [0, 1] or a non-negative int, got {amount!r}")
     if isinstance(amount, float) and amount > 1:
         raise ValueError(f"a float amount must be in [0, 1], got {amount!r}")
+    validate_amount(amount)  # NaN slips through the comparisons above
     scores = []
     for group in groups:
         values = unit_scores(model, group, importance, moments=moments, gradients=gradients)
