@@ -323,7 +323,7 @@ def test_resolve_errors() -> None:
         (lambda: Points([(0, 0.1), (5, 1.5)]), r"^points\[1\] sparsity=1.5 must be in \[0, 1\]$"),
         (lambda: Points([(-5, 0.1)]), r"^points\[0\] time=-5 must be an int >= 0"),
         (lambda: FromCallable(0.5, end=10), r"^fn=0.5 must be callable"),
-        (lambda: FromCallable(lambda t: 0.5, start=5, end=5), r"^start=5 must be < end=5$"),
+        (lambda: FromCallable(lambda t: 0.5, start=6, end=5), r"^start=6 must be <= end=5$"),  # equal: one event
     ],
 )
 def test_validation_messages(build, message) -> None:
@@ -510,3 +510,13 @@ def test_resolved_fractions_fall_inside_the_run(start: float, end: float, freque
     assert abs(resolved.end - end * total) <= 1
     assert abs(resolved.start - start * total) <= 0.5 + 1e-9 or resolved.start == total - 1
     assert math.isclose(resolved(resolved.end), 0.5)
+
+
+def test_a_callable_schedule_on_a_run_of_one_unit_has_its_one_event() -> None:
+    """The callback wraps a callable as FromCallable(start=0, end=1.0): on a one-step (or one-epoch) run end
+    resolves to 0, which was refused with 'start=0 must be < end=0', arguments the user never gave."""
+    schedule = FromCallable(lambda t: 0.25 + t / 10, end=1.0).resolve(1)
+    assert (schedule.events(), schedule.target(0), schedule.final_sparsity) == ([0], 0.25, 0.25)
+    assert FromCallable(lambda t: 0.5, start=3, end=3).events() == [3]
+    with pytest.raises(ValueError, match="start=0 must be < end=0"):  # a ramp of one event is a mistake
+        Linear(final=0.5, end=1.0).resolve(1)

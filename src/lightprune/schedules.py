@@ -92,10 +92,11 @@ def _check_period(name: str, value: Any) -> Time:
     raise ValueError(f"{name}={value!r} must be an int >= 1 (clock units) or a float in (0, 1] (a fraction of the run)")
 
 
-def _check_before(first_name: str, first: Time, second_name: str, second: Time) -> None:
-    """Check ``first < second`` when both are of the same kind (both ints or both fractions)."""
-    if type(first) is type(second) and not first < second:
-        raise ValueError(f"{first_name}={first!r} must be < {second_name}={second!r}")
+def _check_before(first_name: str, first: Time, second_name: str, second: Time, or_equal: bool = False) -> None:
+    """Check ``first < second`` (``<=`` with ``or_equal``) when both are of the same kind (both ints or both
+    fractions)."""
+    if type(first) is type(second) and not (first <= second if or_equal else first < second):
+        raise ValueError(f"{first_name}={first!r} must be {'<=' if or_equal else '<'} {second_name}={second!r}")
 
 
 def _round_half_up(value: float) -> int:
@@ -411,12 +412,13 @@ class _Ramp(Schedule):
 
     _position_args = ("start", "end")
     _period_args = ("frequency",)
+    _one_event = False  # whether end == start is a schedule (one event) rather than a mistake
 
     def __init__(self, start: Time, end: Time, frequency: Time) -> None:
         self.start = _check_position("start", start)
         self.end = _check_position("end", end)
         self.frequency = _check_period("frequency", frequency)
-        _check_before("start", self.start, "end", self.end)
+        _check_before("start", self.start, "end", self.end, or_equal=self._one_event)
 
     def _last_event_at_or_before(self, t: float) -> int | None:
         start, end, frequency = int(self.start), int(self.end), int(self.frequency)
@@ -720,15 +722,20 @@ class FromCallable(_Ramp):
     Args:
         fn: callable mapping an event time to a sparsity.
         start: time of the first event (int ``>= 0`` or fraction of the run).
-        end: time of the last event (int or fraction of the run), ``> start``.
+        end: time of the last event (int or fraction of the run), ``>= start``: equal, the one event is ``fn(start)``
+            (a callable given to the callback on a run of one step or epoch, whose ``end=1.0`` resolves to 0).
         frequency: units between events (int ``>= 1`` or fraction of the run).
 
     Example:
         >>> schedule = FromCallable(lambda t: t / 100, start=10, end=50, frequency=20)
         >>> schedule.events(), schedule(35), schedule.final_sparsity
         ([10, 30, 50], 0.3, 0.5)
+        >>> FromCallable(lambda t: 0.5, end=1.0).resolve(1).events()
+        [0]
 
     """
+
+    _one_event = True
 
     def __init__(self, fn: Callable[[int], float], *, start: Time = 0, end: Time, frequency: Time = 1) -> None:
         if not callable(fn):

@@ -181,6 +181,7 @@ GOLDEN: list[tuple[str, Any, dict[str, Any], dict[int, float]]] = [
         {"accumulate_grad_batches": 2},
         {0: 0.0, 2: 1 / 7, 4: 2 / 7, 6: 3 / 7, 7: 0.5},  # end=1.0 is the last step, 7
     ),
+    ("callable on a one-epoch run", lambda t: 0.25 + t, {"unit": "epoch", "max_epochs": 1}, {0: 0.25}),
     (
         "epochs, the last one when fit ends",
         Points([(1, 0.25), (2, 0.5)]),
