@@ -1024,6 +1024,7 @@ def test_sparse_gradients_are_refused_at_setup_where_they_cannot_be_masked(kwarg
         ({"rewind": -1}, r"rewind=-1 must be None"),
         ({"rewind": 1.5}, r"rewind=1.5 must be None"),
         ({"rewind": True}, r"rewind=True must be None"),
+        ({"schedule": Linear(final=0.5, start=2, end=8), "rewind": 5}, r"rewind=5 is after the first pruning event at"),
         (
             {"rewind": {"net.0.weight": [1.0]}},
             r"rewind snapshot must map parameter names to tensors.*'net.0.weight': list",
@@ -1085,10 +1086,10 @@ def _explicit_bias(model: Net) -> dict[str, Any]:
             {"max_epochs": -1, "max_steps": -1},
             r"gives times as fractions of the run, but the run length in optimizer steps is unknown \(inf\)",
         ),
-        (
-            lambda model: {"schedule": Linear(final=0.5, start=2, end=8), "rewind": 5},
+        (  # (integer times: refused at construction, below; fractions of the run: when it starts)
+            lambda model: {"schedule": Linear(final=0.5, start=0.25, end=0.75), "rewind": 5},
             {},
-            r"rewind=5 is after the first pruning event at step 2",
+            r"rewind=5 is after the first pruning event at step 4",
         ),
     ],
 )

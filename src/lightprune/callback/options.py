@@ -25,6 +25,7 @@ __all__ = [
     "check_choice",
     "check_n_m_schedule",
     "check_owl",
+    "check_rewind_time",
     "check_unused_inputs",
     "is_n_m",
     "method_entry",
@@ -323,6 +324,24 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
     return f"{hint}, or {alternative}" if alternative else hint
 
 
+def check_rewind_time(schedule: Schedule, unit: str, rewind: int | None) -> None:
+    """Refuse a rewind time after the first event of a resolved ``schedule``: the weights to rewind to would not
+    exist yet (checked at construction where the schedule's times are ints, else when the run resolves them).
+
+    Example:
+        >>> check_rewind_time(Constant(0.5, at=4), "step", 2)
+        >>> check_rewind_time(Constant(0.5, at=4), "step", 5)
+        Traceback (most recent call last):
+        ...
+        ValueError: rewind=5 is after the first pruning event at step 4: the weights to rewind to would not exist yet
+    """
+    if rewind is not None and schedule.is_resolved and schedule.first_event < rewind:
+        raise ValueError(
+            f"rewind={rewind} is after the first pruning event at {unit} {schedule.first_event}: the weights to "
+            "rewind to would not exist yet"
+        )
+
+
 def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:
     """``schedule`` with fractional times fixed to this run's length, checked against the run.
 
@@ -341,11 +360,7 @@ def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: in
     validate = getattr(schedule, "validate", None)
     if callable(validate):
         validate()
-    if rewind is not None and schedule.first_event < rewind:
-        raise ValueError(
-            f"rewind={rewind} is after the first pruning event at {unit} {schedule.first_event}: the weights to "
-            "rewind to would not exist yet"
-        )
+    check_rewind_time(schedule, unit, rewind)
     # the run's last time in the clock's unit (see lightprune.callback.clock)
     end = total
     if end is not None and 0 <= end < float("inf") and schedule.last_event > end:

@@ -36,6 +36,7 @@ from lightprune.callback.options import (
     check_choice,
     check_n_m_schedule,
     check_owl,
+    check_rewind_time,
     check_unused_inputs,
     method_entry,
     method_name,
@@ -416,6 +417,7 @@ class PruningCallback(Callback):
             )
         )
         rewind_at, snapshot = resolve_rewind(rewind, unit)
+        check_rewind_time(self.schedule, unit, rewind_at)
         if mask_dtype is not None and not (
             isinstance(mask_dtype, torch.dtype) and (mask_dtype == torch.bool or mask_dtype.is_floating_point)
         ):
