@@ -1056,6 +1056,12 @@ def test_configuration_mistakes_raise_at_construction(kwargs: dict[str, Any], me
         PruningCallback(schedule, **kwargs)
 
 
+def _a_tensor_named_total(model: Net) -> dict[str, Any]:
+    """A Parameter ``total`` of the LightningModule itself: its log key was the total's, and the first event failed."""
+    model.total = nn.Parameter(torch.randn(4, 4))
+    return {"parameters": [(model, "total"), (model.net[0], "weight")]}
+
+
 def _explicit_bias(model: Net) -> dict[str, Any]:
     return {"parameters": [(model.net[0], "bias")], "method": "ln_structured"}
 
@@ -1070,6 +1076,7 @@ def _explicit_bias(model: Net) -> dict[str, Any]:
             r"no parameter of the model matches the selection: include=None, exclude='\.\*'",
         ),
         (_explicit_bias, {}, r"net.0.bias has shape \(16,\): structured pruning needs >= 2 dims"),
+        (_a_tensor_named_total, {}, r"the selected tensor 'total' would be logged under the key of the total"),
         (
             lambda model: {"method": "ln_structured", "method_kwargs": {"n": "bogus"}},
             {},

@@ -864,6 +864,7 @@ class PruningCallback(Callback):
         """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
         selection = self._resolved_selection(model)
         setup_checks.refuse_uninitialized(selection)
+        setup_checks.refuse_reserved_names(selection)
         return selection
 
     def _resolved_selection(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:

@@ -24,6 +24,7 @@ __all__ = [
     "check_sharded",
     "find_ties",
     "refuse_overlaps",
+    "refuse_reserved_names",
     "refuse_sharded_criteria",
     "refuse_strategy",
     "warn_small_share",
@@ -50,6 +51,23 @@ def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str
                 f"two PruningCallbacks would log to the same keys {log_prefix}...: give each a distinct name= (e.g. "
                 "PruningCallback(..., name='encoder'))"
             )
+
+
+def refuse_reserved_names(selection: Selection, total_key: str = "total") -> None:
+    """Refuse a selected tensor named ``total_key`` (a Parameter ``total`` of the model itself): its sparsity would
+    be logged under the total's key, and the first event would fail on the clash.
+
+    Example:
+        >>> refuse_reserved_names([("total", nn.Module(), "total")])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the selected tensor 'total' would be logged under the key of the total sparsity ...
+    """
+    if any(qualified == total_key for qualified, _, _ in selection):
+        raise ValueError(
+            f"the selected tensor {total_key!r} would be logged under the key of the total sparsity "
+            f"(pruning/sparsity/{total_key}): exclude it, or hold it in a submodule so that its name has a prefix"
+        )
 
 
 def refuse_strategy(strategy: Any) -> None:
