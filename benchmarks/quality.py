@@ -70,8 +70,9 @@ an optimizer state warmed up as in a real run, no pruning event inside it), its 
 and the median over repeats of the ratio to the dense fit of the same repeat (paired, so less sensitive to a machine
 whose speed drifts).
 
-Every run is a fresh process (``--jobs`` at a time, ``--threads`` torch threads each) and leaves a JSON file under
-``OUT/runs``; a rerun with the same settings reuses them (``--fresh`` to redo), so an interrupted benchmark resumes.
+Every run is a fresh process (``--jobs`` at a time, ``--threads`` torch threads each; ``--quick`` runs, seconds long,
+share ``--jobs`` processes) and leaves a JSON file under ``OUT/runs``; a rerun with the same settings reuses them
+(``--fresh`` to redo), so an interrupted benchmark resumes.
 
 Usage:
     python benchmarks/quality.py                        # the full benchmark: 75 runs, 30-45 minutes on 2 cores
@@ -1045,9 +1046,12 @@ def _same_run(cached: dict[str, Any], run: Run) -> bool:
     return completed == expected
 
 
-def execute(runs: list[Run], out: Path, jobs: int, fresh: bool, cached_only: bool = False) -> list[dict[str, Any]]:
-    """Run what is not cached under ``out/runs`` (``jobs`` processes at a time) and return every result; with
-    ``cached_only``, run nothing and return the cached results alone."""
+def execute(
+    runs: list[Run], out: Path, jobs: int, fresh: bool, cached_only: bool = False, process_per_run: bool = True
+) -> list[dict[str, Any]]:
+    """Run what is not cached under ``out/runs`` (``jobs`` processes at a time, a fresh one for each run unless
+    ``process_per_run`` is off) and return every result; with ``cached_only``, run nothing and return the cached
+    results alone."""
     run_dir = out / "runs"
     run_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -1065,7 +1069,8 @@ def execute(runs: list[Run], out: Path, jobs: int, fresh: bool, cached_only: boo
         return [results[run.key] for run in runs if run.key in results]
     print(f"{len(runs)} runs: {len(results)} cached, {len(todo)} to do with {jobs} processes", flush=True)
     context = get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+    per_child = 1 if process_per_run else None
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=per_child) as pool:
         futures = {pool.submit(_run_in_worker, run): run for run in todo}
         for done, future in enumerate(as_completed(futures), 1):
             run = futures[future]
@@ -1158,7 +1163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(report)
         return 0
     runs = plan(args.arms, sparsities, seeds, settings, args.importance)
-    results = execute(runs, args.out, args.jobs, args.fresh, cached_only=args.report_only)
+    # (--quick: runs of seconds, where starting a process, which imports Lightning, would take longer than the run)
+    results = execute(
+        runs, args.out, args.jobs, args.fresh, cached_only=args.report_only, process_per_run=not args.quick
+    )
     summary = summarize(results)
     timing = time_epochs(settings, repeats, arms=args.timing_arms, clock=args.timing_clock) if repeats > 0 else None
     label = accuracy_label(settings)

@@ -52,7 +52,7 @@ def _run(data: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_quick_benchmark_runs_every_arm_and_writes_the_report(tmp_path: Path) -> None:
+def test_quick_benchmark_runs_every_arm_and_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     data, out = tmp_path / "data", tmp_path / "out"
     _digits_as_idx(data)
     done = _run(data, out)
@@ -87,8 +87,12 @@ def test_quick_benchmark_runs_every_arm_and_writes_the_report(tmp_path: Path) ->
     assert "| lightprune PruningCallback (masking='inplace', bool masks) |" in report
     assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    again = _run(data, out)
-    assert "7 runs: 7 cached, 0 to do" in again.stdout
+    # a rerun with the same settings reuses every run (here in this process: no new one, no fit)
+    quality = _quality_module()
+    runs = quality.plan(list(ARMS), [0.9], [0], quality.Settings(**payload["settings"]), ["magnitude"])
+    again = quality.execute(runs, out, jobs=2, fresh=False)
+    assert "7 runs: 7 cached, 0 to do" in capsys.readouterr().out
+    assert sorted(again, key=lambda r: r["run"]["arm"]) == sorted(results, key=lambda r: r["run"]["arm"])
 
 
 def _quality_module():
