@@ -9,12 +9,13 @@ with one step a batch reaches, and 80% must be the target from batch 20 on (70% 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic
@@ -219,3 +220,19 @@ def test_sparsities_are_logged_on_the_runs_clock_as_the_regrowth(module: type[L.
     sparsity, regrown = logger.steps["pruning/sparsity/total"], logger.steps["pruning/regrown/fraction"]
     assert regrown == [4]  # batch 4 (the update at batch 8 is past regrow_until: half of 16 batches)
     assert sparsity == [0, 5, 10, 15]  # the one-shot event at batch 0, then every 5 batches
+
+
+class Endless(torch.utils.data.IterableDataset):
+    """A stream without a length: the epochs' steps are unknown until it ends."""
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(16):
+            yield torch.randn(8, generator=generator), torch.randint(0, 4, (), generator=generator)
+
+
+def test_fractions_over_a_loader_without_length_ask_for_max_steps_even_with_max_epochs() -> None:
+    """Before, the message said 'set max_steps or max_epochs' to a fit that had set max_epochs."""
+    trainer = quiet_trainer([PruningCallback(0.5, regrow="set", summary=False)], max_epochs=1)
+    with pytest.raises(ValueError, match=r"the training loader has no length, so max_epochs does not give the number"):
+        trainer.fit(TinyNet(), torch.utils.data.DataLoader(Endless(), batch_size=4))

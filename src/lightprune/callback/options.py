@@ -312,13 +312,15 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
     """What fixes a run whose length in ``unit`` is unknown, for a message; ``alternative`` is offered last.
 
     Under manual optimization the step clock counts training batches, so ``max_steps`` (``optimizer.step()`` calls)
-    cannot give it.
+    cannot give it; with a loader of unknown length, ``max_epochs`` cannot give the steps.
     """
     if clock.counts_batches(trainer, unit):
         hint = (
             "under manual optimization the step clock counts training batches and max_steps counts "
             "optimizer.step() calls: set max_epochs (and limit_train_batches) instead"
         )
+    elif unit == "step" and trainer.max_epochs not in (None, -1) and trainer.num_training_batches == float("inf"):
+        hint = "the training loader has no length, so max_epochs does not give the number of steps: set max_steps"
     else:
         hint = "set max_steps or max_epochs"
     return f"{hint}, or {alternative}" if alternative else hint
