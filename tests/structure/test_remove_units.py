@@ -260,6 +260,30 @@ def test_other_families_compact_exactly(family: str) -> None:
     _assert_close(outputs(model, other), outputs(small, other))
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])
+def test_a_forward_that_views_keys_by_the_key_value_head_count_compacts(tmp_path, kv_heads: int) -> None:
+    """StableLM views its keys and values by ``self.num_key_value_heads``: without grouped-query attention (one query
+    head per key/value head) that count must shrink with the heads as well."""
+    config = transformers.StableLmConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+        intermediate_size=40,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.StableLmForCausalLM(config).eval()
+    example, other = {"input_ids": torch.randint(3, 64, (2, 7))}, {"input_ids": torch.randint(3, 64, (3, 10))}
+    groups = find_units(model, (), example, kinds=["heads"])
+    assert [(g.count, g.heads_per_unit) for g in groups] == [(kv_heads, 4 // kv_heads)] * 2
+    prune_units(model, groups, 0.5)
+    small = remove_units(model, (), example, groups=groups)
+    _assert_close(outputs(model, other), outputs(small, other))
+    attention = small.model.layers[0].self_attn
+    assert attention.num_key_value_heads == kv_heads // 2
+    small.save_pretrained(tmp_path)
+    loaded = load_compact(type(small), tmp_path)
+    for a, b in zip(outputs(small, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_load_compact_gives_an_eval_model_in_the_saved_dtype_and_refuses_what_it_cannot_pass(tmp_path) -> None:
     model, example, other = BUILDERS["bert"]()
     model = model.to(torch.bfloat16)

@@ -116,12 +116,16 @@ def _shrink(model: nn.Module, groups: Sequence[UnitGroup], removed: Sequence[Ten
 
 
 def _set_head_attributes(model: nn.Module, group: UnitGroup, units: int) -> None:
+    """Set the head counts and widths the attention's modules hold (not its projections) from ``group.count`` units
+    to ``units``, where an attribute equals the old value. A unit is one key/value head, so the key/value head count
+    shrinks with the units whatever the ratio: with one query head per key/value head (plain multi-head attention)
+    it equals the query head count, and a forward that views its keys by it (StableLM's) needs it changed too."""
     ratio, dim = group.heads_per_unit, group.head_dim
-    changes = {name: (group.count * ratio, units * ratio) for name in _HEAD_COUNTS} | {
-        name: (group.count * ratio * dim, units * ratio * dim) for name in _WIDTHS
-    }
-    if ratio > 1:
-        changes |= {name: (group.count, units) for name in _KV_COUNTS}
+    changes = (
+        {name: (group.count * ratio, units * ratio) for name in _HEAD_COUNTS}
+        | {name: (group.count * ratio * dim, units * ratio * dim) for name in _WIDTHS}
+        | {name: (group.count, units) for name in _KV_COUNTS}
+    )
     projections = {piece.module for piece in group.slices}
     for name, module in model.get_submodule(group.module).named_modules(prefix=group.module):
         if name in projections:
