@@ -154,6 +154,35 @@ def test_no_unit_through_a_non_elementwise_op() -> None:
         find_units(model, (torch.randn(2, 4),))
 
 
+class _Reuse(nn.Module):
+    """``fc1`` opens an MLP (``fc1 -> relu -> fc2``) and is called again on the MLP's output: its rows are units of
+    two MLPs at once, and pruning one of them would prune the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc1(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_a_projection_reused_in_two_groups_is_refused_by_name() -> None:
+    with pytest.raises(UnitError, match=r"fc1.weight belongs to two unit groups \(the neurons of 'the model' and"):
+        find_units(_Reuse(), (torch.randn(4, 8),))
+
+
+def test_a_layer_shared_across_depth_gives_its_groups_once() -> None:
+    """ALBERT calls one layer at every depth: the same groups, found once each, are not an overlap."""
+    config = transformers.AlbertConfig(
+        vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=40,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AlbertModel(config).eval()
+    groups = find_units(model, (), {"input_ids": torch.randint(3, 64, (2, 7))})
+    assert sorted((g.kind, g.count) for g in groups) == [("heads", 4), ("neurons", 40)]
+
+
 class _Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()

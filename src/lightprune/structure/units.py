@@ -685,13 +685,7 @@ def find_units(
             stacklevel=2,
         )
         groups.remove(group)
-    owner: dict[tuple[str, str, int], str] = {}
-    for group in groups:
-        for piece in group.slices:
-            key = (piece.module, piece.name, piece.dim)
-            if key in owner and owner[key] != group.module + group.kind:
-                raise UnitError(f"{piece.module}.{piece.name} belongs to two unit groups; it cannot be pruned as one")
-            owner[key] = group.module + group.kind
+    _refuse_overlaps(groups)
     position = {name: i for i, (name, _) in enumerate(model.named_modules())}
     unique = sorted(dict.fromkeys(groups), key=lambda g: min(position[s.module] for s in g.produce))
     for kind in kinds if required else ():
@@ -703,6 +697,31 @@ def find_units(
             f"and none feeds {_WHAT['heads']}"
         )
     return unique
+
+
+def _refuse_overlaps(groups: Sequence[UnitGroup]) -> None:
+    """Refuse entries of a tensor that two different groups slice (a projection called in two places, each call
+    making it part of another MLP): pruning a unit of one group would cut units of the other. The same group found
+    twice (one layer called at every depth, as in ALBERT) is one group, and groups slicing disjoint parts of one
+    tensor (the halves of a fused projection) do not overlap.
+
+    Raises:
+        UnitError: naming the tensor and both groups.
+    """
+    claimed: dict[tuple[str, str, int], list[tuple[int, int, UnitGroup]]] = {}
+    for group in groups:
+        for piece in group.slices:
+            start, stop = piece.offset, piece.offset + group.count * piece.per_unit
+            spans = claimed.setdefault((piece.module, piece.name, piece.dim), [])
+            for other_start, other_stop, other in spans:
+                if other != group and start < other_stop and other_start < stop:
+                    tensor = f"{piece.module}.{piece.name}" if piece.module else piece.name
+                    raise UnitError(
+                        f"{tensor} belongs to two unit groups (the {other.kind} of {other.module or 'the model'!r} "
+                        f"and the {group.kind} of {group.module or 'the model'!r}, dim {piece.dim}); it cannot be "
+                        "pruned as one: is its module called in two places?"
+                    )
+            spans.append((start, stop, group))
 
 
 def _tied(model: nn.Module) -> dict[tuple[str, str], list[str]]:
