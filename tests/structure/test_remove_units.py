@@ -188,6 +188,38 @@ def test_a_wrapped_models_config_is_updated_so_its_save_loads_back(tmp_path, sco
         _assert_close(outputs(small.model, other), outputs(again, other))
 
 
+class WrapperWithHead(nn.Module):
+    """A LightningModule's shape with layers of its own: the Hugging Face model as ``self.model``, then an MLP head
+    whose neurons are a unit group outside that model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.head = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model(input_ids=input_ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_a_wrapped_models_config_is_kept_current_beside_units_of_the_wrapper(tmp_path, scope: str) -> None:
+    model, example, other = BUILDERS["bert"]()
+    torch.manual_seed(0)
+    wrapper = WrapperWithHead(model).eval()
+    groups = find_units(wrapper, (), example)
+    assert [g.module for g in groups if not g.module.startswith("model.")] == ["head"]
+    prune_units(wrapper, groups, 0.5 if scope == "layerwise" else 0.4, scope=scope)
+    small = remove_units(wrapper, (), example)
+    assert small.head[0].out_features == 8 or scope == "global"  # global: the head's neurons rank high, and stay
+    _assert_close([wrapper(**other)], [small(**other)])
+    inside = [g.count for g in find_units(small.model, (), example)]
+    assert small.model.config.lightprune_kept_units == inside  # BERT's heads: recorded
+    small.model.save_pretrained(tmp_path)
+    loaded = load_compact(type(small.model), tmp_path)
+    for a, b in zip(outputs(small.model, other), outputs(loaded, other), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_load_compact_crosses_the_base_model_prefix_as_from_pretrained_does(tmp_path) -> None:
     """A save of GPT2LMHeadModel (keys under ``transformer.``) loads as GPT2Model, and a GPT2Model save as the model
     with its head (the head then tied to the loaded embedding)."""

@@ -13,7 +13,10 @@ shapes, the config's sizes are updated (``intermediate_size``, ``num_attention_h
 ``save_pretrained`` / ``from_pretrained`` round-trip. Otherwise (per-layer counts, or a config that derives the head
 size from the head count, as BERT's does) the config keeps its sizes and records the kept units per group in
 ``config.lightprune_kept_units`` (the groups of the kinds named in ``config.lightprune_kept_kinds``);
-:func:`load_compact` rebuilds that shape and loads the weights.
+:func:`load_compact` rebuilds that shape and loads the weights. A model without a config of its own (a
+LightningModule) has the config of every Hugging Face model it holds (``self.model``) updated or recorded so for the
+groups inside that model, so ``small.model.save_pretrained`` loads back; its own layers' units (a head of its own)
+need no config.
 
 Refused (:class:`~lightprune.export.CompactError`, naming the module): heads of ``nn.MultiheadAttention`` (its
 forward derives the head size from ``embed_dim``, so heads cannot go without changing the class) and heads that get a
@@ -239,7 +242,8 @@ def remove_units(
         rtol: tolerance of the check against the masked model, relative to the largest output.
 
     Returns:
-        The compact model. Its config (Hugging Face) is updated as the module's docstring says.
+        The compact model. Its config (Hugging Face), or that of each Hugging Face model it wraps, is updated as the
+        module's docstring says.
 
     Raises:
         CompactError: units of a module that cannot shrink (named), or the compact model's outputs differ.
@@ -292,12 +296,17 @@ def remove_units(
                 f"the compact {type(model).__name__}'s output {i} differs from the masked model's on the example "
                 "inputs; please report this model"
             )
-    _update_config(
-        _config_owner(compact, groups),
-        groups,
-        [int((~gone).sum()) for gone in removed],
-        lambda kinds: [group.count for group in _found_again(compact, args, kwargs, kinds)],
-    )
+    counts = [int((~gone).sum()) for gone in removed]
+    for prefix, owner in _config_owners(compact):
+        inside = [i for i, group in enumerate(groups) if _inside(group.module, prefix)]
+        if not inside:
+            continue
+
+        def found(kinds: Sequence[str] | None, prefix: str = prefix) -> list[int]:
+            again = _found_again(compact, args, kwargs, kinds)
+            return [group.count for group in again if _inside(group.module, prefix)]
+
+        _update_config(owner, [groups[i] for i in inside], [counts[i] for i in inside], found)
     return compact
 
 
@@ -312,18 +321,20 @@ def _found_again(
         return find_units(model, args, kwargs, kinds=kinds)
 
 
-def _config_owner(model: nn.Module, groups: Sequence[UnitGroup]) -> nn.Module:
-    """The module whose config describes ``groups``: ``model`` itself, or the one Hugging Face model it wraps (a
-    LightningModule's ``self.model``) when every group lies inside it; else ``model`` (then no config is updated)."""
+def _config_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose configs describe the groups inside them, with their qualified names: ``model`` itself if it
+    has a config (Hugging Face), else every outermost Hugging Face model it holds (a LightningModule's
+    ``self.model``). Groups outside them (a wrapper's own head) have no config to update: the wrapper's state_dict
+    holds their shapes."""
     if hasattr(getattr(model, "config", None), "to_dict"):
-        return model
+        return [("", model)]
     owners = [(name, m) for name, m in model.named_modules() if name and hasattr(getattr(m, "config", None), "to_dict")]
-    outermost = [(name, m) for name, m in owners if not any(name.startswith(other + ".") for other, _ in owners)]
-    if len(outermost) == 1:
-        name, inner = outermost[0]
-        if all(group.module == name or group.module.startswith(name + ".") for group in groups):
-            return inner
-    return model
+    return [(name, m) for name, m in owners if not any(_inside(name, other) for other, _ in owners if other != name)]
+
+
+def _inside(module: str, prefix: str) -> bool:
+    """Whether the module named ``module`` is the one named ``prefix`` or inside it (``""``: the whole model)."""
+    return not prefix or module == prefix or module.startswith(prefix + ".")
 
 
 def load_compact(
