@@ -138,6 +138,22 @@ def test_units_of_a_pruned_model_are_those_of_the_plain_one() -> None:
     assert prune.is_pruned(model.transformer.h[0].mlp.c_fc)
 
 
+def test_a_model_pruned_by_torch_is_refused_by_name() -> None:
+    """torch.nn.utils.prune's reparametrization cannot be copied (its pruned tensor is not a leaf): named, not a
+    deepcopy error, by find_units and by remove_units given the groups."""
+    from lightprune.export import remove_units
+
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3))
+    example = (torch.randn(2, 4),)
+    groups = find_units(mlp, example)
+    torch.nn.utils.prune.l1_unstructured(mlp[2], "weight", amount=0.3)
+    refusal = r"'2': 'weight' of Linear is pruned by torch.nn.utils.prune; make that pruning permanent"
+    with pytest.raises(UnitError, match=refusal):
+        find_units(mlp, example)
+    with pytest.raises(UnitError, match=refusal):
+        remove_units(mlp, example, groups=groups)
+
+
 def test_kinds_select_and_must_be_found() -> None:
     mlp = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3))
     assert [g.kind for g in find_units(mlp, (torch.randn(2, 4),), kinds=["neurons"])] == ["neurons"]

@@ -594,7 +594,17 @@ def plain_copy(model: nn.Module) -> nn.Module:
         >>> layer = prune.l1_unstructured(nn.Linear(3, 2), "weight", amount=2)
         >>> sorted(name for name, _ in plain_copy(layer).named_parameters()), prune.is_pruned(layer)
         (['bias', 'weight'], True)
+
+    Raises:
+        UnitError: a tensor is pruned by ``torch.nn.utils.prune`` (named): its pruned tensor is not a leaf, so the
+            model cannot be copied; that pruning must be made permanent first.
     """
+    for qualified, module in model.named_modules():
+        for name in prune.pruned_names(module):
+            try:
+                prune.original(module, name)  # refuses torch.nn.utils.prune's reparametrization by name
+            except ValueError as err:
+                raise UnitError(f"{qualified or 'the model'!r}: {err}") from err
     copied = copy.deepcopy(model)
     for module in copied.modules():
         for name in prune.pruned_names(module):
@@ -635,7 +645,8 @@ def find_units(
 
     Raises:
         UnitError: the model cannot be traced, an attention's heads cannot be followed to its projections, a
-            projection belongs to two groups, or a kind asked for has no group (the message names the module).
+            projection belongs to two groups, a tensor is pruned by ``torch.nn.utils.prune`` (make that permanent
+            first), or a kind asked for has no group (the message names the module).
         ValueError: an unknown kind.
 
     Example:
