@@ -262,6 +262,23 @@ def test_a_per_head_bias_added_before_the_mask_is_found_and_refused() -> None:
         remove_units(model, (), example, groups=heads)
 
 
+def test_attention_probabilities_asked_for_are_named_when_heads_go() -> None:
+    """``output_attentions=True`` returns a tensor per head, which has fewer heads once heads are removed."""
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=40,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    example = {"input_ids": torch.randint(3, 64, (2, 7)), "output_attentions": True}
+    prune_units(model, find_units(model, (), example, kinds=["heads"]), 0.5)
+    refusal = r"output 2 has shape \(2, 4, 7, 7\), the compact model's \(2, 2, 7, 7\).*output_attentions=False"
+    with pytest.raises(CompactError, match=refusal):
+        remove_units(model, (), example)
+    small = remove_units(model, (), {**example, "output_attentions": False})
+    assert small.encoder.layer[0].attention.self.query.out_features == 16
+
+
 def test_nothing_pruned_gives_an_equal_copy() -> None:
     model, example, _ = BUILDERS["bert"]()
     small = remove_units(model, (), example)

@@ -246,7 +246,8 @@ def remove_units(
         module's docstring says.
 
     Raises:
-        CompactError: units of a module that cannot shrink (named), or the compact model's outputs differ.
+        CompactError: units of a module that cannot shrink (named), or the compact model's outputs differ (an output
+            per head, the attention probabilities of ``output_attentions=True``, is named: it has fewer heads).
         lightprune.structure.UnitError: the units cannot be found.
 
     Example:
@@ -288,9 +289,17 @@ def remove_units(
             f"the compact {type(model).__name__} does not run on the example inputs ({type(err).__name__}: {err}): "
             "its forward reads a head or width count that remove_units does not know; keep its units"
         ) from err
+    heads_gone = any(group.kind == "heads" and bool(gone.any()) for group, gone in zip(groups, removed, strict=True))
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         scale = max(float(a.abs().max()) if a.numel() else 0.0, 1e-30)
         tolerance = max(rtol, 16 * torch.finfo(a.dtype).eps) * scale
+        if a.shape != b.shape and heads_gone:
+            raise CompactError(
+                f"the masked {type(model).__name__}'s output {i} has shape {tuple(a.shape)}, the compact model's "
+                f"{tuple(b.shape)}: an output with one entry per head (attention probabilities) changes shape when "
+                "heads are removed; pass output_attentions=False in example_kwargs (the compact model returns them "
+                "for its remaining heads)"
+            )
         if a.shape != b.shape or float((a.double() - b.double()).abs().max()) > tolerance:
             raise CompactError(
                 f"the compact {type(model).__name__}'s output {i} differs from the masked model's on the example "
