@@ -72,8 +72,8 @@ SCRIPT = textwrap.dedent(
 
     class Dump(Callback):
         # runs after the pruning callbacks: the masks after every batch, the data seen, the final state
-        def __init__(self):
-            self.masks, self.first_inputs = {}, []
+        def __init__(self, folder):
+            self.folder, self.masks, self.first_inputs = folder, {}, []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.first_inputs.append(batch[0][0].clone())
@@ -86,46 +86,46 @@ SCRIPT = textwrap.dedent(
         def on_train_end(self, trainer, pl_module):
             torch.save(
                 {"masks": self.masks, "inputs": self.first_inputs, "state": pl_module.state_dict()},
-                out / f"rank{trainer.global_rank}.pt",
+                self.folder / f"rank{trainer.global_rank}.pt",
             )
 
 
-    if sys.argv[2] == "criteria":  # activation (per row) and movement scores, summed across the ranks
-        callbacks = [
-            PruningCallback(
-                Linear(final=0.6, start=2, end=10, frequency=4), importance="activation", activation_window=2,
-                scope="row", include=r"net\\.[02]\\.weight", make_permanent=False, name="wanda",
-            ),
-            PruningCallback(
-                Linear(final=0.5, start=3, end=11, frequency=4), importance="movement", include=r"net\\.4\\.weight",
-                make_permanent=False, name="movement",
-            ),
-        ]
-    elif sys.argv[2] == "obs":  # OBS: H summed across the ranks, reconstruction from it; gradual rows and one-shot N:M
-        callbacks = [
-            PruningCallback(
-                Linear(final=0.6, start=2, end=10, frequency=4), importance="obs", activation_window=2,
-                scope="row", include=r"net\\.[02]\\.weight", make_permanent=False, name="obs",
-            ),
-            PruningCallback(
-                0.5, method="semi_structured", importance="obs", calibration_batches=2, include=r"net\\.4\\.weight",
-                make_permanent=False, name="obs_nm",
-            ),
-        ]
-    elif sys.argv[2] == "dynamic":  # OWL's allocation with SET's random regrowth; RigL's dense gradients
-        callbacks = [
-            PruningCallback(
-                Linear(final=0.6, start=2, end=6, frequency=4), scope="owl", importance="activation",
-                owl_threshold=2.0, include=r"net\\.[02]\\.weight", regrow="set", regrow_every=2, regrow_until=0.9,
-                make_permanent=False,
-            ),
-            PruningCallback(
-                0.5, include=r"net\\.4\\.weight", regrow="rigl", regrow_every=2, regrow_until=0.9,
-                make_permanent=False, name="rigl",
-            ),
-        ]
-    else:  # magnitude (global) and random draws
-        callbacks = [
+    def callbacks_of(variant):
+        if variant == "criteria":  # activation (per row) and movement scores, summed across the ranks
+            return [
+                PruningCallback(
+                    Linear(final=0.6, start=2, end=10, frequency=4), importance="activation", activation_window=2,
+                    scope="row", include=r"net\\.[02]\\.weight", make_permanent=False, name="wanda",
+                ),
+                PruningCallback(
+                    Linear(final=0.5, start=3, end=11, frequency=4), importance="movement", include=r"net\\.4\\.weight",
+                    make_permanent=False, name="movement",
+                ),
+            ]
+        if variant == "obs":  # OBS: H summed across the ranks, reconstruction from it; gradual rows and one-shot N:M
+            return [
+                PruningCallback(
+                    Linear(final=0.6, start=2, end=10, frequency=4), importance="obs", activation_window=2,
+                    scope="row", include=r"net\\.[02]\\.weight", make_permanent=False, name="obs",
+                ),
+                PruningCallback(
+                    0.5, method="semi_structured", importance="obs", calibration_batches=2, include=r"net\\.4\\.weight",
+                    make_permanent=False, name="obs_nm",
+                ),
+            ]
+        if variant == "dynamic":  # OWL's allocation with SET's random regrowth; RigL's dense gradients
+            return [
+                PruningCallback(
+                    Linear(final=0.6, start=2, end=6, frequency=4), scope="owl", importance="activation",
+                    owl_threshold=2.0, include=r"net\\.[02]\\.weight", regrow="set", regrow_every=2, regrow_until=0.9,
+                    make_permanent=False,
+                ),
+                PruningCallback(
+                    0.5, include=r"net\\.4\\.weight", regrow="rigl", regrow_every=2, regrow_until=0.9,
+                    make_permanent=False, name="rigl",
+                ),
+            ]
+        return [  # magnitude (global) and random draws
             PruningCallback(
                 Linear(final=0.6, start=0, end=12, frequency=3), include=r"net\\.[02]\\.weight", make_permanent=False,
                 max_layer_sparsity=0.62,
@@ -140,29 +140,37 @@ SCRIPT = textwrap.dedent(
                 name="random",
             ),
         ]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_epochs=2,
-        callbacks=[PerRankSeed(), *callbacks, Dump()],
-        logger=CSVLogger(out, name="csv", version=0),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-    )
-    trainer.fit(Net())
+    # every variant in this one launch, fit after fit (the later Trainers join the process group the first set up)
+    for variant in sys.argv[2].split(","):
+        folder = out / variant
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_epochs=2,
+            callbacks=[PerRankSeed(), *callbacks_of(variant), Dump(folder)],
+            logger=CSVLogger(folder, name="csv", version=0),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            log_every_n_steps=1,
+        )
+        trainer.fit(Net())
     """
 )
 
 
-def fit_on_two_ranks(tmp_path: Path, variant: str) -> list[dict]:
-    """Run the script's ``variant`` on two DDP ranks; their dumps, checked to hold identical masks after every batch."""
+def fit_on_two_ranks(tmp_path: Path, variants: tuple[str, ...]) -> dict[str, list[dict]]:
+    """Run the script's ``variants`` in one launch of two DDP ranks, fit after fit; each one's dumps by rank."""
     script = tmp_path / "ddp_fit.py"
     script.write_text(SCRIPT)
-    run_script(script, str(tmp_path), variant, timeout=300)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    run_script(script, str(tmp_path), ",".join(variants), timeout=420)
+    return {variant: identical_masks(tmp_path / variant) for variant in variants}
+
+
+def identical_masks(folder: Path) -> list[dict]:
+    """The dumps of both ranks in ``folder``, checked to hold identical masks after every batch."""
+    ranks = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
     # each rank trained on its own shard (else the test would prove nothing about synchronisation) ...
     assert not torch.equal(torch.stack(ranks[0]["inputs"]), torch.stack(ranks[1]["inputs"]))
     # ... yet after every batch, so after every event, the masks are identical
@@ -177,8 +185,18 @@ def fit_on_two_ranks(tmp_path: Path, variant: str) -> list[dict]:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> None:
-    ranks = fit_on_two_ranks(tmp_path, "magnitude")
+def test_ddp_ranks_hold_identical_masks_after_every_event_of_every_criterion(tmp_path: Path) -> None:
+    """The four set-ups below in one launch of two ranks, fit after fit (a launch starts two interpreters, each
+    importing Lightning: the most part of a fit this small)."""
+    ranks = fit_on_two_ranks(tmp_path, ("magnitude", "dynamic", "criteria", "obs"))
+    check_magnitude_and_random(ranks["magnitude"], tmp_path / "magnitude")
+    check_owl_set_and_rigl(ranks["dynamic"])
+    check_activation_and_movement(ranks["criteria"])
+    check_obs(ranks["obs"])
+
+
+def check_magnitude_and_random(ranks: list[dict], folder: Path) -> None:
+    """Global magnitude under a cap and random draws: the same masks, weights and logged sparsities on both ranks."""
     for key, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][key]), key
 
@@ -194,7 +212,7 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
     assert pruned == [round((1 - 0.7**k) * 48) for k in range(1, 7)]
 
     # the sparsities reduced across ranks are the true ones (not doubled), logged by rank 0 only
-    with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as file:
+    with open(folder / "csv" / "version_0" / "metrics.csv", newline="") as file:
         rows = [row for row in csv.DictReader(file) if row.get("pruning/target")]
     assert rows, "nothing logged"
     for row in rows:
@@ -207,10 +225,8 @@ def test_ddp_ranks_hold_identical_masks_after_every_event(tmp_path: Path) -> Non
     assert totals[12] == pytest.approx(round(0.6 * 320) / 320, abs=1e-7)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ddp_ranks_hold_identical_masks_under_owl_set_and_rigl(tmp_path: Path) -> None:
+def check_owl_set_and_rigl(ranks: list[dict]) -> None:
     """SET draws from (seed, step) and RigL ranks dense gradients averaged across ranks: the moved masks agree."""
-    ranks = fit_on_two_ranks(tmp_path, "dynamic")
     masks = ranks[0]["masks"]
     for key, pruned in (("net.4.weight_mask", 24), ("net.0.weight_mask", None)):
         moved = [step for step in range(7, 17) if not torch.equal(masks[step][key], masks[step - 1][key])]
@@ -221,19 +237,15 @@ def test_ddp_ranks_hold_identical_masks_under_owl_set_and_rigl(tmp_path: Path) -
     assert sum(total) == round(0.6 * (128 + 192))
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ddp_ranks_with_different_data_hold_identical_masks_with_activation_and_movement(tmp_path: Path) -> None:
+def check_activation_and_movement(ranks: list[dict]) -> None:
     """The input statistics and movement scores are summed across ranks: every rank ranks the same scores."""
-    ranks = fit_on_two_ranks(tmp_path, "criteria")
     final = ranks[0]["masks"][16]
     assert (~final["net.0.weight_mask"].bool()).sum(dim=1).tolist() == [round(0.6 * 8)] * 16
     assert int((~final["net.4.weight_mask"].bool()).sum()) == round(0.5 * 48)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ddp_ranks_with_different_data_hold_identical_masks_and_weights_with_obs(tmp_path: Path) -> None:
+def check_obs(ranks: list[dict]) -> None:
     """Every rank reconstructs from the same summed H: masks and updated weights agree to the bit."""
-    ranks = fit_on_two_ranks(tmp_path, "obs")
     for key, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][key]), key
     final = ranks[0]["masks"][16]
