@@ -269,8 +269,10 @@ def check_events(record: dict, how: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_two_ranks_global_resume_layerwise_bf16_consolidated(tmp_path: Path) -> None:
-    run(tmp_path, 2, "global,layerwise,consolidated")
+def test_two_ranks_global_resume_layerwise_bf16_consolidated_and_capped(tmp_path: Path) -> None:
+    """One launch of two processes for every two-rank case (the capped one: below)."""
+    run(tmp_path, 2, "global,layerwise,consolidated,capped")
+    check_capped_and_resumed(tmp_path)
     record = torch.load(tmp_path / "global.pt", weights_only=False)
     assert check_events(record, "global") == 3  # steps 2, 4 and 6 (step 0 prunes nothing)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
@@ -371,11 +373,8 @@ def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_two_ranks_global_with_max_layer_sparsity_and_resumed(tmp_path: Path) -> None:
+def check_capped_and_resumed(tmp_path: Path) -> None:
     """FSDP2: every capped event is the one-process capped selection, bit for bit; resuming gives the same end."""
-    run(tmp_path, 2, "capped")
     record = torch.load(tmp_path / "capped.pt", weights_only=False)
     assert check_events(record, "capped") == 3
     final = record["final"]["masks"]

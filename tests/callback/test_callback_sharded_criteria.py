@@ -400,8 +400,14 @@ def window_totals(record: dict, world: int, steps: set[int], calibration: int = 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_two_ranks_activation_movement_and_adopted_zeros(tmp_path: Path) -> None:
-    run(tmp_path, 2, "activation,movement,adopt")
+def test_two_ranks_activation_movement_adopted_zeros_and_obs_with_the_sparsegpt_update(tmp_path: Path) -> None:
+    """One launch of two processes for every two-rank case (three ranks: the launch below)."""
+    run(tmp_path, 2, "activation,movement,adopt,obs,obs_sequential,obs_saliency")
+    check_activation_movement_and_adopted_zeros(tmp_path)
+    check_obs_with_the_sparsegpt_update(tmp_path)
+
+
+def check_activation_movement_and_adopted_zeros(tmp_path: Path) -> None:
     record = load(tmp_path, "activation")
     assert check_against_one_process(record, "activation") == 3  # steps 2, 4 and 6
     # the statistics of the event at step 4: batches starting at steps 2 and 3 (the window after the event at 2)
@@ -425,20 +431,16 @@ def test_two_ranks_activation_movement_and_adopted_zeros(tmp_path: Path) -> None
     assert not final["net.4.weight"].view(-1)[::3].any()
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_obs_with_the_sparsegpt_update_on_two_ranks(tmp_path: Path) -> None:
+def check_obs_with_the_sparsegpt_update(tmp_path: Path) -> None:
     """(Three ranks: ``obs_row`` in the three-rank launch below.)"""
-    (tmp_path / "two").mkdir()
-    run(tmp_path / "two", 2, "obs,obs_sequential,obs_saliency")
-    obs = load(tmp_path / "two", "obs")
+    obs = load(tmp_path, "obs")
     assert check_obs_against_one_process(obs, "global") == 3  # steps 2, 4 and 6
     # the event at 4 was given H summed over the batches of steps 2 and 3, world times each: its diagonal is the
     # world-size sum of the recorded sums of squares (summed in another order: to float32 rounding)
     want = window_totals(obs, 2, {2, 3})
     for key in NAMES:
         torch.testing.assert_close(obs["ranked"][1][1][key].diagonal(), want[key], rtol=1e-5, atol=1e-6)
-    saliency = load(tmp_path / "two", "obs_saliency")  # without the update: masks from the gathered saliencies
+    saliency = load(tmp_path, "obs_saliency")  # without the update: masks from the gathered saliencies
     assert check_against_one_process(saliency, "saliency") == 3
     for index, (step, _, _) in enumerate(events(saliency)):  # each rank's saliencies of its rows, gathered
         ranked, before = saliency["ranked"][index], saliency["steps"][step]["before"]
@@ -446,7 +448,7 @@ def test_obs_with_the_sparsegpt_update_on_two_ranks(tmp_path: Path) -> None:
             layer = nn.Linear(before[key].shape[1], before[key].shape[0], bias=False)
             layer.weight = nn.Parameter(before[key].clone())
             assert torch.equal(ranked[key], layer_saliency(layer, "weight", ranked["H " + key])), (step, key)
-    sequential = load(tmp_path / "two", "obs_sequential")
+    sequential = load(tmp_path, "obs_sequential")
     assert check_sequential_obs_against_one_process(sequential) == 3  # net.0, net.2, net.4: one block each
 
 
