@@ -429,3 +429,34 @@ def test_a_tensor_no_optimizer_steps_keeps_its_mask_like_a_frozen_one(regrow: st
         assert torch.equal(layer.weight != 0, layer.weight_mask.bool())
     head = model.net[4]
     assert int(head.weight_mask.sum()) == head.weight.numel() // 2
+
+
+class SkipsItsHeadOnOddSteps(TinyNet):
+    """A branch that the update steps do not take: the last layer gets no gradient in their backward."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        hidden = self.net[3](self.net[2](self.net[1](self.net[0](x))))
+        if batch_idx % 2 == 1:  # steps 2, 4, 6 (the update steps) end on this branch
+            return hidden.square().mean()
+        return nn.functional.cross_entropy(self.net[4](hidden), y)
+
+
+def test_rigl_leaves_the_mask_of_a_layer_the_update_step_did_not_use() -> None:
+    """Its dense gradient was all zeros, and RigL regrew its first inactive entries by index."""
+    callback = PruningCallback(
+        0.5, scope="layerwise", regrow="rigl", regrow_every=2, regrow_until=1.0, summary=False, make_permanent=False
+    )
+    model = SkipsItsHeadOnOddSteps()
+    before: dict[str, Tensor] = {}
+
+    class First(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 1:
+                before["head"] = pl_module.net[4].weight_mask.clone()
+                before["first"] = pl_module.net[0].weight_mask.clone()
+
+    with pytest.warns(UserWarning, match=r"no gradient reached \['net.4.weight'\] in the backward of step 2"):
+        quiet_trainer([callback, First()], max_steps=6).fit(model)
+    assert torch.equal(model.net[4].weight_mask, before["head"])  # never moved
+    assert not torch.equal(model.net[0].weight_mask, before["first"])  # the layers the steps used did

@@ -320,7 +320,8 @@ class MaskedSelection:
         weights start at zero and their optimizer state (momentum, Adam's moments) is zeroed. Every tensor keeps its
         count of active weights. A frozen tensor (``requires_grad=False``, e.g. a backbone that ``BackboneFinetuning``
         holds frozen, or one none of ``optimizers`` steps, when they are given) keeps its mask: its regrown weights
-        could not leave zero. Returns the share of each tensor's
+        could not leave zero; so does a tensor whose dense gradient in ``grads`` is all zeros (a layer the step
+        did not use: RigL would regrow by index). Returns the share of each tensor's
         active weights that moved: at most ``fraction``, less where a dropped weight was regrown by the same update
         (it keeps its value and state), 0 for a frozen tensor.
 
@@ -353,6 +354,8 @@ class MaskedSelection:
             if k == 0 or frozen:  # a regrown entry would stay 0, where a trained weight was dropped
                 continue
             scores = None if grads is None else grads[qualified]
+            if scores is not None and not bool(scores.any()):  # no backward reached it: no ranking to regrow by
+                continue
             fresh, grown[qualified] = drop_and_grow(weight, mask, k, grow_scores=scores, generator=generator)
             shares[qualified] = int(grown[qualified].sum()) / active
             new[qualified] = fresh.to(mask.dtype)

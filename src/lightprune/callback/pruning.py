@@ -389,6 +389,7 @@ class PruningCallback(Callback):
         self._plan = None if regrow is None else RegrowPlan(regrow, regrow_every, regrow_fraction, regrow_until)
         self._grads: DenseGradients | None = None  # RigL's dense gradients, during an update step only
         self._last_regrow = -1
+        self._unreached: set[str] = set()  # RigL: tensors already named for getting no dense gradient at an update
         if self._n_m is not None:
             check_n_m_schedule(self.schedule, self._n_m.name, self.method_kwargs["n"], self.method_kwargs["m"])
         check_token_mask(token_mask)
@@ -772,6 +773,7 @@ class PruningCallback(Callback):
         self._collecting = False
         self._collapsed = None
         self._last_regrow = -1
+        self._unreached = set()
         if self._grads is not None:
             self._grads.stop()
         self._grads = None
@@ -1114,6 +1116,14 @@ class PruningCallback(Callback):
             return
         fraction = self._plan.fraction_at(step)
         shares = self._masked.move(fraction, step, grads, trainer.optimizers)
+        unreached = sorted(q for q, grad in (grads or {}).items() if not bool(grad.any()) and q not in self._unreached)
+        if unreached:  # (once per tensor: a branch that no step takes would warn at every update)
+            self._unreached.update(unreached)
+            rank_zero_warn(
+                f"{self._title()}: no gradient reached {unreached[:5]} in the backward of step {step} (a layer the "
+                "step did not use): RigL has nothing to regrow them by, and their masks did not move",
+                category=UserWarning,
+            )
         self._last_regrow = step
         self._stale.expect_new()
         values = {f"{self._log_prefix}regrown/{qualified}": share for qualified, share in shares.items()}
