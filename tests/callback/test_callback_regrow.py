@@ -5,6 +5,7 @@ optimizer state at zero, in both masking modes and under gradient accumulation; 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -460,3 +461,16 @@ def test_rigl_leaves_the_mask_of_a_layer_the_update_step_did_not_use() -> None:
         quiet_trainer([callback, First()], max_steps=6).fit(model)
     assert torch.equal(model.net[4].weight_mask, before["head"])  # never moved
     assert not torch.equal(model.net[0].weight_mask, before["first"])  # the layers the steps used did
+
+
+def test_a_frozen_layer_is_not_named_as_unreached_by_the_update_step() -> None:
+    """A frozen tensor has no gradient either; it keeps its mask for that reason, without the warning."""
+    model = TinyNet()
+    model.net[0].weight.requires_grad_(False)
+    callback = PruningCallback(
+        0.5, scope="layerwise", regrow="rigl", regrow_every=2, regrow_until=1.0, summary=False, make_permanent=False
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no gradient reached.*")
+        quiet_trainer([callback], max_steps=4).fit(model)
+    assert callback._masked.unranked == []

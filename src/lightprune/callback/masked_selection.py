@@ -107,6 +107,9 @@ class MaskedSelection:
         self.mask_dtype, self.seed = mask_dtype, seed
         self.max_layer_sparsity = max_layer_sparsity
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
+        self.unranked: list[
+            str
+        ] = []  # the last move's tensors with an all-zero dense gradient (masks left as they are)
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
         self.strategy = _strategy_for([prune.original(module, name) for _, module, name in selection], inplace)
 
@@ -321,7 +324,7 @@ class MaskedSelection:
         count of active weights. A frozen tensor (``requires_grad=False``, e.g. a backbone that ``BackboneFinetuning``
         holds frozen, or one none of ``optimizers`` steps, when they are given) keeps its mask: its regrown weights
         could not leave zero; so does a tensor whose dense gradient in ``grads`` is all zeros (a layer the step
-        did not use: RigL would regrow by index). Returns the share of each tensor's
+        did not use: RigL would regrow by index), listed in :attr:`unranked`. Returns the share of each tensor's
         active weights that moved: at most ``fraction``, less where a dropped weight was regrown by the same update
         (it keeps its value and state), 0 for a frozen tensor.
 
@@ -337,6 +340,7 @@ class MaskedSelection:
             (100, 80)
         """
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (2**63))
+        self.unranked = []
         optimizers = list(optimizers)
         stepped = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
         new: dict[str, Tensor] = {}
@@ -355,6 +359,7 @@ class MaskedSelection:
                 continue
             scores = None if grads is None else grads[qualified]
             if scores is not None and not bool(scores.any()):  # no backward reached it: no ranking to regrow by
+                self.unranked.append(qualified)
                 continue
             fresh, grown[qualified] = drop_and_grow(weight, mask, k, grow_scores=scores, generator=generator)
             shares[qualified] = int(grown[qualified].sum()) / active

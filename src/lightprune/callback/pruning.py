@@ -1116,7 +1116,7 @@ class PruningCallback(Callback):
             return
         fraction = self._plan.fraction_at(step)
         shares = self._masked.move(fraction, step, grads, trainer.optimizers)
-        unreached = sorted(q for q, grad in (grads or {}).items() if not bool(grad.any()) and q not in self._unreached)
+        unreached = [qualified for qualified in self._masked.unranked if qualified not in self._unreached]
         if unreached:  # (once per tensor: a branch that no step takes would warn at every update)
             self._unreached.update(unreached)
             rank_zero_warn(
