@@ -224,6 +224,17 @@ def importance_problems(
     return problems
 
 
+def _number(value: Any) -> bool:
+    """Whether ``value`` is a real number: an int or float, not a bool, not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _set_while_off(given: tuple[tuple[str, Any, Any], ...], why: str) -> list[Problem]:
+    """A problem for each ``(key, value, default)`` of ``given`` whose value is not its default number: an option of a
+    feature that is off, which the user likely meant to turn on (left alone, it would change nothing, silently)."""
+    return [Problem(key, value, why) for key, value, default in given if not (_number(value) and value == default)]
+
+
 def owl_problems(threshold: Any, lam: Any, *, scope: str | None = None) -> list[Problem]:
     """OWL's ``M`` (``owl_threshold``) is a number > 0 and its ``lambda`` (``owl_lambda``) one in [0, 0.5]; with a
     ``scope`` other than ``"owl"`` both keep their defaults (a forgotten ``scope="owl"`` would otherwise allocate
@@ -237,19 +248,11 @@ def owl_problems(threshold: Any, lam: Any, *, scope: str | None = None) -> list[
     """
     if scope is not None and scope != "owl":
         given = (("owl_threshold", threshold, choices.OWL_THRESHOLD), ("owl_lambda", lam, choices.OWL_LAMBDA))
-        return [
-            Problem(key, value, f"is used with scope='owl' only (scope={scope!r}: no OWL allocation)")
-            for key, value, default in given
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value == default)
-        ]
-
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-
+        return _set_while_off(given, f"is used with scope='owl' only (scope={scope!r}: no OWL allocation)")
     problems = []
-    if not (number(threshold) and threshold > 0):
+    if not (_number(threshold) and threshold > 0):
         problems.append(Problem("owl_threshold", threshold, "must be a float > 0 (outliers: scores above it x mean)"))
-    if not (number(lam) and 0 <= lam <= 0.5):
+    if not (_number(lam) and 0 <= lam <= 0.5):
         why = "must be a float in [0, 0.5] (the layers' sparsities span 2 * lambda)"
         problems.append(Problem("owl_lambda", lam, why))
     return problems
@@ -283,23 +286,15 @@ def regrow_problems(
             ("regrow_fraction", fraction, choices.REGROW_FRACTION),
             ("regrow_until", until, choices.REGROW_UNTIL),
         )
-        return [
-            Problem(key, value, "is used with regrow='rigl' or 'set' only (regrow=None: the masks do not move)")
-            for key, value, default in given
-            if not (type(value) is type(default) and value == default)
-        ]
+        return _set_while_off(given, "is used with regrow='rigl' or 'set' only (regrow=None: the masks do not move)")
     if regrow not in choices.REGROW:
         return [Problem("regrow", regrow, f"one of {choices.REGROW}, or None (no dynamic sparse training)")]
-
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-
     problems = []
     if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         problems.append(Problem("regrow_every", every, "must be an int >= 1 (optimizer steps between mask updates)"))
-    if not (number(fraction) and 0 < fraction < 1):
+    if not (_number(fraction) and 0 < fraction < 1):
         problems.append(Problem("regrow_fraction", fraction, "must be a float in (0, 1) (share of active weights)"))
-    if not (number(until) and 0 < until <= 1):
+    if not (_number(until) and 0 < until <= 1):
         problems.append(Problem("regrow_until", until, "must be a float in (0, 1] (a fraction of the run)"))
     label = method or "a custom method"
     if kind is not None and kind != "unstructured":
@@ -360,8 +355,7 @@ def cap_problems(
 raise the cap
     """
     value = max_layer_sparsity
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if not (number and 0 < value <= 1):
+    if not (_number(value) and 0 < value <= 1):
         return [Problem("max_layer_sparsity", value, "must be a float in (0, 1] (1.0: no cap)")]
     if scope in ("layerwise", "row") and final_sparsity is not None and final_sparsity > value:
         return [
