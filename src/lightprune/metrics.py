@@ -28,7 +28,11 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["Sparsity", "SparsityCollection", "count_zeros", "sparsity"]
+__all__ = ["TOTAL_KEY", "Sparsity", "SparsityCollection", "count_zeros", "sparsity"]
+
+TOTAL_KEY = "total"
+"""The key of the total sparsity among :class:`SparsityCollection`'s outputs (after its ``prefix``), unless its
+``total_key`` says otherwise; the pruning callback logs the total under it and refuses a tensor of that name."""
 
 _CHUNK_NUMEL = 2**24
 """Largest number of elements counted by a single ``torch.count_nonzero`` call (bounds its temporaries)."""
@@ -247,7 +251,7 @@ class SparsityCollection(Metric):
     total: Tensor
 
     def __init__(
-        self, names: Sequence[str], *, prefix: str = "", total_key: str | None = "total", **kwargs: Any
+        self, names: Sequence[str], *, prefix: str = "", total_key: str | None = TOTAL_KEY, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         if isinstance(names, str):

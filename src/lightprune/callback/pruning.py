@@ -52,6 +52,7 @@ from lightprune.callback.regrowth import DenseGradients, RegrowPlan
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
 from lightprune.callback.units import ExampleInputs, UnitRanking, UnitSelection, example_from_batch, find_groups
 from lightprune.choices import ALLOCATION_SCOPES, OWL_LAMBDA, OWL_THRESHOLD
+from lightprune.metrics import TOTAL_KEY
 from lightprune.prune.collapse import LayerCollapseWarning, check_max_layer_sparsity, collapse_message
 from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
@@ -1230,7 +1231,7 @@ class PruningCallback(Callback):
         for qualified, module, name in self._masked.selection:
             current[qualified] = self._masked.strategy.logged_mask(module, name, trainer.global_rank)
         values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
-        total_key = self._log_prefix + "sparsity/total"
+        total_key = self._log_prefix + "sparsity/" + TOTAL_KEY
         if not self.log_per_parameter:
             values = {total_key: values[total_key]}
         values[self._log_prefix + "target"] = float(target)

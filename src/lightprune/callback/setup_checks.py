@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from lightprune import prune, registry, rules
 from lightprune._checks import is_int
 from lightprune.callback.options import method_entry, raise_problems
+from lightprune.metrics import TOTAL_KEY
 from lightprune.prune.collapse import cap_units
 
 __all__ = [
@@ -53,7 +54,7 @@ def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str
             )
 
 
-def refuse_reserved_names(selection: Selection, total_key: str = "total") -> None:
+def refuse_reserved_names(selection: Selection, total_key: str = TOTAL_KEY) -> None:
     """Refuse a selected tensor named ``total_key`` (a Parameter ``total`` of the model itself): its sparsity would
     be logged under the total's key, and the first event would fail on the clash.
 
