@@ -121,7 +121,8 @@ def find_groups(
     from lightprune.structure import UnitError
 
     with eval_mode(model), torch.no_grad(), paused():  # the trace's forward is no training data for any recording
-        groups = [group for group in find_units(model, args, kwargs, kinds=(kind,)) if not _in_adapter(model, group)]
+        adapted = {name: adapters.base_of(layer) for name, layer in adapters.adapted_layers(model)}
+        groups = [g for g in find_units(model, args, kwargs, kinds=(kind,)) if not _in_adapter(model, adapted, g)]
     included = compile_patterns("include", include)
     excluded = compile_patterns("exclude", exclude)
     names = {id(group): [group.module, *(_qualified(s.module, s.name) for s in group.produce + group.consume)]
@@ -150,10 +151,10 @@ def find_groups(
     return kept
 
 
-def _in_adapter(model: nn.Module, group: UnitGroup) -> bool:
+def _in_adapter(model: nn.Module, layers: dict[str, nn.Module], group: UnitGroup) -> bool:
     """Whether every tensor ``group`` slices is an adapter's own (a LoRA ``lora_A -> lora_B`` pair looks like an MLP
-    whose width is the adapter's rank): those are not the model's units, and they are left alone."""
-    layers = {name: adapters.base_of(layer) for name, layer in adapters.adapted_layers(model)}
+    whose width is the adapter's rank): those are not the model's units, and they are left alone. ``layers`` maps
+    each adapted layer's name to its base layer."""
     for piece in (*group.produce, *group.consume):
         owner = next((n for n in layers if not n or piece.module == n or piece.module.startswith(n + ".")), None)
         if owner is None or model.get_submodule(piece.module) is layers[owner]:
