@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Trainer
 
-__all__ = ["clock_name", "counts_batches", "now", "run_length", "stopped_early"]
+__all__ = ["clock_name", "counts_batches", "ended_inside_epoch", "now", "run_length", "stopped_early"]
 
 
 def counts_batches(trainer: Trainer, unit: str) -> bool:
@@ -111,3 +111,18 @@ def stopped_early(trainer: Trainer) -> bool:
         return False
     epochs = trainer.max_epochs
     return epochs is None or epochs < 0 or trainer.current_epoch < epochs
+
+
+def ended_inside_epoch(trainer: Trainer) -> bool:
+    """At the end of fit: whether its last epoch stopped before its last batch (``max_steps``, or ``EarlyStopping``
+    or a ``Timer`` stopping mid-epoch). Lightning counts that epoch in ``current_epoch`` all the same, so the epoch
+    clock would read one epoch the model never finished. Read it in ``on_train_end`` only: during fit the count of
+    the epoch's batches starts again at every epoch.
+
+    Example:
+        >>> ended_inside_epoch(Trainer(max_epochs=3, logger=False, enable_progress_bar=False))
+        False
+    """
+    batches = trainer.num_training_batches
+    trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return trainer.current_epoch > 0 and batches != float("inf") and 0 < trained < batches

@@ -634,9 +634,12 @@ class PruningCallback(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not clock.stopped_early(trainer):  # the schedule's last event; after a stop, no training would follow it
-            self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
-        self._warn_if_schedule_unfinished(trainer)
+        # (epoch clock: an epoch max_steps or a stop ended partway was not completed, though Lightning counts it)
+        partial = self.unit == "epoch" and clock.ended_inside_epoch(trainer)
+        now = self._now(trainer) - partial
+        if not (clock.stopped_early(trainer) or partial):  # the last event; none after a stop
+            self._step(trainer, pl_module, now, log_to_module=False)
+        self._warn_if_schedule_unfinished(now)
         if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.strategy.collective):
             table = self.summary_table()  # sharded: every rank takes part in reducing the counts
             rank_zero_info(table)
@@ -1280,15 +1283,14 @@ class PruningCallback(Callback):
         rows = [(q, tuple(prune.original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
         return reporting.summary_table(f"{self._title()}: pruned {self.scope}, {self.method.__name__}", unit, rows)
 
-    def _warn_if_schedule_unfinished(self, trainer: Trainer) -> None:
-        """Fit ended (EarlyStopping, max_steps, interruption) before the schedule's last event: say how far it got."""
+    def _warn_if_schedule_unfinished(self, now: int) -> None:
+        """Fit ended (EarlyStopping, max_steps, interruption) at ``now``, before the schedule's last event: say how
+        far it got."""
         if self._resolved is None or self._masked is None or self._last_event >= self._resolved.last_event:
             return
         counts = self._masked.counts()
         reached = sum(pruned for _, pruned in counts) / max(sum(units for units, _ in counts), 1)
-        reporting.warn_unfinished(
-            self.unit, self._now(trainer), self._resolved.last_event, reached, self._resolved.final_sparsity
-        )
+        reporting.warn_unfinished(self.unit, now, self._resolved.last_event, reached, self._resolved.final_sparsity)
 
 
 def _check_unit_options(
