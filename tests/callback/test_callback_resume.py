@@ -201,3 +201,26 @@ def test_masks_read_from_zeros_cover_every_selected_name() -> None:
     before = masked.masks()["attention.in_proj_weight"].clone()
     masked.make_permanent()
     assert torch.equal(masked.masks_or_zeros()["attention.in_proj_weight"], before)
+
+
+def test_a_fit_resumed_with_another_length_keeps_the_checkpoint_runs_fractions_and_says_so(tmp_path: Path) -> None:
+    """Fractions of the run are resolved against the run that wrote the checkpoint: a resumed fit of another length
+    (here half as long) keeps its events at the same steps instead of re-spreading the schedule over the new length
+    behind the restored clock, which left the model at 0.40 sparsity without a word."""
+    schedule = Linear(final=0.8, start=0, end=0.5, frequency=0.125)  # 64 steps: events at 0, 8, 16, 24, 32
+
+    def callbacks() -> list[Callback]:
+        checkpoints = ModelCheckpoint(tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+        return [PruningCallback(schedule, summary=False), checkpoints]
+
+    whole = Net()
+    quiet_trainer(callbacks(), enable_checkpointing=True, max_epochs=8).fit(whole)
+    saved = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)  # after step 16: sparsity 0.4
+    (state_of,) = [v for k, v in saved["callbacks"].items() if k.startswith("PruningCallback")]
+    assert state_of["run_lengths"] == {"step": 64}
+    resumed = Net()
+    with pytest.warns(UserWarning, match=r"this fit lasts 32 optimizer steps, the run of the checkpoint 64"):
+        trainer = quiet_trainer(callbacks(), enable_checkpointing=True, max_epochs=4)
+        trainer.fit(resumed, ckpt_path=tmp_path / "epoch=1.ckpt")
+    assert trainer.global_step == 32
+    assert _zeros(resumed) == _zeros(whole) and sum(_zeros(whole)) == round(0.8 * 368)  # events 24 and 32 ran

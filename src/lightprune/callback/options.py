@@ -344,13 +344,18 @@ def check_rewind_time(schedule: Schedule, unit: str, rewind: int | None) -> None
         )
 
 
-def schedule_for_run(schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None) -> Schedule:
-    """``schedule`` with fractional times fixed to this run's length, checked against the run.
+def schedule_for_run(
+    schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None, length: int | None = None
+) -> Schedule:
+    """``schedule`` with fractional times fixed to this run's length (or to ``length``: a resumed run's first
+    length), checked against the run.
 
     Raises when the run's length is unknown for fractional times or the rewind point comes after the first event;
     warns when the last event comes after the end of training.
     """
     total = clock.run_length(trainer, unit)
+    if not schedule.is_resolved and length is not None:
+        schedule = schedule.resolve(length)
     if not schedule.is_resolved:
         if total is None or total < 1 or total == float("inf"):
             raise ValueError(

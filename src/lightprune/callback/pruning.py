@@ -484,6 +484,8 @@ class PruningCallback(Callback):
         self._fitting = False  # between setup("fit") and the fit's end: a checkpoint's masks are put back only then
         self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
         self._resolved: Schedule | None = None
+        self._lengths: dict[str, int] = {}  # the run lengths fractions of the run were resolved against, per clock
+        self._restored_lengths: dict[str, int] = {}  # a checkpoint's: a resumed run keeps them
         self._last_event = -1
         self._last_logged = -1
         self._given_snapshot = snapshot
@@ -553,7 +555,8 @@ class PruningCallback(Callback):
                 self._units_pending = True
             else:
                 self._select_units(trainer, pl_module)
-        self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind)
+        length = None if self.schedule.is_resolved else self._fraction_length(trainer, self.unit)
+        self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind, length)
         if self._masked is not None:  # callbacks such as BackboneFinetuning freeze layers when fit starts
             setup_checks.refuse_frozen_movement(self._masked.selection, self._importance.kind, "when training starts")
         self._start_masks(trainer, pl_module)
@@ -730,6 +733,7 @@ class PruningCallback(Callback):
             "masks": dict(self._restored_masks or {}) if self._masked is None else self._masked.masks_or_zeros(),
             "sharded_masks": list(self._sharded_masks_in),
             "last_regrow": self._last_regrow,
+            "run_lengths": dict(self._lengths),
         }
         statistics = self._importance.state_dict()  # collected since the last event (a refit's too, any importance)
         if statistics:
@@ -741,6 +745,7 @@ class PruningCallback(Callback):
         self._resumed = True
         self._last_event = int(state_dict.get("last_event", -1))
         self._last_regrow = int(state_dict.get("last_regrow", -1))
+        self._restored_lengths = {unit: int(n) for unit, n in state_dict.get("run_lengths", {}).items()}
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
         self._sharded_masks_in = list(state_dict.get("sharded_masks", []))
         masks = state_dict.get("masks", {})
@@ -764,6 +769,7 @@ class PruningCallback(Callback):
         """
         self._resolved = None
         self._resumed = False  # a checkpoint's state was restored into the callback (load_state_dict)
+        self._lengths, self._restored_lengths = {}, {}
         self._last_event = -1
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
@@ -1093,7 +1099,7 @@ class PruningCallback(Callback):
         """Dynamic sparse training: fix ``regrow_until`` to the run's length; RigL collects dense gradients."""
         if self._plan is None or self._masked is None:
             return
-        total = clock.run_length(trainer, "step")  # the run clock: training batches under manual optimization
+        total = self._fraction_length(trainer, "step")  # the run clock: training batches under manual optimization
         if total is None or not 1 <= total < float("inf"):
             raise ValueError(
                 f"regrow_until={self.regrow_until} is a fraction of the run, whose length in "
@@ -1146,6 +1152,26 @@ class PruningCallback(Callback):
             unit = f"channel (dim {self.method_kwargs['dim']})" if self.structured else "weight"
             where = f"{self._title()}: the event at {self.unit} {event}"
             rank_zero_warn(collapse_message(new, where, unit), category=LayerCollapseWarning)
+
+    def _fraction_length(self, trainer: Trainer, unit: str) -> int | float | None:
+        """The run length that fractions of the run on ``unit``'s clock are resolved against: this run's, or in a
+        run resumed from a checkpoint that recorded one, the checkpoint's (warned about where they differ), so that
+        events and mask updates fall at the same times as in the run that wrote it."""
+        length = clock.run_length(trainer, unit)
+        restored = self._restored_lengths.get(unit)
+        if restored is not None and length != restored:
+            if length is not None and length != float("inf"):
+                rank_zero_warn(
+                    f"{self._title()}: this fit lasts {int(length)} {clock.clock_name(trainer, unit)}, the run of the "
+                    f"checkpoint {restored}: the schedule's fractions of the run keep that run's length, so events "
+                    f"(and regrow_until) come at the same {unit}s as there; to spread them over this run, resume "
+                    "with a new PruningCallback of integer times",
+                    category=UserWarning,
+                )
+            length = restored
+        if length is not None and length != float("inf"):
+            self._lengths[unit] = int(length)
+        return length
 
     def _title(self) -> str:
         return "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
