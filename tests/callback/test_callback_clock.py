@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune.callback import PruningCallback
-from lightprune.schedules import Cubic
+from lightprune.schedules import Cubic, Linear
 from tiny_lightning import N, TinyNet, loader, quiet_trainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread_for_module")]
@@ -236,3 +236,30 @@ def test_fractions_over_a_loader_without_length_ask_for_max_steps_even_with_max_
     trainer = quiet_trainer([PruningCallback(0.5, regrow="set", summary=False)], max_epochs=1)
     with pytest.raises(ValueError, match=r"the training loader has no length, so max_epochs does not give the number"):
         trainer.fit(TinyNet(), torch.utils.data.DataLoader(Endless(), batch_size=4))
+
+
+def test_epoch_events_and_periodic_logs_give_one_value_a_step() -> None:
+    """With ``unit="epoch"`` the periodic log at an epoch's last batch and the event when the next epoch starts fall
+    on the same step: the logger got two values for one step (the old sparsity, then the new). Only the event's,
+    the sparsity the next batch trains with, is logged there now; the other periodic logs stay."""
+    logger = Values()
+    callback = PruningCallback(Linear(final=0.5, start=0, end=3, frequency=1), unit="epoch", log_every_n_steps=4,
+                               summary=False)  # fmt: skip
+    quiet_trainer([callback], max_epochs=4, logger=logger).fit(TinyNet())  # 8 steps an epoch
+    logged = logger.values["pruning/sparsity/total"]
+    steps = [step for step, _ in logged]
+    assert steps == sorted(set(steps)) == [0, 4, 8, 12, 16, 20, 24, 28, 32]
+    at = dict(logged)
+    assert at[8] == at[12] > at[4] == at[0] == 0.0 and at[24] == at[32] == pytest.approx(0.5, abs=1 / N)
+
+
+class Values(Steps):
+    """A logger recording ``(step, value)`` of every metric it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[str, list[tuple[int, float]]] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for key, value in metrics.items():
+            self.values.setdefault(key, []).append((int(step if step is not None else -1), float(value)))

@@ -631,7 +631,11 @@ class PruningCallback(Callback):
         self._move(trainer)
         if self.log_every_n_steps:
             step = clock.now(trainer, "step")
-            if step % self.log_every_n_steps == 0 and step != self._last_logged:
+            if (
+                step % self.log_every_n_steps == 0
+                and step != self._last_logged
+                and not self._event_next(trainer, batch_idx)
+            ):
                 target = 0.0 if self._resolved is None else self._resolved.target(self._now(trainer))
                 self._log(trainer, pl_module, target)
 
@@ -1172,6 +1176,14 @@ class PruningCallback(Callback):
         if length is not None and length != float("inf"):
             self._lengths[unit] = int(length)
         return length
+
+    def _event_next(self, trainer: Trainer, batch_idx: int) -> bool:
+        """``unit="epoch"``: whether this batch ends its epoch and an event comes when the next one starts (or fit
+        ends), which logs at this same step: one value a step, the one the next batch trains with."""
+        if self.unit != "epoch" or self._resolved is None or batch_idx + 1 < trainer.num_training_batches:
+            return False
+        after = trainer.current_epoch + 1
+        return self._resolved.latest_event(after) == after > self._last_event
 
     def _title(self) -> str:
         return "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
