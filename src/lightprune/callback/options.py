@@ -345,25 +345,24 @@ def check_rewind_time(schedule: Schedule, unit: str, rewind: int | None) -> None
 
 
 def schedule_for_run(
-    schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None, length: int | None = None
+    schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None, length: int | float | None = None
 ) -> Schedule:
-    """``schedule`` with fractional times fixed to this run's length (or to ``length``: a resumed run's first
-    length), checked against the run.
+    """``schedule`` with fractional times fixed to ``length`` (default: this run's length; a resumed run passes the
+    length of the run that wrote its checkpoint), checked against the run.
 
-    Raises when the run's length is unknown for fractional times or the rewind point comes after the first event;
-    warns when the last event comes after the end of training.
+    Raises when that length is unknown for fractional times or the rewind point comes after the first event; warns
+    when the last event comes after the end of training.
     """
     total = clock.run_length(trainer, unit)
-    if not schedule.is_resolved and length is not None:
-        schedule = schedule.resolve(length)
+    fractions_of = total if length is None else length
     if not schedule.is_resolved:
-        if total is None or total < 1 or total == float("inf"):
+        if fractions_of is None or fractions_of < 1 or fractions_of == float("inf"):
             raise ValueError(
                 f"the schedule {schedule!r} gives times as fractions of the run, but the run length in "
-                f"{clock.clock_name(trainer, unit)} is unknown ({total!r}): "
+                f"{clock.clock_name(trainer, unit)} is unknown ({fractions_of!r}): "
                 f"{unknown_length_hint(trainer, unit, 'give integer times')}"
             )
-        schedule = schedule.resolve(int(total))
+        schedule = schedule.resolve(int(fractions_of))
     validate = getattr(schedule, "validate", None)
     if callable(validate):
         validate()
