@@ -57,6 +57,11 @@ after a short dense phase, end with a long enough recovery phase, prune every fe
 on the test set. ``--val-size N`` holds N training images out and reports accuracy on them instead, for tuning;
 with ``--gradual START,END,FREQUENCY`` five schedules were compared that way, and this one was best (BENCHMARKS.md).
 
+``--lr-schedule cosine`` changes every arm's learning rate from the protocol's constant 1.2e-3 to a cosine from
+1.2e-3 to 1.2e-5 over the arm's own epochs, set at each epoch start (60 epochs for the ``_3x`` arms): the decayed
+schedule that RigL's and Zhu & Gupta's experiments train with. It refuses the two arms with a schedule of their own
+(``lp_one_shot_cosine_ft``, ``lp_one_shot_lr_rewind``).
+
 Training FLOPs: every run counts the multiply-adds of the three Linear weights step by step, as the masks were at
 each step (:class:`TrainingFlops`: forward ``n``, backward ``2n`` per sample with ``n`` the unpruned entries; a dense
 weight gradient at RigL's update steps), and the report gives them relative to the dense model's training in the
@@ -169,6 +174,9 @@ IMPORTANCES = ("magnitude", "activation", "movement", "obs")
 FIXED_SPARSITY = {"lp_2_4": 0.5}
 """Arms whose pattern fixes the sparsity: run at this one only."""
 
+OWN_LR_SCHEDULE = ("lp_one_shot_cosine_ft", "lp_one_shot_lr_rewind")
+"""Arms with a learning-rate schedule of their own (``--lr-schedule`` other than constant refuses them)."""
+
 GRADUAL = (0.05, 0.6, 0.005)
 """The cubic schedule of the gradual arms: start, end and frequency in fractions of the run's optimizer steps."""
 
@@ -190,6 +198,7 @@ class Settings:
     masking: str = "reparametrize"  # the lightprune arms' PruningCallback(masking=...)
     importance: str = "magnitude"  # the lightprune arms' PruningCallback(importance=...)
     sparse_init: bool = False  # dynamic sparse training arms: each row's initial weights scaled to its kept fan-in
+    lr_schedule: str = "constant"  # every arm's learning rate: constant, or a cosine to lr / 100 over its epochs
 
 
 @dataclass(frozen=True)
@@ -382,6 +391,24 @@ class EpochCosineLR(Callback):
                 group["lr"] = self.lr_at(trainer.current_epoch)
 
 
+def lr_callbacks(settings: Settings, epochs: int) -> list[Callback]:
+    """The learning-rate schedule of ``settings.lr_schedule`` for a run of ``epochs``: none for ``"constant"``, an
+    :class:`EpochCosineLR` over the whole run for ``"cosine"``.
+
+    Example:
+        >>> lr_callbacks(Settings(), 20)
+        []
+        >>> (schedule,) = lr_callbacks(Settings(lr=1.0, lr_schedule="cosine"), 4)
+        >>> [round(schedule.lr_at(epoch), 3) for epoch in range(4)]
+        [1.0, 0.855, 0.505, 0.155]
+    """
+    if settings.lr_schedule == "constant":
+        return []
+    if settings.lr_schedule == "cosine":
+        return [EpochCosineLR(settings.lr, period=epochs, rewind=False)]
+    raise ValueError(f"lr_schedule={settings.lr_schedule!r} is not one of ('constant', 'cosine')")
+
+
 class TrainingFlops(Callback):
     """Counts the training multiply-adds of the pruned weights, step by step, as the masks were at each step.
 
@@ -568,6 +595,7 @@ def run_one(run: Run) -> dict[str, Any]:
         run.arm, run.sparsity, module, epochs, settings.gradual, settings.masking, settings.importance, settings.regrow
     )
     flops = TrainingFlops(pruned_weights(module))
+    callbacks = [*lr_callbacks(settings, epochs), *callbacks]
     if settings.sparse_init:
         callbacks.append(SparseInit(pruned_weights(module)))
     trainer = make_trainer(epochs, [timer, flops, *callbacks])
@@ -901,9 +929,15 @@ def _figure_legend(fig: Any, axes: Sequence[Any], summary: dict[str, Any]) -> No
     fig.tight_layout(rect=(0, 0, 1 - width / fig.get_figwidth(), 1))
 
 
-def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)", epochs: int = 20) -> Any:
+def plot(
+    summary: dict[str, Any],
+    path: Path,
+    accuracy: str = "test accuracy (%)",
+    epochs: int = 20,
+    lr_schedule: str = "constant",
+) -> Any:
     """Accuracy (mean ± std; ``accuracy`` names what it was measured on) against sparsity: every arm (left), the
-    gradual arm against ModelPruning (right).
+    gradual arm against ModelPruning (right); the title names a learning-rate schedule other than the protocol's.
 
     Returns the (closed) figure, whose artists say what was drawn.
     """
@@ -930,7 +964,7 @@ def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)
     versus = "modelpruning" in summary
     right.set_title("gradual (lightprune) against ModelPruning" if versus else "gradual arms (arms at chance left out)")
     fig.suptitle(
-        f"LeNet-300-100 on Fashion-MNIST, {epochs} epochs"
+        f"LeNet-300-100 on Fashion-MNIST, {epochs} epochs{_lr_words(lr_schedule)}"
         + (": lightprune vs lightning ModelPruning" if versus else "")
     )
     _figure_legend(fig, (left, right), summary)
@@ -939,12 +973,26 @@ def plot(summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)
     return fig
 
 
+def _lr_words(lr_schedule: str) -> str:
+    """The learning-rate schedule as a title names it: nothing for the protocol's constant rate.
+
+    Example:
+        >>> _lr_words("constant"), _lr_words("cosine")
+        ('', ', cosine learning rate')
+    """
+    return "" if lr_schedule == "constant" else f", {lr_schedule} learning rate"
+
+
 FLOPS_LABELS = (1.0, 2.0, 5.0)
 """The FLOPs plot labels its log axis at these multiples of each power of ten."""
 
 
 def plot_flops(
-    summary: dict[str, Any], path: Path, accuracy: str = "test accuracy (%)", epochs: int = 20
+    summary: dict[str, Any],
+    path: Path,
+    accuracy: str = "test accuracy (%)",
+    epochs: int = 20,
+    lr_schedule: str = "constant",
 ) -> Any | None:
     """Accuracy (mean ± std) against training FLOPs (dense = 1, log scale), one panel per sparsity.
 
@@ -985,7 +1033,7 @@ def plot_flops(
         ax.set_xlabel(f"training FLOPs (dense {epochs} epochs = 1)")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(accuracy)
-    fig.suptitle("LeNet-300-100 on Fashion-MNIST: accuracy against training cost")
+    fig.suptitle(f"LeNet-300-100 on Fashion-MNIST{_lr_words(lr_schedule)}: accuracy against training cost")
     _figure_legend(fig, axes[0], summary)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1024,6 +1072,10 @@ def plan(
         ['dense_s0_seed0', 'lp_gradual_s0.9_seed0', 'lp_gradual_activation_s0.9_seed0', 'lp_2_4_s0.5_seed0',
          'lp_2_4_activation_s0.5_seed0']
     """
+    own_schedule = sorted(set(arms) & set(OWN_LR_SCHEDULE))
+    if settings.lr_schedule != "constant" and own_schedule:
+        raise ValueError(f"arms {own_schedule} set their own learning rate; lr_schedule={settings.lr_schedule!r} "
+                         "would overwrite it")  # fmt: skip
     runs = []
     for seed in seeds:
         for arm in arms:
@@ -1122,6 +1174,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="dynamic sparse training arms: scale each row's initial weights to its kept fan-in (Evci et al. 2022)",
     )
+    parser.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=("constant", "cosine"),
+        help="every arm's learning rate: constant, or set each epoch on a cosine to lr / 100 over the arm's epochs",
+    )
     parser.add_argument("--data-root", default=FASHION_MNIST_ROOT)
     parser.add_argument("--masking", default="reparametrize", choices=("reparametrize", "inplace"),
                         help="PruningCallback(masking=...) of the lightprune arms")  # fmt: skip
@@ -1144,6 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
         gradual=args.gradual,
         regrow=args.regrow,
         sparse_init=args.sparse_init,
+        lr_schedule=args.lr_schedule,
         data_root=args.data_root,
         threads=args.threads,
         masking=args.masking,
@@ -1176,9 +1235,9 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"settings": asdict(settings), "summary": serializable, "timing": timing, "results": results}
     (args.out / "quality.json").write_text(json.dumps(payload, indent=1))  # first: a plot's failure loses nothing
     (args.out / "quality.md").write_text(report)
-    plot(summary, args.out / "quality.png", label, settings.epochs)
+    plot(summary, args.out / "quality.png", label, settings.epochs, settings.lr_schedule)
     if any(entry["training_flops"] for by_s in summary.values() for entry in by_s.values()):
-        plot_flops(summary, args.out / "quality_flops.png", label, settings.epochs)
+        plot_flops(summary, args.out / "quality_flops.png", label, settings.epochs, settings.lr_schedule)
     print(report)
     return 0
 

@@ -185,6 +185,19 @@ def test_sparse_init_reaches_only_dst_arms_and_scales_each_row_to_its_kept_fan_i
     torch.testing.assert_close(scale[:, 0], torch.tensor([1.0, 2.0, 8.0**0.5]))  # sqrt(8 / kept) per row
 
 
+def test_cosine_lr_schedule_decays_over_each_arms_own_epochs_and_refuses_arms_with_their_own() -> None:
+    quality = _quality_module()
+    settings = quality.Settings(lr_schedule="cosine")
+    runs = {r.arm: r for r in quality.plan(["lp_gradual", "lp_rigl_erk_3x"], [0.9], [0], settings)}
+    assert {r.settings.lr_schedule for r in runs.values()} == {"cosine"}
+    (schedule,) = quality.lr_callbacks(settings, 60)
+    assert schedule.lr_at(0) == settings.lr and not schedule.rewind
+    assert settings.lr / 100 < schedule.lr_at(59) < settings.lr / 90  # the end of the 3x arm's run, not of 20 epochs
+    assert quality.lr_callbacks(quality.Settings(), 60) == []
+    with pytest.raises(ValueError, match=r"lp_one_shot_lr_rewind.*set their own learning rate"):
+        quality.plan(["lp_gradual", "lp_one_shot_lr_rewind"], [0.9], [0], settings)
+
+
 def _entry(accuracy: float, flops: float | None) -> dict:
     return {"accuracy": (accuracy, 0.5, 3), "training_flops": flops, "layer_sparsity": {}, "sparsity_counted": 0.0}
 
@@ -269,6 +282,9 @@ def test_accuracy_plot_has_one_legend_outside_both_panels(tmp_path: Path) -> Non
     assert left.get_ylabel() == "test accuracy (%)"
     tuning = quality.accuracy_label(quality.Settings(val_size=10000))  # a tuning run's held-out images
     assert quality.plot(summary, tmp_path / "tuning.png", tuning).axes[0].get_ylabel() == tuning
+    cosine = quality.plot(summary, tmp_path / "cosine.png", tuning, lr_schedule="cosine")
+    assert "20 epochs, cosine learning rate:" in cosine.texts[0].get_text()
+    assert "learning rate" not in quality.plot(summary, tmp_path / "constant.png").texts[0].get_text()
     assert quality.plot_flops(summary, tmp_path / "flops.png", tuning).axes[0].get_ylabel() == tuning
 
 
