@@ -1161,6 +1161,8 @@ class PruningCallback(Callback):
         """The run length that fractions of the run on ``unit``'s clock are resolved against: this run's, or in a
         run resumed from a checkpoint that recorded one, the checkpoint's (warned about where they differ), so that
         events and mask updates fall at the same times as in the run that wrote it."""
+        if unit in self._lengths:  # the schedule's and the regrowth's step clocks: one length, said once
+            return self._lengths[unit]
         length = clock.run_length(trainer, unit)
         restored = self._restored_lengths.get(unit)
         if restored is not None and length != restored:
