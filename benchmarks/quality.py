@@ -950,24 +950,35 @@ def plot(
         sparsities = sorted({s for arm in arms for s in summary[arm] if s > 0})
         return {s: i for i, s in enumerate(sparsities)}
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    _plot_arms(left, summary, _arm_order(summary), positions_of(_arm_order(summary)))
-    left.set_ylabel(accuracy)
-    left.set_title("every arm")
     # The zoomed panel leaves out arms at chance level (a collapsed criterion), which would flatten the others.
     zoomed = [
         arm
         for arm in _arm_order(summary)
         if arm.partition(" [")[0] in ZOOMED_ARMS and max(e["accuracy"][0] for e in summary[arm].values()) > 20.0
     ]
-    _plot_arms(right, summary, zoomed, positions_of([arm for arm in zoomed if arm != "dense"] or zoomed))
+    if zoomed:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+        axes = (left, right)
+    else:  # no gradual arm to zoom on (a tuning run of one arm): one panel, not an empty one beside it
+        fig, left = plt.subplots(1, 1, figsize=(7, 4.8))
+        axes = (left,)
+    _plot_arms(left, summary, _arm_order(summary), positions_of(_arm_order(summary)))
+    left.set_ylabel(accuracy)
+    left.set_title("every arm")
     versus = "modelpruning" in summary
-    right.set_title("gradual (lightprune) against ModelPruning" if versus else "gradual arms (arms at chance left out)")
+    if zoomed:
+        _plot_arms(right, summary, zoomed, positions_of([arm for arm in zoomed if arm != "dense"] or zoomed))
+        right.set_title(
+            "gradual (lightprune) against ModelPruning" if versus else "gradual arms (arms at chance left out)"
+        )
+    longer = sorted({EPOCH_MULTIPLIER.get(arm.partition(" [")[0], 1) for arm in summary} - {1})
     fig.suptitle(
-        f"LeNet-300-100 on Fashion-MNIST, {epochs} epochs{_lr_words(lr_schedule)}"
+        f"LeNet-300-100 on Fashion-MNIST, {epochs} epochs"
+        + "".join(f" ({m * epochs} for the _{m}x arms)" for m in longer)
+        + _lr_words(lr_schedule)
         + (": lightprune vs lightning ModelPruning" if versus else "")
     )
-    _figure_legend(fig, (left, right), summary)
+    _figure_legend(fig, axes, summary)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return fig

@@ -283,7 +283,10 @@ def test_accuracy_plot_has_one_legend_outside_both_panels(tmp_path: Path) -> Non
     tuning = quality.accuracy_label(quality.Settings(val_size=10000))  # a tuning run's held-out images
     assert quality.plot(summary, tmp_path / "tuning.png", tuning).axes[0].get_ylabel() == tuning
     cosine = quality.plot(summary, tmp_path / "cosine.png", tuning, lr_schedule="cosine")
-    assert "20 epochs, cosine learning rate:" in cosine.texts[0].get_text()
+    assert "20 epochs (60 for the _3x arms), cosine learning rate:" in cosine.texts[0].get_text()
+    alone = quality.plot({"lp_rigl_erk_3x": summary["lp_rigl_erk_3x"]}, tmp_path / "alone.png", tuning)
+    (panel,) = alone.axes  # no gradual arm to zoom on: no empty second panel
+    assert panel.get_title() == "every arm" and len(panel.lines) > 0
     assert "learning rate" not in quality.plot(summary, tmp_path / "constant.png").texts[0].get_text()
     assert quality.plot_flops(summary, tmp_path / "flops.png", tuning).axes[0].get_ylabel() == tuning
 
