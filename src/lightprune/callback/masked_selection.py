@@ -107,9 +107,8 @@ class MaskedSelection:
         self.mask_dtype, self.seed = mask_dtype, seed
         self.max_layer_sparsity = max_layer_sparsity
         self.averages: list[nn.Module] = []  # copies of the model kept by weight-averaging callbacks
-        self.unranked: list[
-            str
-        ] = []  # the last move's tensors with an all-zero dense gradient (masks left as they are)
+        # the last move's tensors with an all-zero dense gradient (masks left as they are)
+        self.unranked: list[str] = []
         self.plain_state_dict = PlainStateDict([])  # what checkpoints of the model write plainly
         self.strategy = _strategy_for([prune.original(module, name) for _, module, name in selection], inplace)
 
