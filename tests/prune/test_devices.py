@@ -172,3 +172,80 @@ def test_semi_structured_gives_the_cpus_pattern(device: str, dtype: torch.dtype)
     assert layer.weight_mask.device.type == device
     assert torch.equal(layer.weight_mask.cpu(), cpu_layer.weight_mask)
     assert (layer.weight_mask.reshape(16, 4, 4).sum(-1) == 2).all()
+
+
+ROUTES = {  # (BIN_LIMIT, SAMPLE, RADIX_BITS): which route find_cut takes on 200,000 entries
+    "sort all": (1 << 20, 1 << 18, 16),  # at most BIN_LIMIT entries: their keys sorted at once
+    "sample and window": (1 << 10, 1 << 12, 16),  # the sample's window holds the k-th key
+    "histograms": (1 << 10, 0, 8),  # no sample: histogram passes, refined, the last bin's keys sorted
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize(("magnitude", "largest"), [(True, False), (False, True)])
+def test_every_route_of_the_search_finds_the_cpus_cut(
+    device: str, route: str, dtype: torch.dtype, magnitude: bool, largest: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The k-th key is picked where the keys are (a sort or ``kthvalue`` on the device): the same cut and masks as
+    on the CPU, ties split by flat order, over tensors of mixed shapes and eligibility."""
+    from lightprune.prune import k_smallest
+
+    limit, sample, radix = ROUTES[route]
+    for name, value in {"BIN_LIMIT": limit, "SAMPLE": sample, "RADIX_BITS": radix, "CHUNK_CUDA": 1 << 14}.items():
+        monkeypatch.setattr(k_smallest, name, value)
+    generator = torch.Generator().manual_seed(1)
+    # 700 distinct values over 200,000 entries: every key is shared by hundreds of entries, so the cut splits ties.
+    pool = (torch.randint(-350, 350, (200_000,), generator=generator).double() / 8).to(dtype)
+    scores = [pool[:120_000].reshape(300, 400), pool[120_000:199_000], pool[199_000:].reshape(10, 100)]
+    eligible = [None, torch.rand(79_000, generator=generator) < 0.7, None]
+    k = 61_234
+    taken: list[str] = []
+    window, gather, histogram = k_smallest._window_cut, k_smallest._gather, k_smallest.histogram
+
+    def spied_window(*args: object) -> object:
+        found = window(*args)
+        taken.append("window" if found is not None else "window missed")
+        return found
+
+    def spied_gather(*args: object) -> Tensor:
+        taken.append("a bin's keys sorted" if args[-1] is not None else "all keys sorted")
+        return gather(*args)
+
+    def spied_histogram(*args: object) -> Tensor:
+        taken.append("histogram")
+        return histogram(*args)
+
+    monkeypatch.setattr(k_smallest, "_window_cut", spied_window)
+    monkeypatch.setattr(k_smallest, "_gather", spied_gather)
+    monkeypatch.setattr(k_smallest, "histogram", spied_histogram)
+    cuts, masks = {}, {}
+    for where in dict.fromkeys(("cpu", device)):
+        here = [s.to(where) for s in scores]
+        allowed = [None if e is None else e.to(where) for e in eligible]
+        cuts[where] = k_smallest.find_cut(here, k, eligible=allowed, magnitude=magnitude, largest=largest)
+        found = k_smallest.select_smallest(here, k, eligible=allowed, magnitude=magnitude, largest=largest)
+        masks[where] = [m.cpu() for m in found]
+    expected_route = {
+        "sort all": {"all keys sorted"},
+        "sample and window": {"window"},
+        "histograms": {"window missed", "histogram"},
+    }[route]
+    assert expected_route <= set(taken) <= expected_route | {"a bin's keys sorted"}
+    assert cuts[device] == cuts["cpu"]
+    assert cuts["cpu"].ties > 0  # the cut splits a run of equal keys: the tie rule is exercised
+    # The reference: a stable sort of every eligible entry, ties in flat order across the tensors.
+    flat = torch.cat([s.reshape(-1).double() for s in scores])
+    rank = flat.abs() if magnitude else flat
+    rank = -rank if largest else rank
+    allowed_flat = torch.cat(
+        [torch.ones(s.numel(), dtype=torch.bool) if e is None else e for s, e in zip(scores, eligible, strict=True)]
+    )
+    rank[~allowed_flat] = float("inf")
+    want = torch.zeros(flat.numel(), dtype=torch.bool)
+    want[torch.sort(rank, stable=True).indices[:k]] = True
+    assert torch.equal(torch.cat([m.reshape(-1) for m in masks["cpu"]]), want)
+    assert sum(int(m.sum()) for m in masks[device]) == k
+    for cpu_mask, device_mask in zip(masks["cpu"], masks[device], strict=True):
+        assert torch.equal(cpu_mask, device_mask)

@@ -380,7 +380,17 @@ def _sample_keys(
                 ]
             )
         ]
-    return torch.sort(picked.cpu()).values, sum(p.numel() for p in parts)
+    return torch.sort(_where_to_sort(picked)).values, sum(p.numel() for p in parts)
+
+
+def _where_to_sort(t: Tensor) -> Tensor:
+    """``t`` where its final sort or k-th pick runs: on a CUDA device, where it is; otherwise on the CPU.
+
+    These sets are small (the sample, a window or a bin: up to a few million keys), but on a GPU a copy to the host
+    and a CPU ``kthvalue`` over a window of 2M keys took 22 ms of a 33 ms global selection at 134M weights, where the
+    device sorts or picks them in well under a millisecond. Only scalars then travel to the host.
+    """
+    return t if t.device.type == "cuda" else t.cpu()
 
 
 def _positions(flags: Tensor) -> Tensor:
@@ -454,11 +464,10 @@ def _window_cut(
     rank = k - below
     if not 0 < rank <= pos:
         return None
-    cand = found[:pos].cpu()
+    cand = _where_to_sort(found[:pos])
     value = torch.kthvalue(cand, rank).values
-    less = int((cand < value).sum())
-    equal = int((cand == value).sum())
-    return int(value) + lo, rank - less, equal
+    value, less, equal = torch.stack([value.to(torch.int64), (cand < value).sum(), (cand == value).sum()]).tolist()
+    return value + lo, rank - less, equal
 
 
 def histogram(
@@ -508,7 +517,8 @@ def _gather(
     capacity: int,
     within: tuple[int, int] | None,
 ) -> Tensor:
-    """Sorted keys of the eligible entries (with ``key >> s == p`` if ``within=(s, p)``), on CPU.
+    """Sorted keys of the eligible entries (with ``key >> s == p`` if ``within=(s, p)``), where
+    :func:`_where_to_sort` puts them.
 
     There must be at most ``capacity`` of them.
     """
@@ -528,15 +538,16 @@ def _gather(
             raise RuntimeError("the scores changed during the selection")
         found[pos : pos + hits.numel()] = hits
         pos += hits.numel()
-    return torch.sort(found[:pos].cpu()).values
+    return torch.sort(_where_to_sort(found[:pos])).values
 
 
 def _cut_from_sorted(keys: Tensor, rank: int) -> tuple[int, int, int]:
     """``(key, ties, equal)`` for the ``rank``-th (1-based) of sorted ``keys``."""
     at = keys[rank - 1 : rank]
-    below = int(torch.searchsorted(keys, at))
-    equal = int(torch.searchsorted(keys, at, right=True)) - below
-    return int(at[0]), rank - below, equal
+    key, below, after = torch.cat(
+        [at.to(torch.int64), torch.searchsorted(keys, at), torch.searchsorted(keys, at, right=True)]
+    ).tolist()
+    return key, rank - below, after - below
 
 
 def real_scores(scores: list[Tensor], magnitude: bool) -> list[Tensor]:
