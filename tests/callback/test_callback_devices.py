@@ -175,3 +175,25 @@ def test_masks_move_with_the_model_when_lightning_moves_it_after_fit(masking: st
     masked = callback._masked
     assert masked is not None
     assert {masked.mask(module, name).device.type for _, module, name in masked.selection} == {"meta"}
+
+
+@pytest.mark.parametrize(
+    ("device", "precision"),
+    [
+        ("cpu", "32-true"),
+        ("cpu", "bf16-true"),
+        ("cpu", "64-true"),
+        pytest.param(
+            "cuda", "32-true", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+        ),
+    ],
+)
+def test_fixed_example_inputs_reach_the_forward_as_training_batches_do(device: str, precision: str) -> None:
+    """``example_inputs`` are built where the user builds the callback: on the CPU, in float32. The units are found
+    on the device and in the precision the model trains in, as the training batches reach it."""
+    callback = PruningCallback(
+        Linear(final=0.5, start=2, end=6, frequency=2), method="neurons", example_inputs=torch.randn(2, 8)
+    )
+    model = fit(callback, device, precision=precision)
+    hidden = [model.net[0].weight, model.net[2].weight]  # the rows of the 16 and 12 hidden neurons
+    assert [int((weight == 0).all(dim=1).sum()) for weight in hidden] == [8, 6]

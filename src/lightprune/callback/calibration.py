@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import move_data_to_device
 
 from lightprune._modes import eval_mode
 
-__all__ = ["calibrate", "first_batch"]
+__all__ = ["calibrate", "first_batch", "inputs_as_trained_on"]
 
 
 @contextlib.contextmanager
@@ -130,6 +131,21 @@ def _as_trained_on(trainer: Trainer, pl_module: LightningModule, batch: Any) -> 
     batch = trainer.precision_plugin.convert_input(batch)
     batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def inputs_as_trained_on(trainer: Trainer, inputs: Any) -> Any:
+    """Fixed forward ``inputs`` (``example_inputs``, built where the user built the callback: on the CPU, in full
+    precision) as the training batches reach the forward: the precision's input conversion and the strategy's device.
+    The module's batch hooks are left out: these are a forward's inputs, not a batch.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> trainer = SimpleNamespace(precision_plugin=SimpleNamespace(convert_input=lambda x: x),
+        ...                           strategy=SimpleNamespace(root_device=torch.device("cpu")))
+        >>> inputs_as_trained_on(trainer, ((torch.ones(1),), {}))[0][0].device
+        device(type='cpu')
+    """
+    return move_data_to_device(trainer.precision_plugin.convert_input(inputs), trainer.strategy.root_device)
 
 
 def reshard(pl_module: LightningModule) -> None:

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
 from lightprune.callback import clock, neighbours, reporting, rewinding, setup_checks, sharded, sharded_movement
-from lightprune.callback.calibration import calibrate, first_batch, reshard
+from lightprune.callback.calibration import calibrate, first_batch, inputs_as_trained_on, reshard
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.callback.options import (
@@ -246,10 +246,12 @@ class PruningCallback(Callback):
             pruned by another tool), so they stay zero through training; the schedule's targets count them.
         example_inputs: with ``"neurons"``/``"heads"``, the inputs of the forward traced to find the units: a
             callable ``batch -> inputs`` or fixed inputs (a tensor, a tuple of positional arguments, a dict of
-            keyword arguments). Default: the first training batch, a dict passed as keyword arguments (Hugging
-            Face style), a tensor as the one argument, a tuple or list by its first element (``(inputs, targets)``);
-            a resumed fit reads the first batch it trains on (a resumable loader's position is not used up). A model
-            whose units cannot be found is refused when training starts, naming it. Refused with a weight method.
+            keyword arguments; built on the CPU, they are moved to the device the model trains on and converted as
+            the precision converts batches). Default: the first training batch, a dict passed as keyword arguments
+            (Hugging Face style), a tensor as the one argument, a tuple or list by its first element (``(inputs,
+            targets)``); a resumed fit reads the first batch it trains on (a resumable loader's position is not used
+            up). A model whose units cannot be found is refused when training starts, naming it. Refused with a
+            weight method.
         max_layer_sparsity: the largest share of any one tensor's units (weights, or channels) that may be pruned,
             in (0, 1]; 1.0 (the default) is no cap. A global ranking can otherwise take every weight of a layer
             whose weights are small next to the others' (layer collapse: a collapsed output layer outputs its bias
@@ -809,6 +811,8 @@ class PruningCallback(Callback):
         if batch is None and (self.example_inputs is None or callable(self.example_inputs)):
             batch = first_batch(trainer)
         args, kwargs = example_from_batch(batch, self.example_inputs)
+        if batch is None:  # fixed example inputs, built on the CPU: the model may train on a GPU
+            args, kwargs = inputs_as_trained_on(trainer, (args, kwargs))
         assert self.units is not None
         try:
             groups = find_groups(pl_module, self.units, args, kwargs, self.include, self.exclude)
