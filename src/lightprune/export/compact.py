@@ -153,7 +153,7 @@ class _NamingTracer(fx.Tracer):
 
     def where(self) -> str:
         modules = [path for path, _ in self.module_stack.values() if path]
-        last = next(reversed(self.graph.nodes), None) if hasattr(self, "graph") else None
+        last = next(iter(reversed(self.graph.nodes)), None) if hasattr(self, "graph") else None
         parts = []
         if modules:
             parts.append(f"inside module {modules[-1]!r}")
