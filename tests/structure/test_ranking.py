@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -105,6 +106,19 @@ def test_a_nan_amount_is_refused_naming_it(scope: str) -> None:
     with pytest.raises(ValueError, match=r"^amount=nan is out of range: a float amount is a fraction in \[0, 1\]"):
         prune_units(mlp, [group], math.nan, scope=scope)
     assert torch.equal(mlp[2].weight, weight) and not prune.is_pruned(mlp[2])
+
+
+@pytest.mark.parametrize(("amount", "plain"), [(np.float32(0.4), 0.4), (np.int64(2), 2), (np.float64(0.6), 0.6)])
+def test_numpy_amounts_count_as_the_numbers_they_hold(amount: object, plain: float | int) -> None:
+    """torch's pruning methods take any real number (a NumPy scalar from a sweep, say); so does prune_units."""
+    kept = []
+    for value in (amount, plain):
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+        group = find_units(mlp, (torch.randn(1, 3),))[0]
+        kept.append(prune_units(mlp, [group], value)[0])
+    assert torch.equal(kept[0], kept[1])
+    assert int((~kept[0]).sum()) == (plain if isinstance(plain, int) else round(plain * 5))
 
 
 def _pruned_units(model: nn.Module, group) -> torch.Tensor:

@@ -17,6 +17,7 @@ every pruned tensor is an ordinary pruned tensor (``name_orig``, ``name_mask``).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -221,8 +222,9 @@ def prune_units(
     """
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}; allowed: {list(SCOPES)}")
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+    if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or amount < 0:
         raise ValueError(f"amount must be a float in [0, 1] or a non-negative int, got {amount!r}")
+    amount = int(amount) if isinstance(amount, numbers.Integral) else float(amount)  # NumPy scalars, as in torch
     if isinstance(amount, float) and amount > 1:
         raise ValueError(f"a float amount must be in [0, 1], got {amount!r}")
     validate_amount(amount)  # NaN slips through the comparisons above
