@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
 from lightprune.export.compact import CompactError
@@ -205,8 +207,28 @@ def _config_fits(model: nn.Module, config: Any, changes: Mapping[str, Any]) -> b
     return want == got
 
 
+class _NoHeadlessAttention(TorchFunctionMode):
+    """Raise where ``scaled_dot_product_attention`` would get query heads but no key/value heads.
+
+    A compact model whose forward splits a fused projection by a count from its config (Phi-3's ``qkv_proj``) hands
+    the attention an empty key. torch 2.5-2.12's grouped-query path divides by the key's head count in C++ and kills
+    the process (a floating-point exception) where a Python error is wanted; this mode turns it into one.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            if query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] == 0 < query.shape[-3]:
+                raise RuntimeError(
+                    f"scaled_dot_product_attention got {query.shape[-3]} query heads and no key/value heads"
+                )
+        return func(*args, **kwargs)
+
+
 def _outputs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Tensor]:
-    with torch.no_grad():
+    with torch.no_grad(), _NoHeadlessAttention():
         out = model(*args, **kwargs)
     return [t for t in _pytree.tree_leaves(out) if isinstance(t, Tensor) and t.is_floating_point()]
 
