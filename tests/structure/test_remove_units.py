@@ -377,7 +377,7 @@ def test_a_vision_transformer_loads_back(tmp_path) -> None:
 
 def test_a_forward_that_reads_a_count_remove_units_cannot_change_is_refused() -> None:
     """Phi-3 splits its fused qkv projection by ``config.num_attention_heads`` in its forward: the compact model's
-    attention gets no key/value heads. torch 2.5-2.12 divide by that count in C++ (the process dies); the check's
+    attention gets no key/value heads. torch 2.11 divides by that count in C++ (the process dies); the check's
     forward raises first, on every version."""
     config = transformers.Phi3Config(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,

@@ -211,8 +211,8 @@ class _NoHeadlessAttention(TorchFunctionMode):
     """Raise where ``scaled_dot_product_attention`` would get query heads but no key/value heads.
 
     A compact model whose forward splits a fused projection by a count from its config (Phi-3's ``qkv_proj``) hands
-    the attention an empty key. torch 2.5-2.12's grouped-query path divides by the key's head count in C++ and kills
-    the process (a floating-point exception) where a Python error is wanted; this mode turns it into one.
+    the attention an empty key. torch 2.11's grouped-query path divides by the key's head count in C++ and kills the
+    process (a floating-point exception; 2.13 does not) where a Python error is wanted; this mode raises one first.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
