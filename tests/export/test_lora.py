@@ -135,3 +135,35 @@ def test_marked_module_inside_a_plain_model_is_replaced_by_its_base_layer() -> N
     assert merged is net and [type(m).__name__ for m in merged] == ["Linear", "Tanh", "Linear"]
     assert int((merged[0].weight == 0).sum()) == 12 and int((merged[2].weight == 0).sum()) == 0
     torch.testing.assert_close(merged(x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's own warning on a tied target
+def test_an_adapter_on_a_tied_weight_is_refused_naming_the_tie() -> None:
+    """GPT-2's ``lm_head`` is its input embedding: merging an update into it would change the embedding too, so the
+    merged model would not compute what the unmerged one did."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=8)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    model.eval()
+    head = model.base_model.model.lm_head
+    assert head.get_base_layer().weight is model.base_model.model.transformer.wte.weight
+    prune.l1_unstructured(head.get_base_layer(), "weight", amount=0.5)
+    mask_delta(head, head.get_base_layer().weight_mask.clone())
+    prune.remove(head.get_base_layer(), "weight")  # as after the callback's fit end: both owners read the zeros
+    with torch.no_grad():
+        head.lora_B["default"].weight.normal_()
+    embedding = model.base_model.model.transformer.wte.weight.detach().clone()
+    with pytest.raises(
+        ValueError, match=r"'base_model\.model\.lm_head': its base weight is tied to \['base_model\.model\.transformer"
+        r"\.wte\.weight'\].*untie it first"
+    ):  # fmt: skip
+        merge_lora(model, inplace=True)
+    assert torch.equal(model.base_model.model.transformer.wte.weight, embedding)  # nothing written before refusing
+    with torch.no_grad():
+        head.lora_B["default"].weight.zero_()  # an update of zero changes neither owner: merged
+    ids = {"input_ids": torch.randint(0, 64, (2, 8))}
+    with torch.no_grad():
+        expected = model(**ids).logits
+        merged = merge_lora(model)
+        assert merged.lm_head.weight is merged.transformer.wte.weight
+        assert torch.equal(merged(**ids).logits, expected)

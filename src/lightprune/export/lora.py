@@ -55,7 +55,8 @@ def merge_lora(
 
     Raises:
         ValueError: a layer trained without the mask on its effective weight (``remask=False``), a merged adapter,
-            or an adapter type that cannot be merged (DoRA and other LoRA variants, IA3, LoHa...), named.
+            an adapter type that cannot be merged (DoRA and other LoRA variants, IA3, LoHa...), or a layer whose base
+            weight is tied to another module's (GPT-2's ``lm_head`` and its input embedding), named.
 
     Example:
         >>> from lightprune.adapters import AdaptedWeight, mask_delta
@@ -77,6 +78,9 @@ def merge_lora(
     target = model if inplace else copy.deepcopy(model)
     plans = [(name, layer, *_plan(layer)) for name, layer in adapters.adapted_layers(target)]
     refused = [f"{name!r}: {why}" for name, _, merged, why, _ in plans if merged is None]
+    refused += [
+        f"{name!r}: {why}" for name, layer, merged, _, _ in plans if (why := _tie_problem(target, layer, merged))
+    ]
     unmasked = [(name, why, change) for name, _, merged, why, change in plans if merged is not None and why]
     if refused:
         raise ValueError("merge_lora cannot merge these layers:\n  " + "\n  ".join(refused))
@@ -145,6 +149,29 @@ def _plan(layer: nn.Module) -> tuple[Tensor | None, str, float]:
         change = float(torch.where(dropped, update, zero).norm() / (weight + update).norm())
         why = f"the update is nonzero at {int(dropped.sum())} of the {int((~keep).sum())} pruned entries of its weight"
         return merged, why, change
+
+
+def _tie_problem(model: nn.Module, layer: nn.Module, merged: Tensor | None) -> str:
+    """Why ``layer`` cannot be merged in place if its base weight is tied to another module's (GPT-2's ``lm_head`` is
+    its input embedding): writing the merged weight there would change that module too. Empty when it is not tied, or
+    when the merge leaves the weight as it is."""
+    base = adapters.base_of(layer)
+    weight = prune.original(base, "weight") if "weight" in prune.pruned_names(base) else base.weight
+    if merged is None or torch.equal(merged, base.weight.detach()):
+        return ""
+    others = [
+        f"{owner}.{name}" if owner else name
+        for owner, module in model.named_modules(remove_duplicate=False)
+        for name, tensor in module._parameters.items()
+        if tensor is weight and module is not base
+    ]
+    if not others:
+        return ""
+    return (
+        f"its base weight is tied to {sorted(set(others))}, which the merged update would change too; untie it "
+        "first (give the layer its own copy: base_layer.weight = nn.Parameter(base_layer.weight.detach().clone())), "
+        "or leave that layer without an adapter"
+    )
 
 
 def _keep(mask: Tensor) -> Tensor:
