@@ -557,3 +557,47 @@ def test_neurons_are_the_models_not_the_adapters_ranks(targets: list[str]) -> No
     for name, layer in lora_layers(model.model).items():  # every rank of every adapter is still there
         a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
         assert bool((a != 0).any(1).all()) and bool((b != 0).any(0).all()), name
+
+
+class Evaluated(Lora):
+    """Records its logits on fixed tokens when a checkpoint is written and at every validation step."""
+
+    IDS = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(5))
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.saved: dict[int, Tensor] = {}
+        self.validated: list[Tensor] = []
+
+    def logits(self) -> Tensor:
+        training = self.training
+        with torch.no_grad():
+            out = self.eval()(self.IDS).clone()
+        self.train(training)
+        return out
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.saved[checkpoint["global_step"]] = self.logits()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validated.append(self.logits())
+
+
+@pytest.mark.parametrize("masking", ["reparametrize", "inplace"])
+def test_validating_an_earlier_checkpoint_evaluates_its_model_updates_masked_as_then(
+    tmp_path: Path, masking: str
+) -> None:
+    """The mask of a LoRA update is not in the weights: validate(ckpt_path=...) after fit must mask the updates with
+    that checkpoint's masks, not the fit's last ones."""
+    module = Evaluated("llama")
+    pruning = callback_for("llama", schedule=Linear(final=0.6, start=0, end=8, frequency=2), masking=masking)
+    checkpoints = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = quiet_trainer([pruning, checkpoints], max_steps=10, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(module)
+    (path,) = tmp_path.glob("*step=4.ckpt")
+    early = torch.load(path, weights_only=False)
+    final_masks = pruning.state_dict()["masks"]
+    (state,) = [value for key, value in early["callbacks"].items() if key.startswith("PruningCallback")]
+    assert any(not torch.equal(state["masks"][key], final_masks[key]) for key in state["masks"])  # masks moved on
+    trainer.validate(module, dataloaders=tokens(samples=8), ckpt_path=path)
+    torch.testing.assert_close(module.validated[-1], module.saved[4], rtol=0, atol=1e-6)

@@ -435,6 +435,16 @@ class MaskedSelection:
         self.plain_state_dict.pairs = self.pairs()
         self.strategy.share_with_averages(self, self.averages)
 
+    def mask_updates_as_saved(self, saved: Mapping[str, Tensor]) -> None:
+        """Outside a fit (``validate``/``test`` from a checkpoint, which loads its weights): every adapted layer masks
+        its update with the checkpoint's mask of its base weight, as when that checkpoint was written; the mask is not
+        in the weights. A layer the checkpoint holds no mask for (written before the first event) adds its whole
+        update, as it did then."""
+        for qualified, layer in self.adapted.items():
+            mask = saved.get(qualified)
+            device = prune.original(adapters.base_of(layer), "weight").device
+            adapters.mask_delta(layer, None if mask is None else mask.to(device))
+
     def after_rewrite(self) -> None:
         """The weights were rewritten (a rewind, a weight average): mask them, and the averaged copies, again."""
         self.strategy.after_rewrite(self)

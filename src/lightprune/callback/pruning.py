@@ -761,6 +761,8 @@ class PruningCallback(Callback):
             raise ValueError(f"{self.state_key}: the checkpoint's 'masks' must map parameter names to tensors")
         self._restored_masks = dict(masks)
         self._apply_restored_masks()  # when the selection exists already (strategies restoring after on_fit_start)
+        if not self._fitting and self._masked is not None:  # validate/test(ckpt_path=...): the checkpoint's model
+            self._masked.mask_updates_as_saved(self._restored_masks)
         if "importance" in state_dict:
             self._importance.load_state_dict(state_dict["importance"])
 
