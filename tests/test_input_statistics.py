@@ -174,3 +174,24 @@ def test_sums_stay_in_float32_inside_an_autocast_forward() -> None:
         got = stats.totals["fc"][key]
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), expected[key], rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_block_recomputed_by_activation_checkpointing_is_counted_once(reentrant: bool) -> None:
+    """Activation checkpointing runs a block's forward again during backward; those inputs were recorded already."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    x = torch.randn(5, 4, requires_grad=True)
+    totals = []
+    for checkpointed in (False, True):
+        stats = InputStatistics([feature_sums("first", block[0], 4), feature_sums("second", block[2], 6)])
+        stats.start()
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant) if checkpointed else block(x)
+        out.sum().backward()
+        stats.finish_batch(lambda flat: flat)
+        stats.stop()
+        totals.append(stats.totals)
+    for name in ("first", "second"):
+        for key, value in totals[0][name].items():
+            assert torch.equal(totals[1][name][key], value), (name, key)
+    assert totals[0]["first"]["squares"].tolist() == (x.detach() ** 2).sum(0).tolist()  # one batch's worth

@@ -36,7 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["InputStatistics", "Recorded", "feature_sums", "paused", "real_positions", "recording_paused"]
+__all__ = [
+    "InputStatistics",
+    "Recorded",
+    "feature_sums",
+    "paused",
+    "real_positions",
+    "recomputing",
+    "recording_paused",
+]
 
 _PAUSED: ContextVar[bool] = ContextVar("lightprune_recording_paused", default=False)
 
@@ -67,6 +75,18 @@ def paused() -> Iterator[None]:
 def recording_paused() -> bool:
     """Whether forwards run now are inside :func:`paused`."""
     return _PAUSED.get()
+
+
+def recomputing() -> bool:
+    """Whether a forward runs inside a backward pass: activation checkpointing (``torch.utils.checkpoint``, Hugging
+    Face's ``gradient_checkpointing_enable()``) recomputing a block whose forward already ran, and was recorded, in
+    this step. torch's own module tracker tells the two apart this way.
+
+    Example:
+        >>> recomputing()
+        False
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 Reduce = Callable[[Tensor], Tensor]
@@ -242,7 +262,7 @@ class InputStatistics:
 
         def collect(layer: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0] if args else None
-            if not isinstance(x, Tensor) or recording_paused():
+            if not isinstance(x, Tensor) or recording_paused() or recomputing():
                 return
             if self.share_inputs:
                 key = self._key(recorded, x)

@@ -565,3 +565,43 @@ def test_grouped_and_transposed_convolutions_score_by_their_own_input_channel(la
             channel = a if transposed else (a // (layer.out_channels // layer.groups)) * per_group + b
             expected[a, b] = weight[a, b].abs() * norms[channel].float()
     torch.testing.assert_close(scores, expected)
+
+
+class CheckpointedLlama(L.LightningModule):
+    """A tiny Llama (from a config), with Hugging Face's gradient checkpointing on or off."""
+
+    def __init__(self, checkpointing: bool, reentrant: bool) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(config)
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("importance", ["activation", "obs"])
+def test_gradient_checkpointing_changes_no_mask(reentrant: bool, importance: str) -> None:
+    """Checkpointing recomputes each block's forward during backward: a memory technique, it must not count the
+    block's inputs twice (a global ranking of the statistics would then favour the blocks over the head)."""
+    ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+    masks = []
+    for checkpointing in (False, True):
+        callback = PruningCallback(Constant(0.5, at=3), importance=importance, make_permanent=False, summary=False)
+        quiet_trainer([callback], max_steps=4).fit(
+            CheckpointedLlama(checkpointing, reentrant), DataLoader(TensorDataset(ids), batch_size=4)
+        )
+        masks.append({q: callback._masked.mask(m, n).bool() for q, m, n in callback._masked.selection})
+    assert masks[0].keys() == masks[1].keys()
+    assert [q for q in masks[0] if not torch.equal(masks[0][q], masks[1][q])] == []
