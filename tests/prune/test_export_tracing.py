@@ -148,6 +148,26 @@ def test_torch_compile_fullgraph(name: str, mask_dtype: torch.dtype | None) -> N
         assert bool((net.fc1.weight_orig.grad[net.fc1.weight_mask == 0] == 0).all())
 
 
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool], ids=id_of)
+def test_a_module_compiled_in_place_trains_as_in_eager_mode(mask_dtype: torch.dtype | None) -> None:
+    """``nn.Module.compile()``, the in-place form, on a module pruned before it: its forward pre-hooks run inside the
+    compiled region, where the masked value must stay a plain tensor (AOT autograd cannot dispatch the subclass)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with prune.mask_dtype(mask_dtype):
+        prune.l1_unstructured(net[0], "weight", amount=0.5)
+    eager = copy.deepcopy(net)
+    torch._dynamo.reset()
+    net.compile(backend="aot_eager")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(net(x), eager(x), rtol=1e-5, atol=1e-6)
+    net(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for (n, p), (_, q) in zip(net.named_parameters(), eager.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert bool((net[0].weight_orig.grad[net[0].weight_mask == 0] == 0).all())
+
+
 def test_torch_compile_inductor() -> None:
     net, dense = pruned_net("container", torch.bool)
     torch._dynamo.reset()

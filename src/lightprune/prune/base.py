@@ -66,22 +66,19 @@ class _PrunedTensor(Tensor):
 
 
 def _as_pruned(tensor: Tensor) -> Tensor:
-    """``tensor`` as a :class:`_PrunedTensor`, if it is a plain tensor; any other tensor type as it is.
+    """``tensor`` as a :class:`_PrunedTensor`, if it is a plain tensor in an eager forward; any other tensor as it is.
 
     While a module is traced (``torch.export``, and so ONNX export, run it on fake or functional tensors), the
     masked value is an instance of a tracing subclass bound to its tensor object, which cannot be given another
-    Python type; a traced program is never deep-copied through this attribute anyway.
+    Python type; a traced program is never deep-copied through this attribute anyway. Inside a compiled forward
+    the value stays a plain tensor too: TorchDynamo of torch 2.5 cannot trace ``as_subclass``, and torch 2.13's
+    AOT autograd fails on it under ``nn.Module.compile()`` with the ``aot_eager`` backend (no dispatch for
+    ``aten.t``). So ``copy.deepcopy`` of a module right after a compiled training step fails until its next eager
+    forward, as torch's own pruning does always.
     """
-    if type(tensor) is not Tensor or (_SUBCLASS_NOT_TRACEABLE and torch.compiler.is_compiling()):
+    if type(tensor) is not Tensor or torch.compiler.is_compiling():
         return tensor
     return tensor.as_subclass(_PrunedTensor)
-
-
-_SUBCLASS_NOT_TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
-"""TorchDynamo of torch 2.5 cannot trace ``as_subclass`` into ``_PrunedTensor`` (``torch.compile`` and strict
-``torch.export`` then fail); torch 2.13 can. Before 2.13 (versions between were not tested), a value computed in a
-compiled forward stays a plain tensor: everything works but ``copy.deepcopy`` of the module right after a compiled
-training step, until the next eager forward."""
 
 
 def _stored_dtype(module: nn.Module, key: str, value: Any) -> torch.dtype:
