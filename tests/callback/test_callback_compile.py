@@ -25,6 +25,29 @@ class CompiledInside(TinyNet):
             self.net = torch.compile(self.net, backend="eager")  # type: ignore[assignment]
 
 
+class CompiledInPlace(TinyNet):
+    """A submodule compiled in place in ``configure_model`` (``nn.Module.compile()``, torch's recommended form)."""
+
+    def configure_model(self) -> None:
+        self.net.compile(backend="eager")
+
+
+class CompiledForward(TinyNet):
+    """A submodule whose ``forward`` attribute is a compiled function, another common form."""
+
+    def configure_model(self) -> None:
+        if "forward" not in vars(self.net):
+            self.net.forward = torch.compile(self.net.forward, backend="eager")
+
+
+COMPILED = {
+    "whole": lambda: torch.compile(TinyNet(), backend="eager"),
+    "inside": CompiledInside,
+    "in place": CompiledInPlace,
+    "forward": CompiledForward,
+}
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
@@ -33,12 +56,12 @@ class CompiledInside(TinyNet):
         ({"regrow": "rigl", "regrow_every": 2}, "regrow='rigl' under masking='reparametrize'"),
     ],
 )
-@pytest.mark.parametrize("where", ["whole", "inside"])
+@pytest.mark.parametrize("where", list(COMPILED))
 def test_hooks_attached_during_training_are_refused_on_a_compiled_model(
     options: dict[str, Any], named: str, where: str
 ) -> None:
     callback = PruningCallback(0.5 if "regrow" in options else SCHEDULE, **options)
-    model = torch.compile(TinyNet(), backend="eager") if where == "whole" else CompiledInside()
+    model = COMPILED[where]()
     trainer = quiet_trainer([callback], max_steps=4)
     with pytest.raises(ValueError, match=r"torch\.compile") as info:
         trainer.fit(model)

@@ -117,18 +117,29 @@ def refuse_strategy(strategy: Any) -> None:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` runs through ``torch.compile``: a LightningModule given to ``fit`` compiled (Lightning keeps
-    the compiled forward in ``_compiler_ctx``), or a compiled submodule (``OptimizedModule``).
+    the compiled forward in ``_compiler_ctx``), a compiled submodule (``OptimizedModule``), a module compiled in place
+    (``nn.Module.compile()``), or a module given a compiled function as an attribute
+    (``self.net.forward = torch.compile(self.net.forward)``).
 
     Example:
         >>> import torch
         >>> is_compiled(nn.Sequential(nn.Linear(2, 2))), is_compiled(nn.Sequential(torch.compile(nn.Linear(2, 2))))
         (False, True)
+        >>> in_place = nn.Sequential(nn.Linear(2, 2))
+        >>> in_place[0].compile()
+        >>> is_compiled(in_place)
+        True
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
     if getattr(model, "_compiler_ctx", None):
         return True
-    return any(isinstance(module, OptimizedModule) for module in model.modules())
+    for module in model.modules():
+        if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None:
+            return True
+        if any(hasattr(value, "_torchdynamo_orig_callable") for value in vars(module).values() if callable(value)):
+            return True
+    return False
 
 
 def refuse_hooks_under_compile(model: nn.Module, features: Iterable[str]) -> None:
