@@ -601,3 +601,32 @@ def test_validating_an_earlier_checkpoint_evaluates_its_model_updates_masked_as_
     assert any(not torch.equal(state["masks"][key], final_masks[key]) for key in state["masks"])  # masks moved on
     trainer.validate(module, dataloaders=tokens(samples=8), ckpt_path=path)
     torch.testing.assert_close(module.validated[-1], module.saved[4], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "targets"), [("llama", ["q_proj", "k_proj", "v_proj", "o_proj"]), ("bert", ["query", "value"])]
+)
+def test_heads_are_pruned_with_the_adapters_on_their_projections(kind: str, targets: list[str]) -> None:
+    """A LoRA update is added to its base projection feature by feature: a head's rows of the query, key and value
+    projections, and its columns of the output projection, are the base layer's and the adapter's together. Heads
+    were refused whenever an adapter sat on an attention projection, the standard LoRA set-up."""
+    from lightprune.export import remove_units
+
+    model = Lora(kind, target_modules=targets)
+    callback = PruningCallback(Constant(0.5, at=1), method="heads", summary=False)
+    quiet_trainer([callback], max_steps=3).fit(model)
+    assert [pruned / total for total, pruned in callback._masked.counts()] == [0.5, 0.5]
+    for name, layer in lora_layers(model.model).items():  # what the forward computes with: half the heads gone
+        effective = effective_from_forward(layer)
+        if "o_proj" in name:
+            assert int((effective == 0).all(0).sum()) == effective.shape[1] // 2, name
+        else:
+            assert int((effective == 0).all(1).sum()) == effective.shape[0] // 2, name
+    ids = next(iter(tokens()))[0]
+    with torch.no_grad():
+        expected = model.eval()(ids)
+        merged = merge_lora(model.model).eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+        small = remove_units(merged, (), {"input_ids": ids})  # and the pruned heads can be removed
+        torch.testing.assert_close(small(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in merged.parameters())

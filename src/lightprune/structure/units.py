@@ -505,17 +505,20 @@ def _per_head(between: Mapping[_Param, tuple[int, ...]]) -> list[_Param]:
     ]
 
 
-def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Projection | None:
-    """The one projection reading the attention output, after it is merged back from ``(heads, head_dim)``."""
-    frontier, merged, reader = [core], False, None
+def _readers(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> list[_Projection] | None:
+    """The projections reading the attention output, after it is merged back from ``(heads, head_dim)``: one, or
+    several reading the same merged tensor (a LoRA adapter's ``lora_A`` beside its base projection); ``None`` when
+    anything else reads it."""
+    frontier, merged, readers = [core], False, list[_Projection]()
     while frontier:
         node = frontier.pop()
         for user in _users(node):
             projection = graph.projections.get(user)
             if projection is not None and projection.input is node and merged:
-                if reader is not None and reader is not projection:
-                    return None
-                reader = projection
+                if readers and readers[0].input is not node:
+                    return None  # projections reading the output at two different points
+                if projection not in readers:
+                    readers.append(projection)
                 continue
             name = _op_name(user)
             if user.op != "call_function" or name not in _PASS_THROUGH:
@@ -529,7 +532,7 @@ def _reader(graph: _Graph, core: fx.Node, heads: int, head_dim: int) -> _Project
                     return None
                 merged = True
             frontier.append(user)
-    return reader
+    return readers or None
 
 
 def _find_heads(graph: _Graph, cores: list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[Any]]]) -> list[UnitGroup]:
@@ -544,7 +547,8 @@ def _find_heads(graph: _Graph, cores: list[tuple[fx.Node, fx.Node, fx.Node, fx.N
         for role, node, dim in (("query", q, head_dim), ("key", k, head_dim), ("value", v, value_dim)):
             between: dict[_Param, tuple[int, ...]] = {}
             found = _sources(graph, node, dim, between)
-            if not found or len(found) != 1:
+            # one projection, or projections added together feature by feature (a LoRA update beside its base layer)
+            if not found or len({(source.offset, source.split_width) for source in found}) != 1:
                 raise UnitError(
                     f"cannot follow the attention {role} of {where} back to one projection split into heads "
                     f"of size {dim}; its heads cannot be pruned"
@@ -558,21 +562,25 @@ def _find_heads(graph: _Graph, cores: list[tuple[fx.Node, fx.Node, fx.Node, fx.N
                     f"{', ...' if len(per_head) > 4 else ''}: a norm per head) after its split into heads; its heads "
                     "cannot be pruned (prune its neurons: find_units(..., kinds=['neurons']))"
                 )
-            roles[role] = found.pop()
-        heads = roles["query"].split_width // head_dim
-        kv_heads = roles["key"].split_width // head_dim
-        if kv_heads == 0 or heads % kv_heads or roles["value"].split_width // value_dim != kv_heads:
+            roles[role] = sorted(
+                found, key=lambda source: (source.projection.weight.module, source.projection.weight.name)
+            )
+        heads = roles["query"][0].split_width // head_dim
+        kv_heads = roles["key"][0].split_width // head_dim
+        if kv_heads == 0 or heads % kv_heads or roles["value"][0].split_width // value_dim != kv_heads:
             raise UnitError(f"the attention of {where} has {heads} query and {kv_heads} key/value heads")
-        reader = _reader(graph, core, heads, value_dim)
-        if reader is None or reader.in_width != heads * value_dim:
+        readers = _readers(graph, core, heads, value_dim)
+        if readers is None or any(reader.in_width != heads * value_dim for reader in readers):
             raise UnitError(f"cannot find the one output projection of the attention of {where}")
         ratio = heads // kv_heads
-        produce = (
-            roles["query"].projection.rows(roles["query"].offset, ratio * head_dim)
-            + roles["key"].projection.rows(roles["key"].offset, head_dim)
-            + roles["value"].projection.rows(roles["value"].offset, value_dim)
+        per_unit = {"query": ratio * head_dim, "key": head_dim, "value": value_dim}
+        produce = tuple(
+            piece
+            for role in ("query", "key", "value")
+            for source in roles[role]
+            for piece in source.projection.rows(source.offset, per_unit[role])
         )
-        consume = (reader.columns(ratio * value_dim),)
+        consume = tuple(reader.columns(ratio * value_dim) for reader in readers)
         shapes = [shape for shape in map(_shape, extra) if shape is not None]
         per_head_bias = any(len(shape) >= 3 and shape[-3] > 1 for shape in shapes)
         module = _common_module([s.module for s in produce + consume])
