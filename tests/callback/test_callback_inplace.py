@@ -3,6 +3,7 @@ reparametrized mode, bit for bit, for every optimizer whose update of an entry d
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -394,3 +395,32 @@ def test_an_optimizer_replaced_mid_fit_keeps_pruned_weights_at_zero(
         assert checker.batches == 24 and checker.violations == 0, masking
         results[masking] = effective(model)
     assert_same(results["inplace"], results["reparametrize"])
+
+
+class MasterCopies(TinyNet):
+    """Its optimizer steps float32 master copies of the weights, written back into the model after every step (as a
+    half-precision recipe does): the model's own Parameters are in no optimizer."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.masters = [p.detach().clone().requires_grad_() for p in self.parameters()]
+        return torch.optim.SGD(self.masters, lr=0.1)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for master, parameter in zip(self.masters, self.parameters(), strict=True):
+            master.grad = parameter.grad
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        with torch.no_grad():
+            for master, parameter in zip(self.masters, self.parameters(), strict=True):
+                parameter.copy_(master)
+
+
+def test_in_place_warns_when_no_optimizer_of_the_fit_steps_the_pruned_weights() -> None:
+    """Written by other code after the step passes, in-place pruned entries come back until the next event."""
+    callback = PruningCallback(Linear(final=0.5, start=1, end=3, frequency=1), masking="inplace", summary=False)
+    with pytest.warns(UserWarning, match=r"no optimizer of the fit steps \['net\.0\.weight', 'net\.2\.weight'"):
+        quiet_trainer([callback], max_steps=4).fit(MasterCopies())
+    held = PruningCallback(Linear(final=0.5, start=1, end=3, frequency=1), masking="inplace", summary=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no optimizer of the fit steps.*")
+        quiet_trainer([held], max_steps=4).fit(TinyNet())  # its optimizer holds every weight: no warning

@@ -65,6 +65,30 @@ about a million pruned float32 weights). Its masks change only through :meth:`In
 that is half the pass. Larger models widen through a fixed scratch at every step (no weight-sized memory)."""
 
 
+def _warn_unstepped(masked: MaskedSelection, optimizers: list[Any]) -> None:
+    """Warn when no optimizer of the fit steps a selected tensor that requires grad: something else writes it (float32
+    master copies copied back into a half-precision model, say), after the step passes that keep pruned entries at
+    zero in place, so they come back until the next event. Frozen tensors (a LoRA base weight) are left alone."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    if not optimizers:
+        return
+    held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    unstepped = [
+        qualified
+        for qualified, module, name in masked.selection
+        if (parameter := prune.original(module, name)).requires_grad and id(parameter) not in held
+    ]
+    if unstepped:
+        rank_zero_warn(
+            f"PruningCallback(masking='inplace'): no optimizer of the fit steps {unstepped[:4]}"
+            f"{' ...' if len(unstepped) > 4 else ''}, which require grad. In place, pruned entries stay zero through "
+            "the fit's optimizer steps; code that writes these weights otherwise (master copies copied back, say) "
+            "brings them back until the next event. Use masking='reparametrize', which masks them at every forward.",
+            category=UserWarning,
+        )
+
+
 def needs_weight_pass(optimizer: Any) -> bool:
     """Whether pruned weights must be zeroed again after ``optimizer``'s steps: unless its exact class is one of
     :data:`ENTRYWISE_OPTIMIZERS` (Lightning's wrapper is looked through).
@@ -255,6 +279,7 @@ class InPlaceMasks(MaskStrategy):
 
         self._optimizers = list(trainer.optimizers)
         self.weight_pass = any(needs_weight_pass(optimizer) for optimizer in self._optimizers)
+        _warn_unstepped(masked, self._optimizers)
         self.hook_grads = not pl_module.automatic_optimization
         if self.hook_grads:
             for parameter, _ in self._by_parameter.values():
