@@ -3,12 +3,13 @@ would otherwise do nothing useful and exit 0), and the training-step table names
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from benchmark_scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine.py"
 
@@ -26,10 +27,7 @@ def test_an_unknown_size_or_operation_is_an_error_naming_the_allowed_ones(argume
 
 
 def test_the_training_step_table_names_the_width_that_was_run() -> None:
-    spec = importlib.util.spec_from_file_location("engine_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    engine = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(engine)
+    engine = load_script("engine")
     rows = [
         {"size": "MLP", "op": "train_step_sgd", "impl": impl, "width": 512, "seconds": 0.01, "runs": [0.01]}
         for impl in ("dense", "lightprune-bool")

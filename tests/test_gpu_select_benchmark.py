@@ -3,22 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_select.py"
+from benchmark_scripts import load_script
 
 
-def load() -> object:
-    spec = importlib.util.spec_from_file_location("gpu_select", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load() -> ModuleType:
+    return load_script("gpu_select")
 
 
 @pytest.mark.filterwarnings("ignore::lightprune.prune.collapse.LayerCollapseWarning")

@@ -18,6 +18,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from benchmark_scripts import load_script
 from lightprune.experiment.data import IDX_FILES, write_idx
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
@@ -96,13 +97,7 @@ def test_quick_benchmark_runs_every_arm_and_writes_the_report(tmp_path: Path, ca
 
 
 def _quality_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quality_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("quality")
 
 
 def test_importance_flag_plans_one_run_set_per_criterion_and_reaches_the_callback() -> None:
