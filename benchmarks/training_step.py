@@ -143,7 +143,8 @@ def in_place_strategy(trainee: Trainee, pairs: list[tuple[nn.Module, str]]) -> N
         trainee.optimizer.register_step_post_hook(lambda *args, **kwargs: masks.apply())
         return
     trainer = SimpleNamespace(optimizers=[trainee.optimizer])
-    selection = SimpleNamespace(averages=[], named_pairs=lambda: [])
+    named = [(f"{i}.{name}", module, name) for i, (module, name) in enumerate(pairs)]
+    selection = SimpleNamespace(averages=[], named_pairs=lambda: [], selection=named)
     masks.attach(trainer, SimpleNamespace(automatic_optimization=True), selection)  # type: ignore[arg-type]
     trainee.optimizer.register_step_pre_hook(lambda *args, **kwargs: masks.before_optimizer_step())
 
