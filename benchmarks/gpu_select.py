@@ -18,12 +18,12 @@ Writes ``OUT_DIR/gpu_select.json`` (every round's times and peak memory) and pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.utils.prune as torch_prune
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import _model, _pairs
+from engine import _Memory, _model, _pairs
 from lightprune import prune
 from lightprune.prune import k_smallest
 
@@ -45,17 +45,22 @@ def _sync(device: str) -> None:
 
 
 def _measure(device: str, fn: Callable[[], Any]) -> tuple[float, int]:
-    """Seconds and extra peak bytes (CUDA allocations; 0 on the CPU) of ``fn()``."""
-    _sync(device)
-    before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    fn()
-    _sync(device)
-    seconds = time.perf_counter() - started
-    extra = torch.cuda.max_memory_allocated() - before if device == "cuda" else 0
-    return seconds, extra
+    """Seconds and extra peak bytes of ``fn()``, metered as the engine benchmark meters a case."""
+    with _Memory(device) as meter:
+        fn()
+    return meter.seconds, meter.extra
+
+
+@contextlib.contextmanager
+def _chunk(chunk: int | None) -> Iterator[None]:
+    """``k_smallest.CHUNK_CUDA`` set to ``chunk`` (``None``: left as it is) for the block, then restored."""
+    previous = k_smallest.CHUNK_CUDA
+    if chunk is not None:
+        k_smallest.CHUNK_CUDA = chunk
+    try:
+        yield
+    finally:
+        k_smallest.CHUNK_CUDA = previous
 
 
 def _fingerprint(model: torch.nn.Module) -> str:
@@ -98,19 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         def run() -> None:
             model = fresh()
             _sync(device)
-            previous = k_smallest.CHUNK_CUDA
-            if chunk is not None:
-                k_smallest.CHUNK_CUDA = chunk
             options = {} if mask_dtype is None else {"mask_dtype": mask_dtype}
-            try:
+            with _chunk(chunk):
                 seconds, extra = _measure(
                     device,
                     lambda: api.global_unstructured(
                         _pairs(model), pruning_method=api.L1Unstructured, amount=AMOUNT, **options
                     ),
                 )
-            finally:
-                k_smallest.CHUNK_CUDA = previous
             run.result = (seconds, extra, _fingerprint(model) if fingerprint else None)  # type: ignore[attr-defined]
 
         return run
@@ -119,19 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         state: dict[str, Any] = {}
 
         def search() -> None:
-            k_smallest.CHUNK_CUDA = chunk
-            try:
+            with _chunk(chunk):
                 state["cut"] = k_smallest.find_cut(weights, k, magnitude=True)
-            finally:
-                k_smallest.CHUNK_CUDA = 1 << 24
 
         def write() -> None:
             masks = [torch.empty(w.shape, dtype=torch.bool, device=device) for w in weights]
-            k_smallest.CHUNK_CUDA = chunk
-            try:
+            with _chunk(chunk):
                 k_smallest.apply_cut(weights, state["cut"], out=masks, magnitude=True)
-            finally:
-                k_smallest.CHUNK_CUDA = 1 << 24
 
         return search, write
 
