@@ -289,6 +289,44 @@ def test_global_random_repeated_matches_torch_with_the_same_seed(second: torch.d
     assert torch.equal(*draws_after)
 
 
+CALLS_THAT_DRAW_NOTHING: dict[str, Any] = {  # torch checks the count first and draws only to prune something
+    "amount 0": lambda impl, m: impl.random_unstructured(m[0], "weight", amount=0),
+    "amount rounding to 0": lambda impl, m: impl.random_unstructured(m[0], "weight", amount=0.01),
+    "amount 0 on a pruned tensor": lambda impl, m: (
+        impl.l1_unstructured(m[0], "weight", amount=0.5),
+        impl.random_unstructured(m[0], "weight", amount=0.0),
+    ),
+    "global amount 0": lambda impl, m: impl.global_unstructured(
+        [(m[0], "weight"), (m[1], "weight")], impl.RandomUnstructured, amount=0
+    ),
+    "compute_mask amount 0": lambda impl, m: impl.RandomUnstructured(0).compute_mask(torch.ones(3), torch.ones(3)),
+    "refused: amount above the size": lambda impl, m: impl.random_unstructured(m[0], "weight", amount=1000),
+    "refused: amount above what is left": lambda impl, m: (
+        impl.l1_unstructured(m[0], "weight", amount=0.5),
+        impl.random_unstructured(m[0], "weight", amount=10),
+    ),
+    "refused: global amount above the size": lambda impl, m: impl.global_unstructured(
+        [(m[0], "weight"), (m[1], "weight")], impl.RandomUnstructured, amount=1000
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS_THAT_DRAW_NOTHING))
+def test_random_unstructured_leaves_the_generator_where_torch_leaves_it(call: str) -> None:
+    """A count of 0, or one that is refused, draws no random number in torch: every later draw of the run
+    (initialization, dropout, shuffling) stays the same as with torch."""
+    after = []
+    for impl in (lp, tp):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        torch.manual_seed(42)
+        try:
+            CALLS_THAT_DRAW_NOTHING[call](impl, model)
+        except ValueError:
+            assert call.startswith("refused")
+        after.append(torch.get_rng_state())
+    assert torch.equal(*after)
+
+
 def test_random_unstructured_repeated_never_unprunes() -> None:
     layer = layer_with(torch.randn(10, 10))
     previous = torch.ones(10, 10)
@@ -735,8 +773,19 @@ def test_complex_scores_ranked_by_value_are_refused() -> None:
         lambda impl, m: (setattr(m, "bias", None), impl.l1_unstructured(m, "bias", 1)),
         lambda impl, m: impl.custom_from_mask(m, "weight", [[1.0] * 6] * 5),
         lambda impl, m: impl.l1_unstructured(m, "weight", 0.3, importance_scores=[[1.0] * 6] * 5),
+        lambda impl, m: impl.l1_unstructured(nn.LazyLinear(3), "weight", 0.5),
+        lambda impl, m: impl.global_unstructured([(m, "weight"), ("m", "weight")], impl.L1Unstructured, amount=1),
     ],
-    ids=["scores shape", "mask shape", "compute_mask shape", "None parameter", "list mask", "list scores"],
+    ids=[
+        "scores shape",
+        "mask shape",
+        "compute_mask shape",
+        "None parameter",
+        "list mask",
+        "list scores",
+        "lazy parameter",
+        "not a module",
+    ],
 )
 def test_code_catching_torchs_exception_type_catches_ours(call: Any) -> None:
     errors = []
@@ -747,3 +796,25 @@ def test_code_catching_torchs_exception_type_catches_ours(call: Any) -> None:
             errors.append(err)
     torch_error, ours = errors
     assert isinstance(ours, type(torch_error)), (torch_error, ours)
+
+
+@cuda
+def test_global_unstructured_on_two_devices_raises_torchs_type() -> None:
+    errors = []
+    for impl in (tp, lp):
+        pairs = [(nn.Linear(4, 3), "weight"), (nn.Linear(3, 2).cuda(), "weight")]
+        with pytest.raises(TypeError) as caught:
+            impl.global_unstructured(pairs, impl.L1Unstructured, amount=2)
+        errors.append(caught.value)
+    assert "parameters[1] (Linear.weight) on cuda:0" in str(errors[1])
+
+
+def test_global_unstructured_on_two_devices_names_them_and_changes_nothing() -> None:
+    first, second = nn.Linear(4, 3), nn.Linear(3, 2, device="meta")
+    before = {k: v.clone() for k, v in first.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"parameters\[0\] \(Linear.weight\) on cpu, parameters\[1\] \(Linear.weight\) on meta"
+    ):
+        lp.global_unstructured([(first, "weight"), (second, "weight")], lp.L1Unstructured, amount=2)
+    assert not lp.is_pruned(first) and not lp.is_pruned(second)
+    assert all(torch.equal(v, before[k]) for k, v in first.state_dict().items())

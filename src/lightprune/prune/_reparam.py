@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
-from lightprune.prune.amount import MissingParameterError, ShapeMismatchError
+from lightprune.prune.amount import MissingParameterError, NotAModuleError, ShapeMismatchError
 from lightprune.prune.base import (
     BasePruningMethod,
     PruningContainer,
@@ -219,7 +220,13 @@ def original_parameter(module: nn.Module, name: str, hook: BasePruningMethod | N
             )
         return module._parameters[name + "_orig"]
     if name in module._parameters and module._parameters[name] is not None:
-        return module._parameters[name]
+        parameter = module._parameters[name]
+        if is_lazy(parameter):  # torch raises a ValueError too, from the uninitialized parameter
+            raise ValueError(
+                f"{name!r} of {type(module).__name__} is not initialized yet (a lazy module): run a forward pass "
+                "through the module before pruning it"
+            )
+        return parameter
     params = ", ".join(repr(p) for p, v in module._parameters.items() if v is not None) or "none"
     if hasattr(module, name) and isinstance(getattr(module, name), Tensor):
         raise TypeError(
@@ -472,7 +479,7 @@ class _Attachment:
     ) -> _Attachment:
         """Look up the tensor and its current hook; changes nothing."""
         if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            raise NotAModuleError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         requested = _requested_mask_dtype(mask_dtype)
         key, hook = find_hook(module, name)
         orig = original_parameter(module, name, hook)

@@ -182,6 +182,20 @@ class NotATensorError(TypeError, AttributeError):
     """
 
 
+class NotAModuleError(TypeError, AttributeError):
+    """A ``module`` argument that is not a ``torch.nn.Module``.
+
+    A ``TypeError``, and also an ``AttributeError``, which torch raises reading the object's hooks or parameters.
+    """
+
+
+class DeviceMismatchError(ValueError, TypeError):
+    """Tensors to rank together (``global_unstructured``'s parameters) that are on more than one device.
+
+    A ``ValueError``, and also a ``TypeError``, as torch raises ("Found two parameters on different devices").
+    """
+
+
 class MissingParameterError(AttributeError, TypeError):
     """A name that is no parameter of the module, or one set to ``None`` (``nn.Linear(bias=False)``'s ``bias``).
 

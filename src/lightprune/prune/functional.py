@@ -21,7 +21,7 @@ from lightprune.prune._reparam import (
     transaction,
     uninstall_refresh_if_unpruned,
 )
-from lightprune.prune.amount import _compute_nparams_toprune, _validate_pruning_amount
+from lightprune.prune.amount import DeviceMismatchError, _compute_nparams_toprune, _validate_pruning_amount
 from lightprune.prune.base import BasePruningMethod, _check_same_shape, _has_fast_path, _to_mask_dtype, next_mask
 from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps, warn_collapsed
 from lightprune.prune.k_smallest import apply_cut, count_eligible, find_cut, one_thread
@@ -326,6 +326,7 @@ def global_unstructured(
         attachments.append(_Attachment.plan(module, name, CustomFromMask(mask=torch.empty(0)), mask_dtype=mask_dtype))
     if not attachments:
         return
+    _check_one_device(attachments)
     # a Parameter registered on several modules (tied weights) is ranked once and all its owners share one mask
     owners: dict[int, list[_Attachment]] = {}
     for attachment in attachments:
@@ -356,6 +357,18 @@ def global_unstructured(
         # later call or a conversion (.half(), .to()) replaces it, one more full mask per pruning step
         attachment.method.mask = None
     warn_collapsed(collapsed, "global_unstructured()")
+
+
+def _check_one_device(attachments: list[_Attachment]) -> None:
+    """Refuse parameters on several devices (naming the first on each), before anything changes."""
+    first: dict[torch.device, str] = {}
+    for index, a in enumerate(attachments):
+        first.setdefault(a.orig.device, f"parameters[{index}] ({type(a.module).__name__}.{a.name}) on {a.orig.device}")
+    if len(first) > 1:
+        raise DeviceMismatchError(
+            f"global_unstructured() ranks the tensors of one device, got {', '.join(first.values())}: move the "
+            "model to one device first"
+        )
 
 
 def _tied_owners(group: list[_Attachment]) -> _Attachment:
@@ -420,26 +433,34 @@ def _global_masks_fast(
     current = [a.current_mask for a in attachments]
     random = isinstance(method, RandomUnstructured)
     magnitude = not random and method._by_magnitude  # the signed variant of L1Unstructured ranks by value
-    if random:
-        scores = joint_uniform_draws([a.orig for a in attachments], current)
-    # scores of several dtypes are compared as if promoted, one chunk at a time (k_smallest.py): no promoted copies
-    available = count_eligible(current, scores)
+    shapes = [a.orig for a in attachments] if random else scores  # the counts below read shapes only
+    available = count_eligible(current, shapes)
     k = _compute_nparams_toprune(method.amount, available)
     _validate_pruning_amount(k, available)
+    capped = max_layer_sparsity < 1
+    if capped:
+        left = [count_eligible([c], [s]) for c, s in zip(current, shapes, strict=True)]
+        caps = [
+            max(0, cap_units(max_layer_sparsity, s.numel()) - (s.numel() - n))
+            for s, n in zip(shapes, left, strict=True)
+        ]
+        if k > sum(caps):
+            raise ValueError(
+                f"global_unstructured(): max_layer_sparsity={max_layer_sparsity} leaves {sum(caps)} of the "
+                f"{available} unpruned entries prunable, fewer than the {k} asked for (amount={method.amount!r})"
+            )
+    if random:  # drawn once every check has passed, and only when something is pruned, as torch draws
+        scores = (
+            joint_uniform_draws([a.orig for a in attachments], current)
+            if k
+            else [torch.zeros(a.orig.shape, device=a.orig.device) for a in attachments]
+        )
+    # scores of several dtypes are compared as if promoted, one chunk at a time (k_smallest.py): no promoted copies
     masks = [torch.empty(a.orig.shape, dtype=a.mask_dtype(), device=a.orig.device) for a in attachments]
-    if max_layer_sparsity >= 1:
+    if not capped:
         cut = find_cut(scores, k, eligible=current, magnitude=magnitude, largest=random)
         apply_cut(scores, cut, out=masks, eligible=current, base=current, magnitude=magnitude, largest=random)
         return masks
-    left = [count_eligible([c], [s]) for c, s in zip(current, scores, strict=True)]
-    caps = [
-        max(0, cap_units(max_layer_sparsity, s.numel()) - (s.numel() - n)) for s, n in zip(scores, left, strict=True)
-    ]
-    if k > sum(caps):
-        raise ValueError(
-            f"global_unstructured(): max_layer_sparsity={max_layer_sparsity} leaves {sum(caps)} of the {available} "
-            f"unpruned entries prunable, fewer than the {k} asked for (amount={method.amount!r})"
-        )
 
     def select(indices: list[int], n: int) -> list[int]:
         some = [scores[i] for i in indices]

@@ -87,6 +87,18 @@ def uniform_draws(like: Tensor, eligible: Tensor | None = None, dtype: torch.dty
     return draws.masked_scatter_(keep, torch.rand(int(keep.sum()), dtype=dtype, device=like.device))
 
 
+def _random_scores(amount: int | float, like: Tensor, eligible: Tensor | None) -> Tensor:
+    """:func:`uniform_draws` for ``RandomUnstructured``, once the amount is checked, and only if it prunes something:
+    torch checks first and draws nothing for a count of 0, so the generator is left where torch leaves it (and
+    unmoved by a refused call). With nothing to prune the scores are zeros, which select nothing."""
+    available = count_eligible([eligible], [like])
+    k = _compute_nparams_toprune(amount, available)
+    _validate_pruning_amount(k, available)
+    if k == 0:
+        return torch.zeros(like.shape, device=like.device)
+    return uniform_draws(like, eligible=eligible)
+
+
 def _eligible_on(like: Tensor, eligible: Tensor) -> Tensor:
     """``eligible`` (bool, or numeric where 1 means eligible) as a bool tensor on ``like``'s device."""
     return (eligible if eligible.dtype == torch.bool else eligible == 1).to(like.device)
@@ -242,13 +254,13 @@ class RandomUnstructured(BasePruningMethod):
         self.amount = amount
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        draws = uniform_draws(t)
+        draws = _random_scores(self.amount, t, None)
         return _unstructured_mask(
             self.amount, draws, default_mask, restrict=False, dtype=default_mask.dtype, magnitude=False, largest=True
         )
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
-        draws = uniform_draws(scores, eligible=current)
+        draws = _random_scores(self.amount, scores, current)
         return _unstructured_mask(
             self.amount, draws, current, restrict=True, dtype=dtype, magnitude=False, largest=True
         )
