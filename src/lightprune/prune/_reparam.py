@@ -220,13 +220,7 @@ def original_parameter(module: nn.Module, name: str, hook: BasePruningMethod | N
             )
         return module._parameters[name + "_orig"]
     if name in module._parameters and module._parameters[name] is not None:
-        parameter = module._parameters[name]
-        if is_lazy(parameter):  # torch raises a ValueError too, from the uninitialized parameter
-            raise ValueError(
-                f"{name!r} of {type(module).__name__} is not initialized yet (a lazy module): run a forward pass "
-                "through the module before pruning it"
-            )
-        return parameter
+        return module._parameters[name]
     params = ", ".join(repr(p) for p, v in module._parameters.items() if v is not None) or "none"
     if hasattr(module, name) and isinstance(getattr(module, name), Tensor):
         raise TypeError(
@@ -483,6 +477,11 @@ class _Attachment:
         requested = _requested_mask_dtype(mask_dtype)
         key, hook = find_hook(module, name)
         orig = original_parameter(module, name, hook)
+        if is_lazy(orig):  # torch raises a ValueError too, from the uninitialized parameter
+            raise ValueError(
+                f"{name!r} of {type(module).__name__} is not initialized yet (a lazy module): run a forward pass "
+                "through the module before pruning it"
+            )
         method._tensor_name = name
         return cls(
             module=module, name=name, method=method, orig=orig, hook_key=key, hook=hook, requested_dtype=requested
