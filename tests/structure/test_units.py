@@ -236,6 +236,25 @@ def test_attention_that_cannot_be_followed_is_refused_by_name() -> None:
         find_units(_OddAttention(), (torch.randn(2, 3, 8),))
 
 
+class _InterleavedQkv(nn.Module):
+    """A fused projection laid out q, k, v, q, k, v, ...: a head's query rows are every third one, not a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (self.qkv(x)[..., i::3].view(b, s, 4, 4).transpose(1, 2) for i in range(3))
+        return self.out(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 16))
+
+
+def test_a_projection_split_with_a_step_is_refused_not_read_as_blocks() -> None:
+    """Read as blocks of rows, its heads' masks would cut rows of the heads kept."""
+    with pytest.raises(UnitError, match=r"cannot follow the attention query of the forward of _InterleavedQkv"):
+        find_units(_InterleavedQkv(), (torch.randn(2, 5, 16),), kinds=["heads"])
+
+
 def test_multi_query_attention_is_one_unit_of_all_query_heads() -> None:
     config = transformers.LlamaConfig(
         vocab_size=64,
@@ -351,3 +370,34 @@ def test_attention_whose_heads_cannot_be_followed_is_named_in_a_warning() -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [g.kind for g in find_units(model, (), example, kinds=["neurons"])] == ["neurons"]
+
+
+def test_an_adapters_rank_is_no_unit() -> None:
+    """A LoRA ``lora_A -> lora_B`` pair traces like an MLP as wide as the rank: it is left out, so neither
+    ``prune_units`` nor the callback cuts a trained adapter, and a global ranking's pool holds the model's units only
+    (whose slices take the adapters' rows and columns along)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.ReLU(), nn.Linear(4, 4))
+    model = peft.get_peft_model(mlp, peft.LoraConfig(r=3, target_modules=["0", "2", "4"]))
+    groups = find_units(model, (torch.randn(2, 8),), kinds=["neurons"])
+    assert [group.count for group in groups] == [16, 4]
+    for group in groups:
+        assert any("lora" not in piece.module for piece in group.slices), group
+
+
+def test_a_routers_softmax_is_no_attention_left_out() -> None:
+    """A mixture-of-experts router's probabilities go to a top-k, not to a matmul with values: no warning that
+    heads were left out (whose advice, kinds=['neurons'], would give up the attention's heads found beside it)."""
+    import warnings
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = find_units(model, (), {"input_ids": torch.randint(0, 64, (2, 7))})
+    assert ("heads", "model.layers.0.self_attn") in [(g.kind, g.module) for g in groups]

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightprune import adapters, prune
+from lightprune import prune
 from lightprune._modes import eval_mode
 from lightprune.callback.masked_selection import MaskedSelection
 from lightprune.selection import compile_patterns, patterns_matching_none
@@ -121,8 +121,7 @@ def find_groups(
     from lightprune.structure import UnitError
 
     with eval_mode(model), torch.no_grad(), paused():  # the trace's forward is no training data for any recording
-        adapted = {name: adapters.base_of(layer) for name, layer in adapters.adapted_layers(model)}
-        groups = [g for g in find_units(model, args, kwargs, kinds=(kind,)) if not _in_adapter(model, adapted, g)]
+        groups = find_units(model, args, kwargs, kinds=(kind,))  # (an adapter's rank is no unit: left out there)
     included = compile_patterns("include", include)
     excluded = compile_patterns("exclude", exclude)
     names = {id(group): [group.module, *(_qualified(s.module, s.name) for s in group.produce + group.consume)]
@@ -149,17 +148,6 @@ def find_groups(
         found = [group.module for group in groups]
         raise UnitError(f"include/exclude leave none of the {kind} groups of {type(model).__name__}: {found}")
     return kept
-
-
-def _in_adapter(model: nn.Module, layers: dict[str, nn.Module], group: UnitGroup) -> bool:
-    """Whether every tensor ``group`` slices is an adapter's own (a LoRA ``lora_A -> lora_B`` pair looks like an MLP
-    whose width is the adapter's rank): those are not the model's units, and they are left alone. ``layers`` maps
-    each adapted layer's name to its base layer."""
-    for piece in (*group.produce, *group.consume):
-        owner = next((n for n in layers if not n or piece.module == n or piece.module.startswith(n + ".")), None)
-        if owner is None or model.get_submodule(piece.module) is layers[owner]:
-            return False
-    return True
 
 
 def _qualified(module: str, name: str) -> str:

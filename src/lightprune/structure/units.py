@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from lightprune import prune
+from lightprune import adapters, prune
 from lightprune.selection import parameter_owners
 
 __all__ = ["Slice", "UnitError", "UnitGroup", "find_units"]
@@ -409,9 +409,24 @@ def _unfollowed_softmaxes(graph: _Graph, cores: list[tuple[fx.Node, ...]]) -> li
     places = [
         graph.where(node)
         for node in graph.graph.nodes
-        if node.op == "call_function" and node.target in _SOFTMAX and node not in followed
+        if node.op == "call_function" and node.target in _SOFTMAX and node not in followed and _weighs_values(node)
     ]
     return list(dict.fromkeys(places))
+
+
+def _weighs_values(softmax: fx.Node, limit: int = 12) -> bool:
+    """Whether a softmax's probabilities reach a matmul (through reshapes, dtype casts, dropout and the like), as an
+    attention's weigh its values; a mixture-of-experts router's go to a top-k and a gather instead."""
+    frontier, seen = [softmax], set()
+    for _ in range(limit):
+        users = [user for node in frontier for user in node.users if user not in seen and user.op == "call_function"]
+        if any(user.target in _MATMUL or _op_name(user) in {"einsum", "baddbmm"} for user in users):
+            return True
+        seen.update(users)
+        frontier = [user for user in users if _op_name(user) in _TO_PROBABILITIES | _PASS_THROUGH]
+        if not frontier:
+            return False
+    return False
 
 
 def _is_boolean(node: fx.Node) -> bool:
@@ -479,6 +494,9 @@ def _sources(
             if name == "slice":
                 in_shape = _shape(first)
                 dim = current.args[1] if len(current.args) > 1 else 0
+                step = current.args[4] if len(current.args) > 4 else 1
+                if step != 1:
+                    return False  # every step-th feature (an interleaved q/k/v): not one contiguous block per head
                 if in_shape is not None and dim % len(in_shape) == len(in_shape) - 1:
                     start = current.args[2] if len(current.args) > 2 and current.args[2] is not None else 0
                     return visit(first, offset + int(start), split, select)
@@ -695,6 +713,8 @@ def find_units(
             )
     if "neurons" in kinds:
         groups += _find_neurons(graph)
+    adapted = {name: adapters.base_of(layer) for name, layer in adapters.adapted_layers(model)}
+    groups = [group for group in groups if not _in_adapter(model, adapted, group)]
     for group in [group for group in groups if _cuts_a_tie(group, tied)]:
         warnings.warn(
             f"find_units leaves out the {group.kind} of {group.module or 'the model'!r}: they slice "
@@ -716,6 +736,17 @@ def find_units(
             f"and none feeds {_WHAT['heads']}"
         )
     return unique
+
+
+def _in_adapter(model: nn.Module, layers: dict[str, nn.Module], group: UnitGroup) -> bool:
+    """Whether every tensor ``group`` slices is an adapter's own (a LoRA ``lora_A -> lora_B`` pair looks like an MLP
+    whose width is the adapter's rank): those are not the model's units, and they are left alone. ``layers`` maps
+    each adapted layer's name to its base layer."""
+    for piece in (*group.produce, *group.consume):
+        owner = next((n for n in layers if not n or piece.module == n or piece.module.startswith(n + ".")), None)
+        if owner is None or model.get_submodule(piece.module) is layers[owner]:
+            return False
+    return True
 
 
 def _refuse_overlaps(groups: Sequence[UnitGroup]) -> None:
