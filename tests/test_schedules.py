@@ -135,6 +135,14 @@ def test_points_accept_lists_of_lists() -> None:
     assert Points([[0, 0.25], [4, 0.5]]).points == [(0, 0.25), (4, 0.5)]
 
 
+def test_points_accept_a_mapping_of_times_to_sparsities() -> None:
+    # The "milestones" form, {time: sparsity}, as Python and YAML mappings write it; checked as pairs are.
+    assert Points({4: 0.5, 0: 0.25}).points == [(0, 0.25), (4, 0.5)]
+    assert Points({0.5: 0.5, 0.0: 0.25}).points == [(0.0, 0.25), (0.5, 0.5)]
+    with pytest.raises(ValueError, match="must not decrease over time"):
+        Points({0: 0.5, 4: 0.25})
+
+
 def test_from_callable_golden() -> None:
     schedule = FromCallable(lambda t: t / 100, start=10, end=50, frequency=20)
     assert schedule.events() == [10, 30, 50]

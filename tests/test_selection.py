@@ -352,7 +352,9 @@ def test_resolve_pairs_errors() -> None:
         resolve_pairs(model, [(model.volume, "weight"), (nn.Linear(2, 2), "weight")])
     with pytest.raises(ValueError, match=r"^pairs is empty"):
         resolve_pairs(model, [])
-    with pytest.raises(ValueError, match=r"^pairs\[0\]='weight' must be a \(module, parameter name\) pair$"):
+    with pytest.raises(ValueError, match=r"^pairs\[0\] is 'weight', not a \(module, parameter name\) pair"):
         resolve_pairs(model, ["weight"])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match=r"^pairs\[0\]=\('weight', .*\) must be a \(module, parameter name\) pair$"):
+    with pytest.raises(ValueError, match=r"^pairs\[0\] is \('weight', .*\), not a \(module, parameter name\) pair"):
         resolve_pairs(model, [("weight", model.volume)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"^pairs\[0\] is a Parameter of shape \(2, 2\), not a \(module, param"):
+        resolve_pairs(model, [nn.Linear(2, 2).weight])  # type: ignore[list-item]

@@ -33,7 +33,7 @@ import bisect
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from numbers import Integral, Real
 from typing import Any
@@ -637,7 +637,8 @@ class Points(Schedule):
     at construction (and again by :meth:`~Schedule.resolve` should two fractions round to the same time).
 
     Args:
-        points: iterable of ``(time, sparsity)`` pairs, e.g. ``[(0, 0.5), (10, 0.75)]`` or a YAML list of lists.
+        points: iterable of ``(time, sparsity)`` pairs, e.g. ``[(0, 0.5), (10, 0.75)]`` or a YAML list of lists, or a
+            mapping from time to sparsity, ``{0: 0.5, 10: 0.75}``.
 
     Example:
         >>> schedule = Points([(10, 0.75), (0, 0.5)])
@@ -645,12 +646,15 @@ class Points(Schedule):
         [(0, 0.5), (10, 0.75)]
         >>> [schedule(t) for t in (-1, 0, 9, 10)]
         [0.0, 0.5, 0.5, 0.75]
+        >>> Points({0: 0.5, 10: 0.75}) == schedule
+        True
 
     """
 
-    def __init__(self, points: Iterable[Iterable[Any]]) -> None:
+    def __init__(self, points: Iterable[Iterable[Any]] | Mapping[Any, Any]) -> None:
         pairs = []
-        for index, item in enumerate(points):
+        items = points.items() if isinstance(points, Mapping) else points
+        for index, item in enumerate(items):
             pair = tuple(item)
             if len(pair) != 2:
                 raise ValueError(f"points[{index}]={item!r} must be a (time, sparsity) pair")

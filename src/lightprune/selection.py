@@ -25,12 +25,14 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightprune import prune
 
 __all__ = [
     "DEFAULT_MODULE_TYPES",
+    "check_pairs",
     "check_parameter_names",
     "compile_patterns",
     "includes_left_out",
@@ -437,14 +439,44 @@ def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> l
     return triples
 
 
-def _unpack_pair(index: int, pair: Any) -> tuple[nn.Module, str]:
+def check_pairs(pairs: Iterable[Any], what: str = "pairs") -> list[tuple[nn.Module, str]]:
+    """``pairs`` as a list of ``(module, parameter name)`` pairs, or a ``ValueError`` naming the first that is not
+    one (a tensor is described by its type and shape, not printed).
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> len(check_pairs([(layer, "weight")]))
+        1
+        >>> check_pairs([layer.weight], "parameters")
+        Traceback (most recent call last):
+        ...
+        ValueError: parameters[0] is a Parameter of shape (2, 2), not a (module, parameter name) pair: ...
+    """
+    return [_unpack_pair(index, pair, what) for index, pair in enumerate(pairs)]
+
+
+def _unpack_pair(index: int, pair: Any, what: str = "pairs") -> tuple[nn.Module, str]:
     try:
         module, name = pair
+        ok = isinstance(module, nn.Module) and isinstance(name, str)
     except (TypeError, ValueError):
-        raise ValueError(f"pairs[{index}]={pair!r} must be a (module, parameter name) pair") from None
-    if not isinstance(module, nn.Module) or not isinstance(name, str):
-        raise ValueError(f"pairs[{index}]={pair!r} must be a (module, parameter name) pair")
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{what}[{index}] is {_describe(pair)}, not a (module, parameter name) pair: write (module, 'weight')"
+        )
     return module, name
+
+
+def _describe(value: Any) -> str:
+    """A short description of ``value`` for a message: tensors by type and shape, other values by repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, nn.Module):
+        return f"a {type(value).__name__} module"
+    text = repr(value)
+    return text if len(text) <= 80 else f"a {type(value).__name__}"
 
 
 def resolve_module_types(

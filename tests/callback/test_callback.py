@@ -988,13 +988,56 @@ def test_sparse_gradients_are_refused_at_setup_where_they_cannot_be_masked(kwarg
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+class MostlyEmbedding(Net):
+    """A model whose weights are mostly not Linear or Conv: the default selection would cover a small share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(500, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x + self.embed.weight[:1])
+
+
+@pytest.mark.parametrize(("parameter_names", "warns"), [(("weight",), True), (["bias"], False)])
+def test_the_small_share_warning_is_for_the_default_selection_only(parameter_names: Any, warns: bool) -> None:
+    """It advises module_types for the default types' weights; parameter_names chosen by the user is no default."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(PruningCallback(0.3, parameter_names=parameter_names, summary=False), MostlyEmbedding(), max_epochs=1)
+    said = [str(w.message) for w in caught if "of the model's weights" in str(w.message)]
+    assert len(said) == warns, said
+
+
+def test_fractions_too_fine_for_a_fast_dev_run_name_it() -> None:
+    """The smoke run users make before the real one: its one step cannot hold a ramp given in fractions of the run."""
+    callback = PruningCallback(Cubic(final=0.6, start=0.1, end=0.7, frequency=0.1))
+    with pytest.raises(ValueError, match=r"start=0 must be < end=0 .*Trainer\(fast_dev_run=True\) makes the run 1"):
+        quiet_trainer([callback], fast_dev_run=True).fit(Net())
+
+
+class TorchsOwnSubclass(torch.nn.utils.prune.BasePruningMethod):
+    PRUNING_TYPE = "unstructured"
+
+
+@pytest.mark.parametrize("given", ["class", "import path"])
+@pytest.mark.parametrize("name", ["L1Unstructured", "RandomUnstructured", "LnStructured", "RandomStructured"])
+def test_torchs_built_in_methods_stand_for_lightprunes(name: str, given: str) -> None:
+    """A user swapping torch's pruning for the callback passes torch's classes: they mean lightprune's twins."""
+    method = getattr(torch.nn.utils.prune, name) if given == "class" else f"torch.nn.utils.prune.{name}"
+    kwargs = {"n": 2, "dim": 0} if name == "LnStructured" else {"dim": 0} if name == "RandomStructured" else None
+    callback = PruningCallback(0.5, method=method, method_kwargs=kwargs)
+    assert callback.method is getattr(prune, name)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"method": "l2_unstructured"}, r"method='l2_unstructured' is not supported: use one of 'l1_unstructured'"),
         ({"method": "no_such_package.Method"}, r"method='no_such_package.Method' could not be imported"),
         ({"method": "torch.nn.Linear"}, r"method='torch.nn.Linear' is not a lightprune.prune.BasePruningMethod"),
-        ({"method": "torch.nn.utils.prune.L1Unstructured"}, r"is not a lightprune.prune.BasePruningMethod subclass"),
+        ({"method": TorchsOwnSubclass}, r"derives from torch.nn.utils.prune.BasePruningMethod: .* lightprune.prune"),
+        ({"method": "torch.nn.utils.prune.prune"}, r"method='torch.nn.utils.prune.prune' could not be imported"),
         ({"method": 3}, r"method=3 is not supported"),
         (
             {"method": torch.nn.utils.prune.l1_unstructured},
@@ -1020,6 +1063,7 @@ def test_sparse_gradients_are_refused_at_setup_where_they_cannot_be_masked(kwarg
             {"method": "ln_structured", "method_kwargs": {"dim": 1}, "prune_channel_bias": True},
             r"prune_channel_bias=True: needs .*dim=0.*dim=1",
         ),
+        ({"parameters": [nn.Linear(2, 3).weight]}, r"parameters\[0\] is a Parameter of shape \(3, 2\), not a \(mod"),
         ({"rewind": "start"}, r"rewind='start' must be None, 'init', an int >= 0"),
         ({"rewind": -1}, r"rewind=-1 must be None"),
         ({"rewind": 1.5}, r"rewind=1.5 must be None"),

@@ -251,6 +251,36 @@ def test_tuner_runs_do_not_prune_and_restore_the_weights(tmp_path: Path, tune: s
     assert zeros_of({n: model.get_parameter(n) for n in WEIGHTS}) == round(SCHEDULE.final_sparsity * N)
 
 
+FINDERS: dict[str, Callable[[], Callback]] = {
+    "LearningRateFinder": lambda: LearningRateFinder(num_training_steps=6),
+    "BatchSizeFinder": lambda: BatchSizeFinder(max_trials=2, steps_per_trial=2, init_val=4),
+}
+
+
+def finder_trainer(tmp_path: Path, callbacks: list[Callback]) -> L.Trainer:
+    return L.Trainer(max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                     enable_checkpointing=False, default_root_dir=tmp_path, num_sanity_val_steps=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("pruning_first", [True, False], ids=["pruning first", "pruning second"])
+@pytest.mark.parametrize("finder", list(FINDERS))
+def test_a_finders_restore_inside_fit_is_no_resume(tmp_path: Path, finder: str, pruning_first: bool) -> None:
+    """The finders put back their own checkpoint inside fit, before training: the fit still starts the schedule, so
+    an event at step 0 gets the checks and the calibration of one (not the ranking of a resumed fit)."""
+    movement = PruningCallback(0.5, importance="movement")
+    callbacks = [movement, FINDERS[finder]()]
+    with pytest.raises(ValueError, match=r"importance='movement' needs optimizer steps before an event"):
+        finder_trainer(tmp_path, callbacks if pruning_first else callbacks[::-1]).fit(MatrixNet())
+
+    activation = PruningCallback(0.5, importance="activation", scope="row", calibration_batches=2)
+    callbacks = [activation, FINDERS[finder]()]
+    model = MatrixNet()
+    finder_trainer(tmp_path, callbacks if pruning_first else callbacks[::-1]).fit(model)
+    for name in WEIGHTS:  # every row keeps half: a row-wise event ranked on the calibration batches' statistics
+        weight = model.get_parameter(name)
+        assert torch.equal((weight == 0).sum(dim=1), torch.full((weight.shape[0],), weight.shape[1] // 2)), name
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # LightningCLI: the callback from the command line and from YAML
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ with one step a batch reaches, and 80% must be the target from batch 20 on (70% 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -263,3 +264,20 @@ class Values(Steps):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         for key, value in metrics.items():
             self.values.setdefault(key, []).append((int(step if step is not None else -1), float(value)))
+
+
+@pytest.mark.parametrize(("end", "warns"), [(3, True), (2, False), (1.0, False)], ids=["max_epochs", "before", "1.0"])
+def test_an_epoch_schedule_ending_at_max_epochs_says_its_last_event_follows_all_training(
+    end: int | float, warns: bool
+) -> None:
+    """Epoch ``e``'s event runs when epoch ``e`` starts: one at ``max_epochs`` runs when fit ends, after the last
+    validation and checkpoint, and the model is never trained after it. The callback says so when training starts."""
+    callback = PruningCallback(Linear(final=0.5, start=0, end=end, frequency=1), unit="epoch", summary=False)
+    trainer = quiet_trainer([callback], max_epochs=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyNet())
+    said = [str(w.message) for w in caught if "which is max_epochs" in str(w.message)]
+    assert len(said) == warns, said
+    if warns:
+        assert "End the schedule at epoch 2 or before" in said[0]

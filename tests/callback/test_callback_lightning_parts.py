@@ -204,3 +204,30 @@ def test_resume_with_ema_is_as_exact_as_lightning_without_pruning(tmp_path: Path
         assert same, f"{name}: resuming with EMA is not exact"
         if prune_it:
             assert bn_zeros(resumed) == round(0.8 * BN_N)
+
+
+class ReplacesItsHead(TinyNet):
+    """Replaces its last layer in one of its own hooks, which Lightning calls after the callbacks' (the selection)."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def on_fit_start(self) -> None:
+        if self.hook == "on_fit_start":
+            self.net[4] = nn.Linear(12, 4)
+
+    def on_train_start(self) -> None:
+        if self.hook == "on_train_start":
+            self.net[4] = nn.Linear(12, 4)
+
+
+@pytest.mark.parametrize("hook", ["on_fit_start", "on_train_start"])
+@pytest.mark.parametrize("start", [0, 3], ids=["event when training starts", "later event"])
+def test_a_layer_replaced_after_the_selection_is_refused_at_the_next_event(
+    tmp_path: Path, hook: str, start: int
+) -> None:
+    """It would stay dense while the masks, logs and summary counted it pruned: refused, naming it."""
+    callback = PruningCallback(Cubic(final=0.5, start=start, end=8, frequency=1))
+    with pytest.raises(RuntimeError, match=r"selected net\.4\.weight of a Linear that is no longer the model's net\.4"):
+        trainer([callback], tmp_path).fit(ReplacesItsHead(hook))

@@ -237,6 +237,38 @@ def test_an_unknown_run_length_is_refused_before_the_first_step() -> None:
         quiet_trainer([callback], max_epochs=-1, max_steps=-1).fit(TinyNet())
 
 
+@pytest.mark.parametrize(
+    ("arguments", "last_update"),
+    [({"regrow_every": 100}, None), ({"regrow_every": 8, "regrow_until": 0.2}, None), ({"regrow_every": 8}, 16)],
+    ids=["every past the run", "until before the first update", "moves"],
+)
+def test_a_run_whose_masks_would_never_move_is_refused_when_training_starts(
+    arguments: dict[str, Any], last_update: int | None
+) -> None:
+    """RigL or SET with no update before regrow_until would train a static sparse model: refused, naming why."""
+    callback = PruningCallback(0.8, regrow="set", summary=False, **arguments)
+    trainer = quiet_trainer([callback], max_epochs=4)  # 32 optimizer steps
+    if last_update is None:
+        with pytest.raises(ValueError, match=r"no update falls before it, so the masks would never move"):
+            trainer.fit(TinyNet())
+    else:
+        trainer.fit(TinyNet())
+        assert callback.state_dict()["last_regrow"] == last_update  # updates at 8 and 16, before step 24
+
+
+@pytest.mark.parametrize(("fraction", "warns"), [(0.001, True), (0.3, False)])
+def test_a_fraction_that_moves_nothing_anywhere_is_said_at_the_first_update(fraction: float, warns: bool) -> None:
+    """round(fraction x active) = 0 in every tensor: no update would ever move a weight."""
+    callback = PruningCallback(0.8, regrow="set", regrow_every=8, regrow_fraction=fraction, summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([callback], max_epochs=4).fit(TinyNet())
+    said = [str(w.message) for w in caught if "the masks never move" in str(w.message)]
+    assert len(said) == warns, said
+    if warns:
+        assert "regrow_fraction=0.001 moves round(" in said[0] and "(step 8)" in said[0]
+
+
 class TinyGPT2(L.LightningModule):
     """GPT-2 from a config (no download): transformers' Conv1D layers, the lm_head tied to the embedding."""
 

@@ -234,3 +234,34 @@ def test_a_fit_resumed_with_another_length_keeps_the_checkpoint_runs_fractions_a
         assert _zeros(resumed) == _zeros(whole) and sum(_zeros(whole)) == round(0.8 * 368)  # events 24 and 32 ran
     else:  # (the masks moved on past step 32 in the longer run; weights regrown but never stepped stay zero)
         assert sum(_zeros(resumed)) >= round(0.8 * 368)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warns"),
+    [
+        (Linear(final=0.6, start=0, end=24, frequency=4), True),  # a ramp under way at step 8: its events 0, 4, 8
+        (Linear(final=0.6, start=8, end=24, frequency=4), False),  # a ramp that starts with this fit
+        (0.5, False),  # a one-shot schedule: its one event, taken when this fit starts
+    ],
+    ids=["ramp under way", "ramp starting now", "one-shot"],
+)
+def test_a_dense_checkpoint_resumed_past_the_ramps_start_says_it_catches_up(
+    tmp_path: Path, schedule: Any, warns: bool
+) -> None:
+    """Fine-tuning from a dense checkpoint (no state of the callback): the schedule counts Lightning's global_step,
+    so a ramp that began before the checkpoint's step is taken up to it in one event: the callback says so."""
+    dense = quiet_trainer(max_steps=8, enable_checkpointing=True, default_root_dir=tmp_path)
+    dense.fit(TinyNet())
+    (path,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    model = TinyNet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([PruningCallback(schedule, summary=False)], max_steps=24).fit(model, ckpt_path=str(path))
+    said = [str(w.message) for w in caught if "instead of ramping" in str(w.message)]
+    if warns:
+        assert len(said) == 1, said
+        assert "starts at step 8" in said[0] and "prunes to 0.2 at once" in said[0], said
+    else:
+        assert not said, said
+    pruned = sum(int((model.get_parameter(f"net.{i}.weight") == 0).sum()) for i in (0, 2, 4))
+    assert pruned == round((schedule if isinstance(schedule, float) else 0.6) * (128 + 192 + 48))

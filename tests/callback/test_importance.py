@@ -346,6 +346,19 @@ def test_callable_scores_rank_like_importance_scores() -> None:
     assert not mask[-32:].any() and mask[:-32].all()  # the 25% with the lowest scores: the last entries
 
 
+def test_callable_scores_with_nan_are_refused_naming_the_tensor() -> None:
+    """NaN ranks above every number: those entries would never be pruned, and the rest pruned in their place."""
+
+    def nan_rows(qualified: str, module: nn.Module, name: str, weight: Tensor) -> Tensor:
+        scores = weight.abs().clone()
+        if qualified == "net.2.weight":
+            scores[:6] = float("nan")
+        return scores
+
+    with pytest.raises(ValueError, match=r"returned 96 NaN score\(s\) of 192 for net\.2\.weight"):
+        fit([PruningCallback(0.5, importance=nan_rows, scope="layerwise")], max_steps=1)
+
+
 def test_magnitude_importance_is_todays_behaviour() -> None:
     schedule = Cubic(final=0.7, start=1, end=7, frequency=2)
     default = fit([PruningCallback(schedule, make_permanent=False)], max_steps=8)

@@ -227,6 +227,13 @@ class Importance:
                     f"the importance function returned {got} for {qualified}; it must return a tensor of the "
                     f"weight's shape {tuple(weight.shape)}"
                 )
+            nans = int(torch.isnan(score).sum()) if score.is_floating_point() or score.is_complex() else 0
+            if nans:  # NaN ranks above every number: those entries would always be kept, whatever was meant
+                raise ValueError(
+                    f"the importance function returned {nans} NaN score(s) of {score.numel()} for {qualified}: NaN "
+                    "ranks above every number, so those entries would never be pruned; return finite scores (inf "
+                    "keeps an entry)"
+                )
             found[qualified] = score.detach()
         return found
 

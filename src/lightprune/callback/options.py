@@ -6,11 +6,12 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from numbers import Real
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.nn.utils import prune as torch_prune
 
 from lightprune import choices, prune, registry, rules
 from lightprune._checks import is_int
@@ -64,6 +65,10 @@ def resolve_method(method: str | type[prune.BasePruningMethod]) -> type[prune.Ba
     """
     if isinstance(method, type) and issubclass(method, prune.BasePruningMethod):
         return method
+    if isinstance(method, str) and method.startswith("torch.nn.utils.prune."):
+        method = _torch_class(method)
+    if isinstance(method, type) and issubclass(method, torch_prune.BasePruningMethod):
+        return _lightprune_twin(method)
     if isinstance(method, str):
         module_name, _, class_name = method.rpartition(".")
         if method in METHODS:  # a registry entry names its class by import path too, loaded here
@@ -83,6 +88,23 @@ def resolve_method(method: str | type[prune.BasePruningMethod]) -> type[prune.Ba
     allowed = ", ".join(repr(name) for name in METHODS)
     raise ValueError(
         f"method={method!r} is not supported: use one of {allowed}, a BasePruningMethod subclass or its import path"
+    )
+
+
+def _torch_class(path: str) -> Any:
+    """The object ``path`` names in ``torch.nn.utils.prune`` (the path itself where there is none)."""
+    return getattr(torch_prune, path.rpartition(".")[2], path)
+
+
+def _lightprune_twin(cls: type) -> type[prune.BasePruningMethod]:
+    """lightprune's class of the same name for one of torch's built-in methods; others are refused, saying why."""
+    twin = getattr(prune, cls.__name__, None)
+    if cls is getattr(torch_prune, cls.__name__, None) and isinstance(twin, type):
+        return cast(type[prune.BasePruningMethod], twin)
+    raise ValueError(
+        f"method={cls!r} derives from torch.nn.utils.prune.BasePruningMethod: the callback runs lightprune's engine, "
+        "so derive it from lightprune.prune.BasePruningMethod instead (the same contract: compute_mask, "
+        "PRUNING_TYPE)"
     )
 
 
@@ -362,7 +384,16 @@ def schedule_for_run(
                 f"{clock.clock_name(trainer, unit)} is unknown ({fractions_of!r}): "
                 f"{unknown_length_hint(trainer, unit, 'give integer times')}"
             )
-        schedule = schedule.resolve(int(fractions_of))
+        try:
+            schedule = schedule.resolve(int(fractions_of))
+        except ValueError as err:
+            if not trainer.fast_dev_run:
+                raise
+            raise ValueError(
+                f"{err}: Trainer(fast_dev_run={trainer.fast_dev_run!r}) makes the run {int(fractions_of)} "
+                f"{clock.clock_name(trainer, unit)} long, too short for the schedule's fractions of the run; give "
+                "it integer times for such a run, or fast_dev_run=N with room for them"
+            ) from err
     validate = getattr(schedule, "validate", None)
     if callable(validate):
         validate()

@@ -58,6 +58,7 @@ from lightprune.prune.stale import StaleRefresher
 from lightprune.schedules import Schedule
 from lightprune.selection import (
     DEFAULT_MODULE_TYPES,
+    check_pairs,
     check_parameter_names,
     compile_patterns,
     includes_left_out,
@@ -85,13 +86,16 @@ class PruningCallback(Callback):
 
     Time is counted in optimizer steps (``trainer.global_step``, so gradient accumulation is handled) or in completed
     epochs. An event at step ``t`` runs right after the ``t``-th optimizer step (``t = 0``: when training starts);
-    an event at epoch ``e`` runs when epoch ``e`` starts, after ``e`` epochs (and at the end of fit for the last one).
+    an event at epoch ``e`` runs when epoch ``e`` starts, after ``e`` epochs (one at ``max_epochs`` when fit ends,
+    after the last validation and checkpoints: the callback warns, as nothing trains after it).
     Under manual optimization (``automatic_optimization = False``) the step clock counts *training batches* instead
     (an event at ``t`` runs at the end of the ``t``-th batch), because Lightning's ``global_step`` counts every
     ``optimizer.step()`` call there: a fraction of the run stays a fraction of the run whatever number of optimizers a
     batch steps, and also when some batches step none (see :mod:`lightprune.callback.clock`).
     Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``. Every fit
-    starts the schedule afresh, also with a callback reused from an earlier fit; a fit resumed from a checkpoint
+    starts the schedule afresh, also with a callback reused from an earlier fit (on Lightning's clock: a fit resumed
+    from a checkpoint without the callback's state, a dense one, takes the events before its step at once, and the
+    callback warns); a fit resumed from a checkpoint
     (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included, and ends with
     the masks and weights of the uninterrupted run, as long as Lightning replays the same batches: a mid-epoch
     checkpoint needs a resumable dataloader, and a run bounded by ``max_steps`` resumed from a checkpoint written at
@@ -436,13 +440,18 @@ class PruningCallback(Callback):
         compile_patterns("include", include)  # an invalid pattern fails here, not when fit starts
         compile_patterns("exclude", exclude)
         module_types = resolve_module_types(module_types)
-        self._default_types = module_types is not None and set(module_types) == set(DEFAULT_MODULE_TYPES)
+        self._default_types = (  # the selection by type alone: the default types' weights
+            module_types is not None
+            and set(module_types) == set(DEFAULT_MODULE_TYPES)
+            and parameter_names is not None
+            and set([parameter_names] if isinstance(parameter_names, str) else parameter_names) == {"weight"}
+        )
         if name is not None and not (isinstance(name, str) and name and "/" not in name):
             raise ValueError(f"name={name!r} must be None or a non-empty str without '/'")
 
         self.scope = scope
         self.unit = unit
-        self.parameters = None if parameters is None else list(parameters)
+        self.parameters = None if parameters is None else check_pairs(parameters, "parameters")
         self.include = include
         self.exclude = exclude
         self.module_types = module_types
@@ -559,6 +568,7 @@ class PruningCallback(Callback):
                 self._select_units(trainer, pl_module)
         length = None if self.schedule.is_resolved else self._fraction_length(trainer, self.unit)
         self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind, length)
+        self._warn_if_last_event_ends_fit(trainer)
         if self._masked is not None:  # callbacks such as BackboneFinetuning freeze layers when fit starts
             setup_checks.refuse_frozen_movement(self._masked.selection, self._importance.kind, "when training starts")
         self._start_masks(trainer, pl_module)
@@ -569,8 +579,11 @@ class PruningCallback(Callback):
         )
         self._events = self._resolved.events() if windowed else []  # for its window
         self._plan_regrowth(trainer)
-        # the callback's schedule starts with this fit (also from a checkpoint without its state, a dense one)
-        now, starting = self._now(trainer), not self._resumed and self._last_event < 0
+        # the callback's schedule starts with this fit (also from a checkpoint without its state, a dense one, and
+        # after a restore with nothing trained: LearningRateFinder and BatchSizeFinder put back their own checkpoint)
+        now, starting = self._now(trainer), self._last_event < 0 and (fresh or not self._resumed)
+        if starting and now > 0:
+            self._warn_catching_up(now)
         first_due = starting and self._resolved.target(now) > 0  # an event that prunes, before any training batch
         self._check_first_event(first_due, now)
         if starting and self.sequential:
@@ -1083,6 +1096,7 @@ class PruningCallback(Callback):
         event = self._resolved.latest_event(t)
         if event is None or event <= self._last_event:
             return
+        setup_checks.refuse_replaced(self._masked.selection, pl_module)
         target = self._resolved.target(t)
         if target > 0 and self._collapsed is None:  # (every rank: counting sharded tensors is collective)
             self._collapsed = set(self._masked.collapsed())  # what a resumed fit brought back is not news
@@ -1116,6 +1130,13 @@ class PruningCallback(Callback):
                 f"{clock.clock_name(trainer, 'step')} is unknown ({total!r}): {unknown_length_hint(trainer, 'step')}"
             )
         self._plan.resolve(int(total))
+        if self._plan.every >= self._plan.until_step:  # (until_step: set by resolve)
+            raise ValueError(
+                f"regrow={self.regrow!r} moves the masks every {self.regrow_every} {clock.clock_name(trainer, 'step')}"
+                f" until regrow_until={self.regrow_until} of the run, {self._plan.until_step} of its {int(total)}: no "
+                "update falls before it, so the masks would never move (static sparse training). Lower regrow_every "
+                "or raise regrow_until, or train longer"
+            )
         if self.regrow == "rigl":
             self._grads = DenseGradients(self._masked.selection, self._masked.ties)
         else:
@@ -1135,6 +1156,13 @@ class PruningCallback(Callback):
                            "gradient scaler skipped (gradients not finite)")  # fmt: skip
             return
         fraction = self._plan.fraction_at(step)
+        if self._last_regrow < 0 and all(round(fraction * (n - pruned)) == 0 for n, pruned in self._masked.counts()):
+            rank_zero_warn(  # the share only decays from here: no later update moves anything either
+                f"{self._title()}: regrow_fraction={self.regrow_fraction} moves round({fraction:.4g} x active weights)"
+                f" = 0 weights of every tensor at the first update (step {step}), and less later: the masks never "
+                "move. Raise regrow_fraction",
+                category=UserWarning,
+            )
         shares = self._masked.move(fraction, step, grads, trainer.optimizers)
         unreached = [qualified for qualified in self._masked.unranked if qualified not in self._unreached]
         if unreached:  # (once per tensor: a branch that no step takes would warn at every update)
@@ -1200,6 +1228,21 @@ class PruningCallback(Callback):
         """The first event of the schedule after the last one taken, or ``None``."""
         index = bisect.bisect_right(self._events, self._last_event)
         return self._events[index] if index < len(self._events) else None
+
+    def _warn_catching_up(self, now: int) -> None:
+        """A fit that starts the schedule at ``now`` > 0 (from a checkpoint without the callback's state) takes every
+        event of the ramp up to ``now`` at once: say so, and how to ramp from here."""
+        assert self._resolved is not None
+        first = self._resolved.first_event
+        if first >= now or self._resolved.latest_event(now) == first:
+            return  # no event is past, or a single one (a one-shot schedule) is taken late
+        rank_zero_warn(
+            f"{self._title()}: this fit starts at {self.unit} {now} (the clock of the checkpoint it resumes, which "
+            f"holds no state of this callback), past the events from {self.unit} {first} of the schedule "
+            f"{self._resolved!r}: its first event prunes to {self._resolved.target(now):.4g} at once instead of "
+            f"ramping. To ramp from this fit's start, start the schedule at {self.unit} {now} or later",
+            category=UserWarning,
+        )
 
     def _check_first_event(self, due: bool, now: int) -> None:
         """An event that prunes when training starts (``due``, at ``now``) has no statistics to rank by, unless
@@ -1328,6 +1371,19 @@ class PruningCallback(Callback):
         unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
         rows = [(q, tuple(prune.original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
         return reporting.summary_table(f"{self._title()}: pruned {self.scope}, {self.method.__name__}", unit, rows)
+
+    def _warn_if_last_event_ends_fit(self, trainer: Trainer) -> None:
+        """An epoch event at ``max_epochs`` runs when fit ends, after the last validation and checkpoints: say so."""
+        if self._resolved is None or self.unit != "epoch" or self._resolved.last_event != trainer.max_epochs:
+            return
+        rank_zero_warn(
+            f"{self._title()}: the schedule {self._resolved!r} has its last event at epoch {trainer.max_epochs}, "
+            "which is max_epochs: it runs when fit ends, after the last validation and every checkpoint written "
+            f"during fit, so the returned model (at {self._resolved.final_sparsity:.4g}) is neither fine-tuned, nor "
+            f"validated, nor in those checkpoints. End the schedule at epoch {trainer.max_epochs - 1} or before (a "
+            "fraction of the run, end=1.0, resolves to it) to train after its last event",
+            category=UserWarning,
+        )
 
     def _warn_if_schedule_unfinished(self, now: int) -> None:
         """Fit ended (EarlyStopping, max_steps, interruption) at ``now``, before the schedule's last event: say how

@@ -407,6 +407,36 @@ def refuse_uninitialized(selection: Selection) -> None:
         )
 
 
+def refuse_replaced(selection: Selection, model: nn.Module) -> None:
+    """Refuse to prune when a selected layer is no longer the model's: one the module replaced after the callback
+    selected it (in its own ``on_fit_start`` or ``on_train_start``, which run after the callback's) would stay dense
+    while the masks and the summary counted it.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> selection = [("0.weight", net[0], "weight")]
+        >>> refuse_replaced(selection, net)
+        >>> net[0] = nn.Linear(2, 2)
+        >>> refuse_replaced(selection, net)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: PruningCallback selected 0.weight of a Linear that is no longer the model's 0 ...
+    """
+    for qualified, module, _ in selection:
+        path = qualified.rpartition(".")[0]
+        try:
+            found: nn.Module | None = model.get_submodule(path)
+        except AttributeError:
+            found = None
+        if found is not module:
+            raise RuntimeError(
+                f"PruningCallback selected {qualified} of a {type(module).__name__} that is no longer the model's "
+                f"{path or 'root'} (now {type(found).__name__ if found is not None else 'gone'}): a layer replaced "
+                "after the selection, in the LightningModule's own on_fit_start or on_train_start, would be left "
+                "unpruned. Build layers in __init__, setup or configure_model"
+            )
+
+
 def refuse_frozen_movement(selection: Selection, importance: str, when: str = "at setup") -> None:
     """Under movement importance, refuse frozen selected tensors (``requires_grad=False``), naming them: without
     gradients their score is zero everywhere, and an event would prune them in index order. (Dynamic sparse training
