@@ -401,3 +401,16 @@ def test_a_routers_softmax_is_no_attention_left_out() -> None:
         warnings.simplefilter("error")
         groups = find_units(model, (), {"input_ids": torch.randint(0, 64, (2, 7))})
     assert ("heads", "model.layers.0.self_attn") in [(g.kind, g.module) for g in groups]
+
+
+class _MatmulLinear(nn.Linear):
+    """Falcon's FalconLinear: an ``nn.Linear`` that computes ``x @ W.T + b`` itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+def test_linear_subclasses_with_their_own_forward_are_named_when_no_unit_is_found() -> None:
+    model = nn.Sequential(_MatmulLinear(4, 8), nn.ReLU(), _MatmulLinear(8, 2))
+    with pytest.raises(UnitError, match=r"found no neurons .*\(_MatmulLinear subclass nn\.Linear with a forward of"):
+        find_units(model, (torch.randn(2, 4),), kinds=["neurons"])

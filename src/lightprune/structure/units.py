@@ -729,13 +729,33 @@ def find_units(
     unique = sorted(dict.fromkeys(groups), key=lambda g: min(position[s.module] for s in g.produce))
     for kind in kinds if required else ():
         if not any(group.kind == kind for group in unique):
-            raise UnitError(f"found no {kind} in {type(model).__name__}: no projection feeds {_WHAT[kind]}")
+            raise UnitError(
+                f"found no {kind} in {type(model).__name__}: no projection feeds {_WHAT[kind]}{_own_forwards(model)}"
+            )
     if not unique:
         raise UnitError(
             f"found no neurons and no heads in {type(model).__name__}: no projection feeds {_WHAT['neurons']}, "
-            f"and none feeds {_WHAT['heads']}"
+            f"and none feeds {_WHAT['heads']}{_own_forwards(model)}"
         )
     return unique
+
+
+def _own_forwards(model: nn.Module) -> str:
+    """For a message: the ``nn.Linear`` subclasses of ``model`` with a forward of their own (Falcon's
+    ``FalconLinear`` computes ``x @ W.T + b``), whose computation the trace does not read as a projection."""
+    names = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+        }
+    )
+    if not names:
+        return ""
+    return (
+        f" ({', '.join(names[:3])} subclass nn.Linear with a forward of their own, which the trace does not read as a"
+        " projection: only torch's linear is)"
+    )
 
 
 def _in_adapter(model: nn.Module, layers: dict[str, nn.Module], group: UnitGroup) -> bool:
