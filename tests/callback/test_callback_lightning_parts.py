@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,53 @@ def test_stochastic_weight_averaging_keeps_the_masks(tmp_path: Path, pruning_fir
     weights = {name: model.get_parameter(name).detach() for name in names}
     assert sum(int((w == 0).sum()) for w in weights.values()) == round(0.8 * N)
     assert not prune.is_pruned(model)
+
+
+class Moves(Callback):
+    """Records the global step after every training batch that changed a mask."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.last: list[Tensor] | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        now = [b.clone() for name, b in pl_module.named_buffers() if name.endswith("_mask")]
+        if (
+            self.last is not None
+            and len(now) == len(self.last)
+            and any(not torch.equal(a, b) for a, b in zip(now, self.last, strict=True))
+        ):
+            self.steps.append(trainer.global_step)
+        self.last = now
+
+
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["no batch norm", "batch norm (SWA's extra epoch)"])
+def test_swas_batch_norm_epoch_is_not_part_of_the_run(tmp_path: Path, batch_norm: bool) -> None:
+    """SWA adds an epoch without backward to a model with BatchNorm, to recompute its statistics on the averaged
+    weights: fractions of the run are of the epochs that train, and neither events nor mask moves fall in it."""
+    model = BNNet() if batch_norm else TinyNet()
+    pruning = PruningCallback(Cubic(final=0.8, start=0, end=0.5, frequency=0.125), regrow="set", regrow_every=4,
+                              regrow_until=1.0, make_permanent=False, summary=False)  # fmt: skip
+    moves = Moves()
+    callbacks = [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=3), pruning, moves]
+    trainer(callbacks, tmp_path, max_epochs=4, limit_val_batches=0).fit(model)  # 32 optimizer steps that train
+    assert pruning._resolved is not None and pruning._resolved.last_event == 16  # half of 32, with or without it
+    assert moves.steps and max(moves.steps) < 32
+
+
+@pytest.mark.parametrize(("until", "warns"), [(1.0, True), (0.75, False)])
+def test_moves_after_swas_last_average_are_said_to_be_lost(tmp_path: Path, until: float, warns: bool) -> None:
+    """SWA averages when an epoch starts (the last time when epoch 3 of 4 starts) and copies the average back at the
+    end: a weight regrown after its last average is zero in the model returned."""
+    pruning = PruningCallback(0.8, regrow="set", regrow_every=4, regrow_until=until, summary=False)
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([swa, pruning], tmp_path, max_epochs=4, limit_val_batches=0).fit(TinyNet())
+    said = [str(w.message) for w in caught if "averages for the last time" in str(w.message)]
+    assert len(said) == warns, said
+    if warns:
+        assert "when epoch 3 starts" in said[0] and "regrow_until <= 0.75" in said[0]
 
 
 def test_resume_with_ema_is_as_exact_as_lightning_without_pruning(tmp_path: Path) -> None:

@@ -799,7 +799,7 @@ def test_code_catching_torchs_exception_type_catches_ours(call: Any) -> None:
 
 
 @cuda
-def test_global_unstructured_on_two_devices_raises_torchs_type() -> None:
+def test_global_unstructured_on_cpu_and_cuda_raises_torchs_type() -> None:
     errors = []
     for impl in (tp, lp):
         pairs = [(nn.Linear(4, 3), "weight"), (nn.Linear(3, 2).cuda(), "weight")]

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from lightning.pytorch import Trainer
 
-__all__ = ["clock_name", "counts_batches", "ended_inside_epoch", "now", "run_length", "stopped_early"]
+__all__ = [
+    "clock_name",
+    "counts_batches",
+    "ended_inside_epoch",
+    "now",
+    "run_length",
+    "stopped_early",
+    "swa_batch_norm_epoch",
+]
 
 
 def counts_batches(trainer: Trainer, unit: str) -> bool:
@@ -74,16 +82,53 @@ def _optimizer_steps(trainer: Trainer) -> int | float:
     return min(total, trainer.max_steps) if trainer.max_steps != -1 else total
 
 
+def swa_batch_norm_epoch(trainer: Trainer) -> int | None:
+    """The epoch ``StochasticWeightAveraging`` adds after the last one, for a model with BatchNorm: a pass over the
+    training data without backward, recomputing the normalization statistics of the averaged weights, which it has
+    copied into the model. No training happens there. ``None`` without such an epoch (or before SWA's
+    ``on_fit_start`` adds it).
+
+    Example:
+        >>> swa_batch_norm_epoch(Trainer(max_epochs=3, logger=False, enable_progress_bar=False)) is None
+        True
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    module = trainer.lightning_module
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, StochasticWeightAveraging) or module is None:
+            continue
+        try:
+            end = callback.swa_end  # the last training epoch, once its on_fit_start has run
+        except AttributeError:
+            return None
+        if end != float("inf") and callback.pl_module_contains_batch_norm(module):
+            return int(end) + 1
+    return None
+
+
 def run_length(trainer: Trainer, unit: str) -> int | float | None:
     """How many units of the clock the run lasts; ``None`` or ``inf`` when that is unknown.
 
     Under manual optimization the length is unknown when ``max_steps`` (a count of ``optimizer.step()`` calls) may
-    end the run before ``max_epochs`` does.
+    end the run before ``max_epochs`` does. The epoch that ``StochasticWeightAveraging`` adds to recompute BatchNorm
+    statistics trains nothing and does not count (:func:`swa_batch_norm_epoch`).
 
     Example:
         >>> run_length(Trainer(max_epochs=3, logger=False, enable_progress_bar=False), "epoch")
         3
     """
+    added = swa_batch_norm_epoch(trainer)
+    if added is not None and trainer.fit_loop.max_epochs == added + 1:
+        trainer.fit_loop.max_epochs = added  # the length of the training epochs, read through Lightning's estimate
+        try:
+            return _run_length(trainer, unit)
+        finally:
+            trainer.fit_loop.max_epochs = added + 1
+    return _run_length(trainer, unit)
+
+
+def _run_length(trainer: Trainer, unit: str) -> int | float | None:
     if unit == "epoch":
         return trainer.max_epochs
     if not counts_batches(trainer, unit):

@@ -166,3 +166,26 @@ def scaler_skips_step(trainer: Trainer, optimizer: Any) -> bool:
         return False
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     return bool(grads) and not bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
+
+
+def warn_moves_after_last_average(trainer: Trainer, title: str, regrow: str | None, until: float) -> None:
+    """Dynamic sparse training beside ``StochasticWeightAveraging``, which averages when an epoch starts and copies
+    its average back at the end: a weight regrown after its last average is zero there, and so in the model
+    returned. Warn when the moves (``regrow_until``, a fraction of the run) go on past that average."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightprune.callback import clock
+
+    epochs = clock.run_length(trainer, "epoch")
+    swa = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]  # type: ignore[attr-defined]
+    if regrow is None or not swa or epochs is None or not 0 < epochs < float("inf"):
+        return
+    last_average = swa[0].swa_end  # when that epoch starts
+    if until > last_average / epochs:
+        rank_zero_warn(
+            f"{title}: regrow={regrow!r} moves masks until regrow_until={until} of the run, but "
+            f"StochasticWeightAveraging averages for the last time when epoch {last_average} starts and copies its "
+            "average back at the end: weights regrown after that are zero in the model returned. Set "
+            f"regrow_until <= {last_average / epochs:.4g}",
+            category=UserWarning,
+        )

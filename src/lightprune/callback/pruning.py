@@ -140,9 +140,9 @@ class PruningCallback(Callback):
             sparsity (a block: the tensors named alike up to their first numeric part, a transformer block such
             as ``encoder.layer.3``; ``importance="activation"`` only; see ``owl_threshold`` and ``owl_lambda``).
             Both take unstructured methods and any importance they accept (magnitude, activation, movement, a
-            callable; random methods draw each tensor's share at random: a static random ERK mask); every event's
-            total is exact and ``max_layer_sparsity`` caps a tensor's share, the others taking the rest. Default:
-            global for unstructured methods, layerwise for the others.
+            callable, OBS with ``reconstruct=False``; random methods draw each tensor's share at random: a static
+            random ERK mask); every event's total is exact and ``max_layer_sparsity`` caps a tensor's share, the
+            others taking the rest. Default: global for unstructured methods, layerwise for the others.
         unit: ``"step"`` (optimizer steps; training batches under manual optimization) or ``"epoch"``; the
             schedule's times, ``rewind`` and ``activation_window`` are in this unit.
         parameters: explicit ``(module, name)`` pairs to prune; replaces the pattern selection below.
@@ -627,7 +627,12 @@ class PruningCallback(Callback):
         self._collecting = bool(self._events) and self._importance.collects(self._now(trainer), self._next_event())
         if self._collecting:
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
-        if self._grads is not None and self._plan is not None and self._plan.is_update(clock.now(trainer, "step") + 1):
+        if (
+            self._grads is not None
+            and self._plan is not None
+            and self._plan.is_update(clock.now(trainer, "step") + 1)
+            and not self._in_swa_batch_norm_epoch(trainer)
+        ):
             self._grads.start()  # this batch's backward belongs to the step (batch) after which the masks move
             self._grads.hook_current(self._stale.refreshed)  # tensors a parent reads: no forward hook sees them
 
@@ -1088,7 +1093,7 @@ class PruningCallback(Callback):
 
     def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
         """Take the rewind snapshot when its time comes, then prune if an event is due."""
-        if self._resolved is None or self._masked is None:
+        if self._resolved is None or self._masked is None or self._in_swa_batch_norm_epoch(trainer):
             return
         if self.rewind is not None and self._rewind_snapshot is None and t >= self.rewind:
             self._rewind_snapshot = rewinding.snapshot_weights(pl_module)
@@ -1137,6 +1142,7 @@ class PruningCallback(Callback):
                 "update falls before it, so the masks would never move (static sparse training). Lower regrow_every "
                 "or raise regrow_until, or train longer"
             )
+        neighbours.warn_moves_after_last_average(trainer, self._title(), self.regrow, self.regrow_until)
         if self.regrow == "rigl":
             self._grads = DenseGradients(self._masked.selection, self._masked.ties)
         else:
@@ -1145,6 +1151,8 @@ class PruningCallback(Callback):
     def _move(self, trainer: Trainer) -> None:
         """Dynamic sparse training: after an update step's optimizer step, move every tensor's mask (once)."""
         if self._plan is None or self._masked is None or self._plan.until_step is None:
+            return
+        if self._in_swa_batch_norm_epoch(trainer):
             return
         step = clock.now(trainer, "step")  # optimizer steps, or training batches under manual optimization
         if not self._plan.is_update(step) or step <= self._last_regrow:
@@ -1179,6 +1187,12 @@ class PruningCallback(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=step)
+
+    @staticmethod
+    def _in_swa_batch_norm_epoch(trainer: Trainer) -> bool:
+        """Whether this is the epoch StochasticWeightAveraging adds to recompute BatchNorm statistics on the averaged
+        weights it copied into the model: nothing trains there, so no event and no mask update either."""
+        return trainer.training and clock.swa_batch_norm_epoch(trainer) == trainer.current_epoch
 
     def _say_collapsed(self, event: int) -> None:
         """Warn (rank zero) naming every tensor this event left with no unpruned unit: layer collapse."""
@@ -1374,13 +1388,14 @@ class PruningCallback(Callback):
 
     def _warn_if_last_event_ends_fit(self, trainer: Trainer) -> None:
         """An epoch event at ``max_epochs`` runs when fit ends, after the last validation and checkpoints: say so."""
-        if self._resolved is None or self.unit != "epoch" or self._resolved.last_event != trainer.max_epochs:
+        epochs = clock.run_length(trainer, "epoch")
+        if self._resolved is None or self.unit != "epoch" or epochs is None or self._resolved.last_event != epochs:
             return
         rank_zero_warn(
-            f"{self._title()}: the schedule {self._resolved!r} has its last event at epoch {trainer.max_epochs}, "
+            f"{self._title()}: the schedule {self._resolved!r} has its last event at epoch {epochs}, "
             "which is max_epochs: it runs when fit ends, after the last validation and every checkpoint written "
             f"during fit, so the returned model (at {self._resolved.final_sparsity:.4g}) is neither fine-tuned, nor "
-            f"validated, nor in those checkpoints. End the schedule at epoch {trainer.max_epochs - 1} or before (a "
+            f"validated, nor in those checkpoints. End the schedule at epoch {int(epochs) - 1} or before (a "
             "fraction of the run, end=1.0, resolves to it) to train after its last event",
             category=UserWarning,
         )
