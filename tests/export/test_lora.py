@@ -167,3 +167,42 @@ def test_an_adapter_on_a_tied_weight_is_refused_naming_the_tie() -> None:
         merged = merge_lora(model)
         assert merged.lm_head.weight is merged.transformer.wte.weight
         assert torch.equal(merged(**ids).logits, expected)
+
+
+class EmbedAttend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.attention = nn.Embedding(50, 16), nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(self.attention(x, x, x, need_weights=False)[0])
+
+
+def test_an_embeddings_adapter_is_merged_as_peft_merges_it() -> None:
+    """PEFT keeps an Embedding's adapters apart (lora_embedding_A/B, lora_A empty): they were dropped silently."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(EmbedAttend(), peft.LoraConfig(r=4, target_modules=["embed"])).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_embedding" in name:
+                parameter.normal_(0, 0.5)  # a trained update (PEFT starts an Embedding's A at zero)
+    _ = prune.l1_unstructured(model.base_model.model.embed.base_layer, "weight", amount=0.5)
+    ids = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        expected = model(ids)
+    with pytest.warns(UserWarning, match=r"dropped the update where the base weights are pruned.*embed"):
+        merged = merge_lora(model, remask=True)
+    assert isinstance(merged.embed, nn.Embedding) and int((merged.embed.weight == 0).sum()) == 400
+    layer = model.base_model.model.embed
+    keep = layer.base_layer.weight_mask.bool()
+    weight = torch.where(keep, layer.base_layer.weight + layer.get_delta_weight("default"), 0.0)
+    torch.testing.assert_close(merged.embed.weight, weight.detach())
+    assert not torch.allclose(merged(ids), expected)  # (the update on pruned rows is gone, as it was said)
+
+
+def test_an_adapter_on_a_layer_without_one_weight_is_refused_by_name() -> None:
+    model = peft.get_peft_model(EmbedAttend(), peft.LoraConfig(r=2, target_modules=["attention"]))
+    with pytest.raises(ValueError, match=r"'base_model\.model\.attention': its base layer, a MultiheadAttention, has"):
+        merge_lora(model)

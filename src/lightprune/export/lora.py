@@ -130,6 +130,8 @@ def _plan(layer: nn.Module) -> tuple[Tensor | None, str, float]:
         if any(layer.lora_bias.get(n, False) for n in layer.lora_A):
             return None, "it has lora_bias=True", 0.0
     base = adapters.base_of(layer)
+    if not isinstance(getattr(base, "weight", None), Tensor):
+        return None, f"its base layer, a {type(base).__name__}, has no single weight to fold the update into", 0.0
     with torch.no_grad():
         weight = base.weight.detach()  # what the base layer computes with (masked while pruned)
         update = adapters.delta(layer)
@@ -155,9 +157,11 @@ def _tie_problem(model: nn.Module, layer: nn.Module, merged: Tensor | None) -> s
     """Why ``layer`` cannot be merged in place if its base weight is tied to another module's (GPT-2's ``lm_head`` is
     its input embedding): writing the merged weight there would change that module too. Empty when it is not tied, or
     when the merge leaves the weight as it is."""
+    if merged is None:  # refused for its own reason
+        return ""
     base = adapters.base_of(layer)
     weight = prune.original(base, "weight") if "weight" in prune.pruned_names(base) else base.weight
-    if merged is None or torch.equal(merged, base.weight.detach()):
+    if torch.equal(merged, base.weight.detach()):
         return ""
     others = [
         f"{owner}.{name}" if owner else name
