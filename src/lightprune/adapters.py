@@ -104,8 +104,8 @@ def base_of(layer: nn.Module) -> nn.Module:
 def _active_adapters(layer: nn.Module) -> list[str]:
     if getattr(layer, "disable_adapters", False):
         return []
-    trained = {**layer.lora_A, **getattr(layer, "lora_embedding_A", {})}  # PEFT keeps an Embedding's apart
-    return [name for name in layer.active_adapters if name in trained]
+    trained = [layer.lora_A, getattr(layer, "lora_embedding_A", {})]  # PEFT keeps an Embedding's apart
+    return [name for name in layer.active_adapters if any(name in adapters for adapters in trained)]
 
 
 def delta(layer: nn.Module) -> Tensor | None:

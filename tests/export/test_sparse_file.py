@@ -20,7 +20,7 @@ from torch.nn.utils import prune as torch_prune
 
 from lightprune import prune
 from lightprune.export import SparseFileError, load_sparse, save_sparse, stored_layouts
-from lightprune.export.sparse_file import _CODES, pack_bits, unpack_bits
+from lightprune.export.sparse_file import _CODES, effective_state_dict, pack_bits, unpack_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8]
 SPARSITIES = [0.0, 0.5, 0.9, 0.999, 1.0]
@@ -252,6 +252,35 @@ def test_shared_tensors_are_saved(tmp_path):
     save_sparse({"a": w, "b": w, "c": w[0]}, tmp_path / "x.safetensors")
     out = load_sparse(tmp_path / "x.safetensors")
     assert torch.equal(out["a"], w) and torch.equal(out["b"], w) and torch.equal(out["c"], w[0])
+
+
+@pytest.mark.parametrize("pruned", [False, True], ids=["dense tie", "tie pruned through every owner"])
+def test_a_tensor_under_several_names_is_stored_once(tmp_path, pruned):
+    """An embedding tied to the output layer: one copy in the file (as safetensors' save_model keeps one), both
+    names back, in the saved order, sharing one tensor."""
+    model = _tiny_gpt2()
+    if pruned:
+        prune.global_unstructured(
+            [(model.transformer.wte, "weight"), (model.lm_head, "weight")], prune.L1Unstructured, amount=0.5
+        )
+    path = tmp_path / "g.safetensors"
+    save_sparse(model, path)
+    tied = tmp_path / "untied.safetensors"
+    state = {k: v.clone() for k, v in effective_state_dict(model).items()}  # the same tensors, each its own copy
+    save_sparse(state, tied)
+    embedding = model.transformer.wte.weight.numel() * 4
+    assert tied.stat().st_size - path.stat().st_size >= (0.5 if pruned else 0.9) * embedding
+    layouts = stored_layouts(path)
+    assert layouts["lm_head.weight"] == "alias of transformer.wte.weight"
+    out = load_sparse(path)
+    assert list(out) == list(state)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert out["lm_head.weight"] is out["transformer.wte.weight"]
+
+
+def test_a_meta_tensor_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(TypeError, match=r"tensor 'w' is on the meta device"):
+        save_sparse({"v": torch.ones(2), "w": torch.empty(3, device="meta")}, tmp_path / "m.safetensors")
 
 
 def _tiny_gpt2() -> nn.Module:

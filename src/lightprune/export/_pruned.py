@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -114,13 +115,28 @@ def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Ten
         raise TypeError(f"expected an nn.Module or a state_dict (a mapping of names to tensors), got {type(obj)!r}")
     partner = {keys[1]: plain for plain, keys in pairs.items()}
     out: dict[str, Tensor] = {}
+    folded: dict[tuple[Any, ...], Tensor] = {}  # a tie pruned through every owner: one tensor, under each name
     for key, value in state.items():
         if key in partner:
             continue
         if key.endswith(ORIG_SUFFIX) and key[: -len(ORIG_SUFFIX)] in pairs:
             plain = key[: -len(ORIG_SUFFIX)]
-            orig_key, mask_key = pairs[plain]
-            out[plain] = apply_mask(state[orig_key], state[mask_key])
+            orig, mask = (state[k] for k in pairs[plain])
+            same = (_place(orig), _place(mask))
+            if None in same:
+                out[plain] = apply_mask(orig, mask)
+                continue
+            if same not in folded:
+                folded[same] = apply_mask(orig, mask)
+            out[plain] = folded[same]
         else:
             out[key] = value
     return out
+
+
+def _place(t: Tensor) -> tuple[Any, ...] | None:
+    """Where and how ``t``'s entries lie: equal for the same tensor under two names; ``None`` for one without plain
+    storage (empty, a DTensor), never taken as shared."""
+    if not t.numel() or type(t) is not Tensor:
+        return None
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())

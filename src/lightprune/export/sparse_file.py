@@ -5,7 +5,9 @@ Layout on disk, format version 2 (an ordinary safetensors file, no pickle):
 * the file holds **one** safetensors entry, ``data``: ``uint8``, every tensor's bytes back to back;
 * the header metadata key ``lightprune.sparse`` holds compact JSON: ``{"version":2,"tensors":[[name, dtype, shape,
   bitmask], ...]}`` in save order, ``dtype`` a safetensors code (``"F32"``, ``"BF16"``, ``"I8"``, ``"BOOL"``...),
-  ``bitmask`` 1 for a tensor stored as bitmask plus values, 0 for one stored dense;
+  ``bitmask`` 1 for a tensor stored as bitmask plus values, 0 for one stored dense; a tensor held under several
+  names (tied weights) is stored under the first, and the JSON's optional ``"aliases"`` lists the others as
+  ``[name, stored name, position in the saved order]``;
 * the entry's bytes: first one little-endian ``uint32`` CRC-32 per tensor, in table order; then each tensor in
   table order. A dense tensor is its ``n`` entries (row-major, its own dtype). A bitmask tensor is its packed mask,
   ``ceil(n / 8)`` bytes, entry ``i`` at bit ``i % 8`` of byte ``i // 8`` (least significant bit first, as
@@ -192,8 +194,9 @@ class _Encoded:
         self.crc = crc
 
 
-def _write(path: str | os.PathLike[str], encoded: list[_Encoded]) -> None:
-    """Write a file: the safetensors header, the CRC table, every run of bytes (zero-padded to align)."""
+def _write(path: str | os.PathLike[str], encoded: list[_Encoded], aliases: list[list[Any]] | None = None) -> None:
+    """Write a file: the safetensors header, the CRC table, every run of bytes (zero-padded to align); ``aliases``
+    (``[name, stored name, position]`` of each name holding a tensor stored under another) go in the table."""
     offset = 4 * len(encoded)
     placed = []
     for item in encoded:
@@ -201,7 +204,10 @@ def _write(path: str | os.PathLike[str], encoded: list[_Encoded]) -> None:
             pad = -offset % align
             placed.append((pad, run))
             offset += pad + run.nbytes
-    table = json.dumps({"version": FORMAT_VERSION, "tensors": [item.record for item in encoded]}, separators=(",", ":"))
+    contents: dict[str, Any] = {"version": FORMAT_VERSION, "tensors": [item.record for item in encoded]}
+    if aliases:
+        contents["aliases"] = aliases
+    table = json.dumps(contents, separators=(",", ":"))
     header = json.dumps(
         {
             "__metadata__": {METADATA_KEY: table},
@@ -245,13 +251,14 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
     Args:
         obj: A module, plain or pruned (lightprune's or ``torch.nn.utils.prune``'s reparametrization: the file holds
             ``weight``, the pruned tensor ``weight_orig * weight_mask`` with exact zeros where pruned, instead of the
-            pair), or a state_dict (``x_orig``/``x_mask`` pairs are folded the same way).
+            pair), or a state_dict (``x_orig``/``x_mask`` pairs are folded the same way). A tensor held under
+            several names (tied weights: an embedding and the output layer) is stored once.
         path: The file to write (``.safetensors`` by convention); replaced if present, only once the new file is
             complete (it is written beside it first), so a failed save leaves the previous file whole.
 
     Raises:
-        TypeError: A key that is not a ``str``, a value that is not a plain tensor (a DTensor shard, say), or a
-            dtype safetensors cannot store, naming the key.
+        TypeError: A key that is not a ``str``, a value that is not a plain tensor (a DTensor shard, say, or one on
+            the meta device), or a dtype safetensors cannot store, naming the key.
 
     Example:
         >>> import tempfile
@@ -265,8 +272,9 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
         >>> stored_layouts(path)
         {'weight': 'bitmask', 'bias': 'dense'}
     """
-    encoded = []
-    for name, value in effective_state_dict(obj).items():
+    encoded, aliases = [], []
+    stored: dict[tuple[Any, ...], str] = {}  # a tensor held under several names (tied weights) is stored once
+    for position, (name, value) in enumerate(effective_state_dict(obj).items()):
         if not isinstance(value, Tensor):
             raise TypeError(
                 f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor; only tensors can be saved"
@@ -282,8 +290,16 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
                 else "convert it to a plain tensor first"
             )
             raise TypeError(f"tensor {name!r} is a {type(value).__name__}, not a plain tensor: {hint}")
+        if value.is_meta:
+            raise TypeError(f"tensor {name!r} is on the meta device: it holds no values to save")
+        same = (value.device, value.dtype, value.untyped_storage().data_ptr(), value.storage_offset(), value.shape,
+                value.stride())  # fmt: skip
+        if value.numel() and same in stored:
+            aliases.append([name, stored[same], position])
+            continue
+        stored[same] = name
         encoded.append(_Encoded(name, value.to("cpu").contiguous()))
-    _write(path, encoded)
+    _write(path, encoded, aliases)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -338,6 +354,34 @@ def _table(path: str | os.PathLike[str], header: dict) -> list[Any]:
     if not isinstance(tensors, list):
         raise SparseFileError(f"{path}: the '{METADATA_KEY}' metadata holds no tensor table")
     return tensors
+
+
+def _aliases(path: str | os.PathLike[str], header: dict) -> list[tuple[str, str, int]]:
+    """The ``(name, stored name, position)`` of each name the file holds as another's tensor (tied weights)."""
+    found = json.loads(header["__metadata__"][METADATA_KEY]).get("aliases", [])
+    ok = isinstance(found, list) and all(
+        isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and isinstance(a[1], str) and type(a[2]) is int
+        for a in found
+    )
+    if not ok:
+        raise SparseFileError(f"{path}: the '{METADATA_KEY}' metadata's aliases are not [name, stored name, position]")
+    return [(name, target, position) for name, target, position in found]
+
+
+def _with_aliases(path: str | os.PathLike[str], out: dict[str, Tensor], aliases: list[tuple[str, str, int]]) -> dict:
+    """``out`` with each alias holding its stored tensor (shared, as the tied weights were), in the saved order."""
+    if not aliases:
+        return out
+    names: list[str | None] = [None] * (len(out) + len(aliases))
+    for name, target, position in aliases:
+        _check(target in out, path, name, f"it is an alias of {target!r}, which the file does not hold")
+        _check(0 <= position < len(names) and names[position] is None, path, name, f"bad alias position {position}")
+        names[position] = name
+    stored = iter(out)
+    names = [name if name is not None else next(stored) for name in names]
+    targets = {name: target for name, target, _ in aliases}
+    _check(len(set(names)) == len(names), path, names[0] or "?", "a name appears twice")
+    return {name: out[targets.get(name, name)] for name in names if name is not None}
 
 
 def _check(cond: bool, path: str | os.PathLike[str], name: str, what: str) -> None:
@@ -450,7 +494,8 @@ def load_sparse(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Read a file written by :func:`save_sparse` back into a plain state_dict of dense tensors.
 
     Every tensor comes back exactly as saved: dtype, shape and every bit (zeros where pruned), each in its own
-    memory. The result loads into an unpruned model with ``model.load_state_dict(state)``.
+    memory, except that the names of one tied tensor share it, as they did when saved. The result loads into an
+    unpruned model with ``model.load_state_dict(state)``.
 
     Args:
         path: The file.
@@ -473,11 +518,13 @@ def load_sparse(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"no such file: {path}")
     header, start, size = _read_header(path)
-    return _load(path, header, start, size, _table(path, header))
+    out = _load(path, header, start, size, _table(path, header))
+    return _with_aliases(path, out, _aliases(path, header))
 
 
 def stored_layouts(path: str | os.PathLike[str]) -> dict[str, str]:
-    """How each tensor of a :func:`save_sparse` file is stored: ``{name: "dense" | "bitmask"}``, from the header.
+    """How each tensor of a :func:`save_sparse` file is stored: ``{name: "dense" | "bitmask"}``, from the header
+    (``"alias of <name>"`` for a tied tensor stored under another name, after the stored ones).
 
     Example:
         >>> import tempfile
@@ -487,8 +534,11 @@ def stored_layouts(path: str | os.PathLike[str]) -> dict[str, str]:
         {'zeros': 'bitmask', 'ones': 'dense'}
     """
     header, _, _ = _read_header(path)
-    return {
-        record[0]: _LAYOUT_NAMES.get(record[3])
+    layouts: dict[str, str] = {
+        record[0]: _LAYOUT_NAMES.get(record[3], "unknown")
         for record in _table(path, header)
         if isinstance(record, list) and len(record) == 4 and isinstance(record[0], str)
     }
+    for name, target, _ in _aliases(path, header):
+        layouts[name] = f"alias of {target}"
+    return layouts
