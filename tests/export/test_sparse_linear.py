@@ -180,6 +180,13 @@ def test_a_dtype_without_a_sparse_kernel_stays_dense_and_says_why(dtype: torch.d
     assert torch.equal(fast(x), net.eval()(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sparse_linear_without_a_kernel_for_its_dtype_says_so(dtype: torch.dtype) -> None:
+    layer = SparseLinear.from_linear(nn.Linear(8, 4).to(dtype))
+    with pytest.raises(NotImplementedError, match=rf"no sparse CSR matmul for a {dtype} weight on cpu"):
+        layer(torch.randn(2, 8, dtype=dtype))
+
+
 def test_sparse_linear_and_converted_models_deep_copy():
     torch.manual_seed(5)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))

@@ -108,10 +108,19 @@ class SparseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x @ weight.T + bias`` as ``(weight @ x.T).T`` on the CSR kernel."""
         flat = x.reshape(-1, self.in_features)
-        if self.bias is None:
-            out = torch.mm(self.weight, flat.t())
-        else:
-            out = torch.addmm(self.bias.unsqueeze(1), self.weight, flat.t())
+        try:
+            if self.bias is None:
+                out = torch.mm(self.weight, flat.t())
+            else:
+                out = torch.addmm(self.bias.unsqueeze(1), self.weight, flat.t())
+        except (RuntimeError, NotImplementedError) as err:
+            if "not implemented" not in str(err).lower():
+                raise
+            raise NotImplementedError(
+                f"SparseLinear: torch has no sparse CSR matmul for a {self.weight.dtype} weight on "
+                f"{self.weight.device.type} (float32 and float64 work on the CPU); keep this layer dense (as "
+                "to_sparse_linear does) or convert the weight's dtype"
+            ) from err
         return out.t().reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
