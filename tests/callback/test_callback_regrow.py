@@ -437,7 +437,7 @@ def test_rigl_takes_the_dense_gradient_of_a_tensor_no_module_forward_recomputes(
         quiet_trainer([callback], max_steps=7).fit(net := model())
         assert all(bool(p.isfinite().all()) for p in net.parameters())
         masks[masking] = {q: callback._masked.mask(m, n).bool() for q, m, n in callback._masked.selection}
-        assert callback._last_regrow == 6  # the masks moved after steps 2, 4 and 6
+        assert callback.state_dict()["last_regrow"] == 6  # the masks moved after steps 2, 4 and 6
     assert masks["reparametrize"].keys() == masks["inplace"].keys()
     for name, mask in masks["reparametrize"].items():
         assert torch.equal(mask, masks["inplace"][name]), name

@@ -20,6 +20,7 @@ __all__ = [
     "clock_name",
     "counts_batches",
     "ended_inside_epoch",
+    "in_swa_batch_norm_epoch",
     "now",
     "run_length",
     "stopped_early",
@@ -105,6 +106,17 @@ def swa_batch_norm_epoch(trainer: Trainer) -> int | None:
         if end != float("inf") and callback.pl_module_contains_batch_norm(module):
             return int(end) + 1
     return None
+
+
+def in_swa_batch_norm_epoch(trainer: Trainer) -> bool:
+    """Whether training is in the epoch of :func:`swa_batch_norm_epoch`: nothing trains there, so the callback takes
+    no event and moves no mask in it.
+
+    Example:
+        >>> in_swa_batch_norm_epoch(Trainer(max_epochs=3, logger=False, enable_progress_bar=False))
+        False
+    """
+    return trainer.training and swa_batch_norm_epoch(trainer) == trainer.current_epoch
 
 
 def run_length(trainer: Trainer, unit: str) -> int | float | None:

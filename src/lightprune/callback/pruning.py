@@ -45,10 +45,9 @@ from lightprune.callback.options import (
     resolve_rewind,
     resolve_schedule,
     schedule_for_run,
-    unknown_length_hint,
 )
 from lightprune.callback.reconstruction import blocks
-from lightprune.callback.regrowth import DenseGradients, RegrowPlan
+from lightprune.callback.regrowth import DynamicSparsity
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
 from lightprune.callback.units import ExampleInputs, UnitRanking, UnitSelection, example_from_batch, find_groups
 from lightprune.choices import ALLOCATION_SCOPES, OWL_LAMBDA, OWL_THRESHOLD
@@ -393,10 +392,9 @@ class PruningCallback(Callback):
             regrow_fraction,
             regrow_until,
         )
-        self._plan = None if regrow is None else RegrowPlan(regrow, regrow_every, regrow_fraction, regrow_until)
-        self._grads: DenseGradients | None = None  # RigL's dense gradients, during an update step only
-        self._last_regrow = -1
-        self._unreached: set[str] = set()  # RigL: tensors already named for getting no dense gradient at an update
+        self._dst = (  # dynamic sparse training: when masks move, RigL's gradients, the moves
+            None if regrow is None else DynamicSparsity(regrow, regrow_every, regrow_fraction, regrow_until)
+        )
         if self._n_m is not None:
             check_n_m_schedule(self.schedule, self._n_m.name, self.method_kwargs["n"], self.method_kwargs["m"])
         check_token_mask(token_mask)
@@ -578,7 +576,8 @@ class PruningCallback(Callback):
             or (self.units is not None and self.reconstruct)
         )
         self._events = self._resolved.events() if windowed else []  # for its window
-        self._plan_regrowth(trainer)
+        if self._dst is not None and self._masked is not None:  # (the run clock: batches under manual optimization)
+            self._dst.start(trainer, self._masked, self._fraction_length(trainer, "step"), self._title())
         # the callback's schedule starts with this fit (also from a checkpoint without its state, a dense one, and
         # after a restore with nothing trained: LearningRateFinder and BatchSizeFinder put back their own checkpoint)
         now, starting = self._now(trainer), self._last_event < 0 and (fresh or not self._resumed)
@@ -627,14 +626,8 @@ class PruningCallback(Callback):
         self._collecting = bool(self._events) and self._importance.collects(self._now(trainer), self._next_event())
         if self._collecting:
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
-        if (
-            self._grads is not None
-            and self._plan is not None
-            and self._plan.is_update(clock.now(trainer, "step") + 1)
-            and not self._in_swa_batch_norm_epoch(trainer)
-        ):
-            self._grads.start()  # this batch's backward belongs to the step (batch) after which the masks move
-            self._grads.hook_current(self._stale.refreshed)  # tensors a parent reads: no forward hook sees them
+        if self._dst is not None:  # RigL: the backward of an update step's batch gives its dense gradients
+            self._dst.before_batch(trainer, self._stale.refreshed)
 
     @override
     def on_train_batch_end(
@@ -674,15 +667,15 @@ class PruningCallback(Callback):
             self._masked.make_permanent(self.make_permanent)
         self._remove_step_handles()
         self._importance.close()
-        if self._grads is not None:
-            self._grads.stop()
+        if self._dst is not None:
+            self._dst.stop()
         self._stale.refresh()
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # a float16 step the scaler skips has inf or NaN gradients: read (one pass over them) only where they are used,
         # before in-place masking writes zeros over the pruned entries (an overflow there alone skips the step too)
-        reads_gradients = self._importance.movement is not None or self._plan is not None
+        reads_gradients = self._importance.movement is not None or self._dst is not None
         self._skipped_step = reads_gradients and neighbours.scaler_skips_step(trainer, optimizer)
         if self._masked is not None:
             self._follow_optimizers(trainer, pl_module)
@@ -737,8 +730,8 @@ class PruningCallback(Callback):
         self._remove_plain_load()
         self._remove_step_handles()
         self._importance.close()
-        if self._grads is not None:
-            self._grads.stop()
+        if self._dst is not None:
+            self._dst.stop()
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -756,7 +749,7 @@ class PruningCallback(Callback):
             "rewind_snapshot": self._rewind_snapshot,
             "masks": dict(self._restored_masks or {}) if self._masked is None else self._masked.masks_or_zeros(),
             "sharded_masks": list(self._sharded_masks_in),
-            "last_regrow": self._last_regrow,
+            "last_regrow": -1 if self._dst is None else self._dst.last,
             "run_lengths": dict(self._lengths),
         }
         statistics = self._importance.state_dict()  # collected since the last event (a refit's too, any importance)
@@ -768,7 +761,8 @@ class PruningCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed = True
         self._last_event = int(state_dict.get("last_event", -1))
-        self._last_regrow = int(state_dict.get("last_regrow", -1))
+        if self._dst is not None:
+            self._dst.last = int(state_dict.get("last_regrow", -1))
         self._restored_lengths = {unit: int(n) for unit, n in state_dict.get("run_lengths", {}).items()}
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
         self._sharded_masks_in = list(state_dict.get("sharded_masks", []))
@@ -808,11 +802,8 @@ class PruningCallback(Callback):
         self._events = []
         self._collecting = False
         self._collapsed = None
-        self._last_regrow = -1
-        self._unreached = set()
-        if self._grads is not None:
-            self._grads.stop()
-        self._grads = None
+        if self._dst is not None:
+            self._dst.reset()
 
     def _hooked_features(self) -> list[str]:
         """The options set that read the model's forwards through hooks attached during training."""
@@ -1093,7 +1084,7 @@ class PruningCallback(Callback):
 
     def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
         """Take the rewind snapshot when its time comes, then prune if an event is due."""
-        if self._resolved is None or self._masked is None or self._in_swa_batch_norm_epoch(trainer):
+        if self._resolved is None or self._masked is None or clock.in_swa_batch_norm_epoch(trainer):
             return
         if self.rewind is not None and self._rewind_snapshot is None and t >= self.rewind:
             self._rewind_snapshot = rewinding.snapshot_weights(pl_module)
@@ -1124,75 +1115,20 @@ class PruningCallback(Callback):
             self._after_rewrite()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
 
-    def _plan_regrowth(self, trainer: Trainer) -> None:
-        """Dynamic sparse training: fix ``regrow_until`` to the run's length; RigL collects dense gradients."""
-        if self._plan is None or self._masked is None:
-            return
-        total = self._fraction_length(trainer, "step")  # the run clock: training batches under manual optimization
-        if total is None or not 1 <= total < float("inf"):
-            raise ValueError(
-                f"regrow_until={self.regrow_until} is a fraction of the run, whose length in "
-                f"{clock.clock_name(trainer, 'step')} is unknown ({total!r}): {unknown_length_hint(trainer, 'step')}"
-            )
-        self._plan.resolve(int(total))
-        if self._plan.every >= self._plan.until_step:  # (until_step: set by resolve)
-            raise ValueError(
-                f"regrow={self.regrow!r} moves the masks every {self.regrow_every} {clock.clock_name(trainer, 'step')}"
-                f" until regrow_until={self.regrow_until} of the run, {self._plan.until_step} of its {int(total)}: no "
-                "update falls before it, so the masks would never move (static sparse training). Lower regrow_every "
-                "or raise regrow_until, or train longer"
-            )
-        neighbours.warn_moves_after_last_average(trainer, self._title(), self.regrow, self.regrow_until)
-        if self.regrow == "rigl":
-            self._grads = DenseGradients(self._masked.selection, self._masked.ties)
-        else:
-            self._grads = None
-
     def _move(self, trainer: Trainer) -> None:
         """Dynamic sparse training: after an update step's optimizer step, move every tensor's mask (once)."""
-        if self._plan is None or self._masked is None or self._plan.until_step is None:
+        if self._dst is None or self._masked is None:
             return
-        if self._in_swa_batch_norm_epoch(trainer):
+        moved = self._dst.move(trainer, self._masked, self._skipped_step, self._reducer(trainer, "mean"), self._title())
+        if moved is None:
             return
-        step = clock.now(trainer, "step")  # optimizer steps, or training batches under manual optimization
-        if not self._plan.is_update(step) or step <= self._last_regrow:
-            return
-        grads = None if self._grads is None else self._grads.take(self._reducer(trainer, "mean"))
-        if self._skipped_step:  # the scaler skipped this optimizer step: its gradients are inf or NaN
-            self._last_regrow = step
-            rank_zero_warn(f"{self._title()}: the masks did not move at step {step}, whose optimizer step the float16 "
-                           "gradient scaler skipped (gradients not finite)")  # fmt: skip
-            return
-        fraction = self._plan.fraction_at(step)
-        if self._last_regrow < 0 and all(round(fraction * (n - pruned)) == 0 for n, pruned in self._masked.counts()):
-            rank_zero_warn(  # the share only decays from here: no later update moves anything either
-                f"{self._title()}: regrow_fraction={self.regrow_fraction} moves round({fraction:.4g} x active weights)"
-                f" = 0 weights of every tensor at the first update (step {step}), and less later: the masks never "
-                "move. Raise regrow_fraction",
-                category=UserWarning,
-            )
-        shares = self._masked.move(fraction, step, grads, trainer.optimizers)
-        unreached = [qualified for qualified in self._masked.unranked if qualified not in self._unreached]
-        if unreached:  # (once per tensor: a branch that no step takes would warn at every update)
-            self._unreached.update(unreached)
-            rank_zero_warn(
-                f"{self._title()}: no gradient reached {unreached[:5]} in the backward of step {step} (a layer the "
-                "step did not use): RigL has nothing to regrow them by, and their masks did not move",
-                category=UserWarning,
-            )
-        self._last_regrow = step
+        shares, fraction = moved
         self._stale.expect_new()
         values = {f"{self._log_prefix}regrown/{qualified}": share for qualified, share in shares.items()}
         values[self._log_prefix + "regrown/fraction"] = fraction
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(values, step=step)
-
-    @staticmethod
-    def _in_swa_batch_norm_epoch(trainer: Trainer) -> bool:
-        """Whether this is the epoch StochasticWeightAveraging adds to recompute BatchNorm statistics on the averaged
-        weights it copied into the model: nothing trains there, so no event and no mask update either."""
-        return trainer.training and clock.swa_batch_norm_epoch(trainer) == trainer.current_epoch
+                logger.log_metrics(values, step=clock.now(trainer, "step"))
 
     def _say_collapsed(self, event: int) -> None:
         """Warn (rank zero) naming every tensor this event left with no unpruned unit: layer collapse."""

@@ -36,7 +36,7 @@ from lightprune.callback.options import raise_problems
 from lightprune.prune.distributed import local_of
 from lightprune.statistics import recording_paused
 
-__all__ = ["DenseGradients", "RegrowPlan", "zero_optimizer_state"]
+__all__ = ["DenseGradients", "DynamicSparsity", "RegrowPlan", "zero_optimizer_state"]
 
 
 class RegrowPlan:
@@ -69,6 +69,110 @@ class RegrowPlan:
         if step >= self.until_step:
             return 0.0
         return self.fraction / 2 * (1 + math.cos(math.pi * step / self.until_step))
+
+
+class DynamicSparsity:
+    """The callback's dynamic sparse training, from its hooks: the plan fixed to the run, RigL's dense gradients taken
+    during each update step, and the moves after it.
+
+    Args:
+        regrow: ``"rigl"`` or ``"set"``.
+        every: optimizer steps (training batches under manual optimization) between updates.
+        fraction: the share of each tensor's active weights moved at step 0.
+        until: the fraction of the run after which masks stay put.
+    """
+
+    def __init__(self, regrow: str, every: int, fraction: float, until: float) -> None:
+        self.plan = RegrowPlan(regrow, every, fraction, until)
+        self.grads: DenseGradients | None = None  # RigL's dense gradients, during an update step only
+        self.last = -1  # the step of the last update (kept in checkpoints)
+        self._unreached: set[str] = set()  # RigL: tensors already named for getting no dense gradient at an update
+
+    def reset(self) -> None:
+        """A new fit: no update taken, no gradients held."""
+        self.stop()
+        self.grads, self.last, self._unreached = None, -1, set()
+
+    def stop(self) -> None:
+        """Take off RigL's gradient hooks (fit end, or a failed fit)."""
+        if self.grads is not None:
+            self.grads.stop()
+
+    def start(self, trainer: Any, masked: Any, total: int | float | None, title: str) -> None:
+        """Fix ``until`` to the run's length ``total`` (on the step clock), checking that the masks will move;
+        RigL collects dense gradients of ``masked``'s tensors."""
+        from lightprune.callback import clock, neighbours
+        from lightprune.callback.options import unknown_length_hint
+
+        plan = self.plan
+        steps = clock.clock_name(trainer, "step")
+        if total is None or not 1 <= total < float("inf"):
+            raise ValueError(
+                f"regrow_until={plan.until} is a fraction of the run, whose length in {steps} is unknown "
+                f"({total!r}): {unknown_length_hint(trainer, 'step')}"
+            )
+        plan.resolve(int(total))
+        assert plan.until_step is not None
+        if plan.every >= plan.until_step:
+            raise ValueError(
+                f"regrow={plan.regrow!r} moves the masks every {plan.every} {steps} until regrow_until={plan.until} "
+                f"of the run, {plan.until_step} of its {int(total)}: no update falls before it, so the masks would "
+                "never move (static sparse training). Lower regrow_every or raise regrow_until, or train longer"
+            )
+        neighbours.warn_moves_after_last_average(trainer, title, plan.regrow, plan.until)
+        self.grads = DenseGradients(masked.selection, masked.ties) if plan.regrow == "rigl" else None
+
+    def before_batch(self, trainer: Any, refreshed: Iterable[tuple[nn.Module, str]]) -> None:
+        """RigL: a batch whose optimizer step is an update step collects the dense gradients of its backward
+        (``refreshed``: the tensors a parent reads without calling their module's forward)."""
+        from lightprune.callback import clock
+
+        update = self.grads is not None and self.plan.is_update(clock.now(trainer, "step") + 1)
+        if update and self.grads is not None and not clock.in_swa_batch_norm_epoch(trainer):
+            self.grads.start()
+            self.grads.hook_current(refreshed)
+
+    def move(
+        self, trainer: Any, masked: Any, skipped: bool, reduce_mean: Callable[[Tensor], Tensor], title: str
+    ) -> tuple[dict[str, float], float] | None:
+        """After an update step's optimizer step, move every tensor's mask (once): the share of each tensor moved
+        and the update's fraction (logged by the caller), or ``None`` when no update was taken at this step.
+        ``skipped``: the float16 gradient scaler skipped the step (its gradients are not finite)."""
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        from lightprune.callback import clock
+
+        plan = self.plan
+        if plan.until_step is None or clock.in_swa_batch_norm_epoch(trainer):
+            return None
+        step = clock.now(trainer, "step")  # optimizer steps, or training batches under manual optimization
+        if not plan.is_update(step) or step <= self.last:
+            return None
+        grads = None if self.grads is None else self.grads.take(reduce_mean)
+        if skipped:
+            self.last = step
+            rank_zero_warn(f"{title}: the masks did not move at step {step}, whose optimizer step the float16 "
+                           "gradient scaler skipped (gradients not finite)")  # fmt: skip
+            return None
+        fraction = plan.fraction_at(step)
+        if self.last < 0 and all(round(fraction * (n - pruned)) == 0 for n, pruned in masked.counts()):
+            rank_zero_warn(  # the share only decays from here: no later update moves anything either
+                f"{title}: regrow_fraction={plan.fraction} moves round({fraction:.4g} x active weights) = 0 weights "
+                f"of every tensor at the first update (step {step}), and less later: the masks never move. Raise "
+                "regrow_fraction",
+                category=UserWarning,
+            )
+        shares = masked.move(fraction, step, grads, trainer.optimizers)
+        unreached = [qualified for qualified in masked.unranked if qualified not in self._unreached]
+        if unreached:  # (once per tensor: a branch that no step takes would warn at every update)
+            self._unreached.update(unreached)
+            rank_zero_warn(
+                f"{title}: no gradient reached {unreached[:5]} in the backward of step {step} (a layer the step did "
+                "not use): RigL has nothing to regrow them by, and their masks did not move",
+                category=UserWarning,
+            )
+        self.last = step
+        return shares, fraction
 
 
 class DenseGradients:
