@@ -389,12 +389,20 @@ def test_a_late_one_shot_is_valid_whatever_end_says(no_training: None, tmp_path:
         ("pruning.final_sparsity=abc", "Value 'abc' of type 'str' could not be converted to Float"),
         ("data=mnist", "(the default for data=mnist) is not a directory; set data.root=<directory holding"),
         ("pruning.include=[nothing]", "pruning.include / pruning.exclude: no parameter of the model matches"),
+        (  # checked against the fine-tuning run's length before the dense phase trains, not after it
+            "pruning=set_erk",
+            "for a fine-tuning run of 10 optimizer steps over 2 epochs (pruning.*, trainer.max_epochs): regrow='set'",
+        ),
+        (
+            "pruning.unit=epoch pruning.start=0.5",  # 2 epochs: start 1, end round(1.2) = 1
+            "(pruning.*, trainer.max_epochs): start=1 must be < end=1 (after resolving fractions of the run with total",
+        ),
     ],
 )
 def test_config_errors_print_one_line_and_exit_2(
     no_training: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, message: str
 ) -> None:
-    assert main([*TINY, override, f"hydra.run.dir={tmp_path}"]) == 2
+    assert main([*TINY, *override.split(), f"hydra.run.dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1, err
     assert err.startswith("lightprune-experiment: ") and message in err, err

@@ -298,6 +298,30 @@ def test_default_composition_and_run_name() -> None:
     assert compose_app("pruning=ln_structured").pruning.exclude_classifier is True
 
 
+def test_the_pruning_seed_follows_the_runs_seed_unless_set() -> None:
+    """A seed sweep of a random method draws a mask per seed (docs/app.md), unless pruning.seed fixes it."""
+    assert compose_app("seed=3").pruning.seed == 3
+    assert compose_app("seed=3", "pruning.seed=0").pruning.seed == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("pruning.frequency=1", 1), ("pruning.frequency=0.05", 0.05), ("pruning.end=30", 30), ("pruning.end=1", 1)],
+)
+def test_int_times_count_the_clock_and_float_times_are_fractions(override: str, expected: float) -> None:
+    """As lightprune.schedules reads them: frequency=1 is an event every step, not one period of the whole run."""
+    from lightprune.experiment.config import pruning_schedule
+
+    cfg = compose_app(override)
+    key = override.split("=")[0].split(".")[1]
+    assert getattr(cfg.pruning, key) == expected and type(getattr(cfg.pruning, key)) is type(expected)
+    schedule = pruning_schedule(cfg.pruning).resolve(100)
+    if override == "pruning.frequency=1":  # an event every step from 0 to 60
+        assert schedule.events() == list(range(61))
+    if override == "pruning.end=30":
+        assert schedule.last_event == 30
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

@@ -891,6 +891,31 @@ class PruningCallback(Callback):
             counts = masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
             setup_checks.check_cap(self.max_layer_sparsity, self.scope, schedule.final_sparsity, counts)
 
+    def check_run(self, steps: int, epochs: int) -> None:
+        """Check the schedule and dynamic sparse training against a fit of ``steps`` optimizer steps over ``epochs``
+        epochs before it starts (an app that knows its run's length can refuse a schedule that cannot fit it before
+        any training): the checks fit makes when training starts.
+
+        Raises:
+            ValueError: the schedule's fractions of the run collapse on this length (``start`` rounding to ``end``),
+                or no mask update of ``regrow`` falls before ``regrow_until``.
+
+        Example:
+            >>> from lightprune.schedules import Cubic
+            >>> PruningCallback(Cubic(final=0.8, start=0.0, end=0.5, frequency=0.1)).check_run(steps=100, epochs=5)
+            >>> PruningCallback(0.8, regrow="set").check_run(steps=120, epochs=1)
+            Traceback (most recent call last):
+            ...
+            ValueError: regrow='set' moves the masks every 100 optimizer steps until regrow_until=0.75 of the run, ...
+        """
+        length = epochs if self.unit == "epoch" else steps
+        schedule = self.schedule if self.schedule.is_resolved else self.schedule.resolve(length)
+        validate = getattr(schedule, "validate", None)
+        if callable(validate):
+            validate()
+        if self._dst is not None:
+            self._dst.check(steps)
+
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
         selection = self._resolved_selection(model)

@@ -112,15 +112,29 @@ class DynamicSparsity:
                 f"({total!r}): {unknown_length_hint(trainer, 'step')}"
             )
         plan.resolve(int(total))
+        self.check(int(total), steps)
+        neighbours.warn_moves_after_last_average(trainer, title, plan.regrow, plan.until)
+        self.grads = DenseGradients(masked.selection, masked.ties) if plan.regrow == "rigl" else None
+
+    def check(self, total: int, steps: str = "optimizer steps") -> None:
+        """Refuse a run of ``total`` steps in which no update falls before ``until``: the masks would never move.
+
+        Example:
+            >>> DynamicSparsity("set", every=100, fraction=0.3, until=0.75).check(1000)
+            >>> DynamicSparsity("set", every=100, fraction=0.3, until=0.75).check(120)
+            Traceback (most recent call last):
+            ...
+            ValueError: regrow='set' moves the masks every 100 optimizer steps until regrow_until=0.75 of the run, ...
+        """
+        plan = RegrowPlan(self.plan.regrow, self.plan.every, self.plan.fraction, self.plan.until)
+        plan.resolve(total)
         assert plan.until_step is not None
         if plan.every >= plan.until_step:
             raise ValueError(
                 f"regrow={plan.regrow!r} moves the masks every {plan.every} {steps} until regrow_until={plan.until} "
-                f"of the run, {plan.until_step} of its {int(total)}: no update falls before it, so the masks would "
-                "never move (static sparse training). Lower regrow_every or raise regrow_until, or train longer"
+                f"of the run, {plan.until_step} of its {total}: no update falls before it, so the masks would never "
+                "move (static sparse training). Lower regrow_every or raise regrow_until, or train longer"
             )
-        neighbours.warn_moves_after_last_average(trainer, title, plan.regrow, plan.until)
-        self.grads = DenseGradients(masked.selection, masked.ties) if plan.regrow == "rigl" else None
 
     def before_batch(self, trainer: Any, refreshed: Iterable[tuple[nn.Module, str]]) -> None:
         """RigL: a batch whose optimizer step is an update step collects the dense gradients of its backward

@@ -365,7 +365,22 @@ def _round_targets(cfg: DictConfig) -> list[float]:
     return targets
 
 
-def _plan(cfg: DictConfig, module: nn.Module, rewind: Any, example: Any = None) -> list[tuple[str, float | None, Any]]:
+def _fine_tuning_length(cfg: DictConfig, datamodule: Any) -> tuple[int, int] | None:
+    """``(optimizer steps, epochs)`` of each pruning phase's fit, where the bundled data's batches say it before any
+    training (one device); ``None`` otherwise (the callback then checks its schedule when training starts). A data
+    module of the user's own is not set up early: that could draw random numbers the dense phase would miss."""
+    from lightprune.experiment.data import ClassificationDataModule
+
+    if not (is_bundled(cfg.data) and isinstance(datamodule, ClassificationDataModule)) or cfg.trainer.devices != 1:
+        return None
+    batches = len(datamodule.train_dataloader())  # (its datasets are split when it is built: no setup draws)
+    epochs = int(cfg.trainer.max_epochs)
+    return -(-batches // int(cfg.trainer.accumulate_grad_batches)) * epochs, epochs
+
+
+def _plan(
+    cfg: DictConfig, module: nn.Module, rewind: Any, example: Any = None, datamodule: Any = None
+) -> list[tuple[str, float | None, Any]]:
     """The phases after the dense one, as ``(log name, round target or None, callback or None)``.
 
     Every callback is built and checked against the model here (unit groups on ``example``, one input of the
@@ -398,7 +413,16 @@ def _plan(cfg: DictConfig, module: nn.Module, rewind: Any, example: Any = None) 
         raise ConfigError(f"invalid pruning config (pruning.*): {err}") from err
     if plan[0][2] is not None and plan[0][2].units is None:  # unit groups are found (and checked) on a batch
         _check_selection(plan[0][2], module)
+    length = _fine_tuning_length(cfg, datamodule)
     for _, _, callback in plan:
+        if callback is not None and length is not None:
+            try:  # the schedule and the mask moves against the fine-tuning run's length
+                callback.check_run(*length)
+            except ValueError as err:
+                raise ConfigError(
+                    f"invalid pruning config for a fine-tuning run of {length[0]} optimizer steps over {length[1]} "
+                    f"epochs (pruning.*, trainer.max_epochs): {err}"
+                ) from err
         if callback is not None:
             try:  # the method, scope and cap against the selected layers; unit groups on an example input
                 with torch.random.fork_rng():
@@ -574,7 +598,8 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
     module, network, input_shape, num_classes = _module(cfg, datamodule)
     initial_weights = PruningCallback.snapshot_weights(module)
     example = _example_input(module, network, input_shape)
-    plan = _plan(cfg, module, rewind=initial_weights if cfg.pruning.rewind == "init" else None, example=example)
+    rewind = initial_weights if cfg.pruning.rewind == "init" else None
+    plan = _plan(cfg, module, rewind=rewind, example=example, datamodule=datamodule)
     _check_optimization(cfg, module)
     output_dir.mkdir(parents=True, exist_ok=True)
 

@@ -216,9 +216,11 @@ class PruningConfig:
         schedule: ``constant`` (one-shot at ``start``), ``linear``, ``cubic`` (Zhu & Gupta) or ``geometric``.
         initial_sparsity: sparsity at the first event of a linear/cubic ramp.
         final_sparsity: target total sparsity at the end of the schedule.
-        start: first event, as a fraction of the fine-tuning run.
-        end: last event, as a fraction of the run.
-        frequency: time between events, as a fraction of the run.
+        start: first event: a fraction of the fine-tuning run (a float, ``0.1``) or a time on the clock of ``unit``
+            (an int, ``100`` steps), as ``lightprune.schedules`` reads times.
+        end: last event, the same way.
+        frequency: time between events, the same way: ``1`` is an event every step (or epoch), ``1.0`` one period
+            lasting the whole run.
         unit: ``step`` (optimizer steps) or ``epoch``.
         rounds: number of rounds of ``iterative_rounds`` (each a fresh fit that prunes, rewinds and retrains).
         rewind: ``init`` to rewind the unpruned weights to their initial values (before the dense phase) after each
@@ -271,9 +273,9 @@ class PruningConfig:
     schedule: str = "cubic"
     initial_sparsity: float = 0.0
     final_sparsity: float = 0.9
-    start: float = 0.0
-    end: float = 0.6
-    frequency: float = 0.02
+    start: float | int = 0.0
+    end: float | int = 0.6
+    frequency: float | int = 0.02
     unit: str = "step"
     rounds: int = 3
     rewind: str | None = None
@@ -692,14 +694,14 @@ def pruning_schedule(pruning: Any) -> Any:
     """
     from lightprune.schedules import make_schedule
 
-    times = {"start": float(pruning.start), "frequency": float(pruning.frequency)}
+    # a float is a fraction of the fine-tuning run, an int a time on the callback's clock (steps or epochs), as the
+    # library reads them: frequency=1 is an event every step (or epoch), frequency=1.0 one period of the whole run
+    times = {"start": pruning.start, "frequency": pruning.frequency}
     arguments: dict[str, dict[str, Any]] = {
-        "constant": {"sparsity": pruning.final_sparsity, "at": float(pruning.start)},
+        "constant": {"sparsity": pruning.final_sparsity, "at": pruning.start},
         "geometric": {"fraction": per_round(pruning), **times, "rounds": pruning.rounds},
-        "linear": {
-            "initial": pruning.initial_sparsity, "final": pruning.final_sparsity, "end": float(pruning.end), **times
-        },
-    }  # fmt: skip
+        "linear": {"initial": pruning.initial_sparsity, "final": pruning.final_sparsity, "end": pruning.end, **times},
+    }
     arguments["cubic"] = arguments["linear"]
     return make_schedule(pruning.schedule, **arguments[pruning.schedule])
 
