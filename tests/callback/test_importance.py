@@ -359,6 +359,25 @@ def test_callable_scores_with_nan_are_refused_naming_the_tensor() -> None:
         fit([PruningCallback(0.5, importance=nan_rows, scope="layerwise")], max_steps=1)
 
 
+@pytest.mark.parametrize("scope", ["global", "layerwise", "row"])
+def test_callable_complex_scores_rank_by_magnitude_in_every_scope(scope: str) -> None:
+    def complex_scores(qualified: str, module: nn.Module, name: str, weight: Tensor) -> Tensor:
+        return torch.polar(weight.abs(), torch.ones_like(weight))  # |score| = |w|: magnitude pruning
+
+    by_magnitude = fit([PruningCallback(0.5, scope=scope, make_permanent=False)], max_steps=1)
+    by_complex = fit([PruningCallback(0.5, importance=complex_scores, scope=scope, make_permanent=False)], max_steps=1)
+    for a, b in zip(masks(by_magnitude).values(), masks(by_complex).values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_callable_scores_on_the_meta_device_are_refused_naming_the_tensor() -> None:
+    def meta(qualified: str, module: nn.Module, name: str, weight: Tensor) -> Tensor:
+        return torch.empty(weight.shape, device="meta")
+
+    with pytest.raises(ValueError, match=r"returned a meta tensor for net\.0\.weight"):
+        fit([PruningCallback(0.5, importance=meta)], max_steps=1)
+
+
 def test_magnitude_importance_is_todays_behaviour() -> None:
     schedule = Cubic(final=0.7, start=1, end=7, frequency=2)
     default = fit([PruningCallback(schedule, make_permanent=False)], max_steps=8)

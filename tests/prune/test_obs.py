@@ -92,6 +92,9 @@ def reference(
                 w[r, c] = q
     if reconstruct:  # a row whose reconstruction costs more output error than masking keeps its masked weights
         start = weight.double() * (keep.bool() if keep is not None else 1)
+        for j in range(cols):  # dead inputs: zeroed for the ranking only, their kept weights come back
+            if hessian[j, j] == 0:
+                w[:, j] = start[:, j] * kept[:, j]
         for r in range(rows):
             masked = start[r] * kept[r]
             if (w[r] - start[r]) @ hessian.double() @ (w[r] - start[r]) > (masked - start[r]) @ hessian.double() @ (
@@ -208,6 +211,20 @@ def test_dead_inputs_give_no_nan_and_zero_weights() -> None:
     prune.obs_unstructured(layer, "weight", prune.input_second_moment(layer, x), amount=0.25)
     assert bool(torch.isfinite(layer.weight).all())
     assert torch.equal(layer.weight[:, 2], torch.zeros(4))
+
+
+def test_kept_weights_of_dead_inputs_stay_with_reconstruction_too() -> None:
+    """SparseGPT zeroes the weights of inputs that are always zero; the mask kept some of them, so they stay (no
+    update reaches them): the layer holds exactly the zeros its mask says, and is not emptied unannounced."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    x[:, 2:8] = 0  # six dead input features
+    layer = nn.Linear(8, 4)
+    weight = layer.weight.detach().clone()
+    prune.obs_unstructured(layer, "weight", prune.input_second_moment(layer, x), amount=0.5, per_row=True)
+    kept = layer.weight_mask.bool()
+    assert int((layer.weight == 0).sum()) == int((~kept).sum()) == 16
+    assert torch.equal(layer.weight[:, 2:][kept[:, 2:]], weight[:, 2:][kept[:, 2:]])
 
 
 def test_without_reconstruction_dead_inputs_rank_first_and_kept_weights_stay() -> None:

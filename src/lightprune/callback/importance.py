@@ -227,7 +227,12 @@ class Importance:
                     f"the importance function returned {got} for {qualified}; it must return a tensor of the "
                     f"weight's shape {tuple(weight.shape)}"
                 )
-            nans = int(torch.isnan(score).sum()) if score.is_floating_point() or score.is_complex() else 0
+            if score.is_meta:
+                raise ValueError(f"the importance function returned a meta tensor for {qualified}: it holds no scores")
+            if score.is_complex():  # ranked by magnitude in every scope, as complex importance_scores are
+                score = score.abs()
+            score = score.to(weight.device)
+            nans = int(torch.isnan(score).sum()) if score.is_floating_point() else 0
             if nans:  # NaN ranks above every number: those entries would always be kept, whatever was meant
                 raise ValueError(
                     f"the importance function returned {nans} NaN score(s) of {score.numel()} for {qualified}: NaN "

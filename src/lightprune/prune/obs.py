@@ -453,6 +453,12 @@ def sparsegpt(
     if before is None:  # the kept weights as they were (the dead columns were zeroed for the ranking only)
         original = weight.detach()
         return torch.where(kept.to(original.device), original, torch.zeros((), dtype=original.dtype)), kept
+    # inputs that were always zero on the calibration data (H's diagonal 0) were zeroed for the ranking, as
+    # SparseGPT does; their kept weights go back: no update reaches them (H couples them to nothing), they change
+    # nothing on those inputs, and zeroing them would prune weights the mask keeps (and the counts report)
+    dead = hessian.diagonal().to(w.device) == 0
+    if bool(dead.any()):
+        w[:, dead] = torch.where(kept[:, dead], before[:, dead], torch.zeros((), dtype=w.dtype, device=w.device))
     _keep_better_rows(w, before, kept, hessian.to(w.device, dtype))
     return w.to(weight.dtype), kept
 
