@@ -81,8 +81,9 @@ def test_unmasked_updates_on_pruned_weights_are_refused_unless_remasked() -> Non
         prune.l1_unstructured(layer.get_base_layer(), "weight", amount=0.5)  # pruned, but the update never masked
     with pytest.raises(
         ValueError, match=r"'base_model\.model\.transformer\.h\.0\.attn\.c_attn': the update is nonzero"
-    ):
+    ) as refused:
         merge_lora(model)
+    assert "remask=True" in str(refused.value) and "merge_and_unload()" in str(refused.value)  # every way out
 
     dense_update = logits(model)
     with pytest.warns(UserWarning, match=r"relative change.*transformer\.h\.0\.attn\.c_attn 0\.\d+.*output on "):

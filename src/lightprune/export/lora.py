@@ -89,7 +89,10 @@ def merge_lora(
             "merge_lora: these layers were trained without the pruning mask on their effective weight (their update "
             "is dense where the base weight is pruned), so a sparse merge would change what they compute:\n  "
             + "\n  ".join(f"{name!r}: {why}" for name, why, _ in unmasked)
-            + "\nTrain with PruningCallback (it masks the update), or pass remask=True to drop the update there."
+            + "\nTrain with a PruningCallback that prunes these weights (it masks the update; zeros left by an "
+            "earlier pruning become its masks with adopt_zeros=True and an unstructured method), or pass remask=True "
+            "to drop the update there (a sparse model, not the one trained), or, for the model as trained (dense "
+            "there), merge with PEFT's merge_and_unload() once the pruning is permanent."
         )
     before = _output(target, example_inputs) if unmasked and example_inputs is not None else None
     for _, layer, merged, _, _ in plans:
