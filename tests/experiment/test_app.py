@@ -33,6 +33,7 @@ from lightprune.experiment.app import config_dir, main, run_experiment
 from lightprune.experiment.config import ConfigError, register_configs
 from lightprune.experiment.data import write_idx
 from lightprune.experiment.report import RunSummary, scan_runs
+from lightprune.experiment.targets import build_datamodule
 
 TINY = ["experiment=smoke", "data.batch_size=256"]
 """1 dense epoch and 2 pruning epochs of 5 steps each, one CPU thread: a run takes a second or two."""
@@ -610,6 +611,9 @@ def test_two_processes_train_together_and_the_first_writes_the_outputs(tmp_path:
     summary = RunSummary.load(run_dir / "summary.json")
     assert_exact_sparsity(summary, 0.9)
     assert summary.dense_cache == "trained"
+    tests = build_datamodule(make_config(*TINY).data).split_sizes["test"]  # 359: no multiple of the 2 processes
+    for accuracy in (summary.dense_test_acc, summary.final_test_acc):  # every test example counted once
+        assert abs(accuracy * tests - round(accuracy * tests)) < 1e-3, (accuracy, tests)  # (float32 logged)
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "layer_sparsity.png").is_file()
     assert not cache_dir.exists() or not any(cache_dir.glob("*/state_dict.pt"))  # nothing stored from a DDP run
 

@@ -327,6 +327,26 @@ def _hide_version(trainer: Any) -> None:
 
 
 def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
+    """The model's test accuracy, over every test example once.
+
+    Under DDP Lightning's distributed sampler pads the test set to a multiple of the processes (an example counted
+    twice): there each process tests the whole set instead, with a tester of the same devices that keeps the data's
+    own sampler; the model is the same on every process, so the accuracy synced across them is the set's.
+    """
+    if trainer.world_size > 1:
+        import lightning.pytorch as pl
+
+        trainer = pl.Trainer(
+            accelerator=trainer.accelerator,
+            devices=trainer.num_devices,
+            num_nodes=trainer.num_nodes,
+            precision=trainer.precision,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+        )
     results = trainer.test(module, datamodule=datamodule, verbose=False)
     logged = results[0] if results else {}
     names = ["test/acc", *(name for name in logged if "test" in name and "acc" in name)]
