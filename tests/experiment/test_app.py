@@ -734,3 +734,14 @@ def test_a_neurons_run_reports_the_measured_speed_up_of_the_compact_model(tmp_pa
     assert (compact.fc1.out_features, compact.fc2.out_features) == (150, 50)  # half of LeNet-300-100's neurons
     x = torch.randn(4, compact.fc1.in_features)
     torch.testing.assert_close(compact(x), loaded(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_phase_that_diverges_ends_the_run_without_a_summary(tmp_path: Path) -> None:
+    """Weights gone to NaN: the accuracy and sparsity of the summary would describe a model that computes nothing,
+    so the run fails, naming the phase (sweeps and ``report`` count it as failed)."""
+    from lightprune.experiment.app import DivergedError
+
+    diverging = "optim.prune.optimizer={_target_:torch.optim.SGD,_partial_:true,lr:1e30}"
+    with pytest.raises(DivergedError, match=r"the prune phase diverged: \d+ parameter\(s\) hold NaN or inf"):
+        run_experiment(make_config(*TINY, "pruning=one_shot", diverging), tmp_path)
+    assert not (tmp_path / "summary.json").exists()

@@ -326,6 +326,23 @@ def _hide_version(trainer: Any) -> None:
     bar.get_metrics = without_version
 
 
+class DivergedError(RuntimeError):
+    """A phase ended with weights that are not finite: its training diverged, and the run has no result."""
+
+
+def _refuse_diverged(module: nn.Module, phase: str) -> None:
+    """End the run (with no summary, so sweeps and ``report`` count it as failed) when ``phase`` left weights that
+    are NaN or inf: its accuracy and sparsity would describe a model that computes nothing."""
+    import torch
+
+    broken = [name for name, p in module.named_parameters() if not bool(torch.isfinite(p).all())]
+    if broken:
+        raise DivergedError(
+            f"the {phase} phase diverged: {len(broken)} parameter(s) hold NaN or inf after it ({', '.join(broken[:3])}"
+            f"{', ...' if len(broken) > 3 else ''}); lower the learning rate (model.lr) or clip gradients"
+        )
+
+
 def _test_accuracy(trainer: Any, module: Any, datamodule: Any) -> float:
     """The model's test accuracy, over every test example once.
 
@@ -564,6 +581,7 @@ def _dense_phase(
         nonlocal final_lrs
         dense = _trainer(cfg, output_dir, "dense", cfg.trainer.dense_epochs, [])
         dense.fit(module, datamodule=datamodule)
+        _refuse_diverged(module, "dense")
         final_lrs = final_learning_rates(dense)
         return _test_accuracy(dense, module, datamodule), dense.global_step
 
@@ -642,6 +660,7 @@ def _run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> Any:
             )
         trainer = _trainer(cfg, output_dir, phase, cfg.trainer.max_epochs, [callback, hold])
         trainer.fit(module, datamodule=datamodule)
+        _refuse_diverged(module, phase)
         lrs = final_learning_rates(trainer)
         phases.append((phase, trainer.global_step))
         final_acc = _test_accuracy(trainer, module, datamodule)
