@@ -122,6 +122,24 @@ def test_layer_sparsity_of_a_structured_run_says_channels_kept() -> None:
     assert texts == ["50.0% (8 of 16 channels kept)", "25.0% (24 of 32 channels kept)"]
 
 
+def test_a_layer_short_of_every_weight_is_not_labelled_100_percent() -> None:
+    fig = draw_layer_sparsity({"layer_sparsity": {"fc1.weight": 0.9998, "fc2.weight": 1.0}, "total_sparsity": 0.9997})
+    assert [text.get_text() for text in fig.axes[0].texts] == ["99.98%", "100.0%"]
+    assert fig.axes[0].get_title() == "Per-layer sparsity (total 99.97%)"
+
+
+def test_a_single_mask_update_is_drawn_whole_with_its_planned_share(tmp_path: Path) -> None:
+    from lightprune.experiment.plots import draw_mask_movement
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,pruning/regrown/fc1.weight,pruning/regrown/fraction\n25,0.3,0.3\n")
+    ax = draw_mask_movement(path).axes[0]
+    planned = next(line for line in ax.lines if line.get_label() == "planned share (cosine decay)")
+    assert planned.get_marker() == "o" and list(planned.get_ydata()) == [0.3]  # a point, seen without a segment
+    bottom, top = ax.get_ylim()
+    assert bottom < 0 and top > 0.3 * 1.1  # around the points (at 0.3, or at 0 for a layer that moved none)
+
+
 def test_layer_sparsity_of_a_dense_run_says_nothing_was_pruned() -> None:
     fig = draw_layer_sparsity({"layer_sparsity": {"fc1.weight": 0.0, "fc2.weight": 0.0}, "total_sparsity": 0.0})
     assert "no weight pruned: every layer is dense" in [text.get_text() for text in fig.axes[0].texts]

@@ -453,7 +453,7 @@ def draw_layer_sparsity(summary: Any) -> Any:
         ax.set_yticks(list(positions), names, fontsize="small")
         ax.invert_yaxis()  # first layer on top
         for position, name, value in zip(positions, names, values, strict=True):
-            text = f"{100 * value:.1f}%"
+            text = percent(value)
             if name in channels:
                 kept, count = channels[name]
                 text += f" ({kept} of {count} channels kept)"
@@ -466,8 +466,22 @@ def draw_layer_sparsity(summary: Any) -> Any:
         _note(ax, "no per-layer sparsity in the summary")
     ax.set_xlabel("sparsity (fraction of the layer's weights that are zero)")
     total = data.get("total_sparsity")
-    ax.set_title("Per-layer sparsity" + (f" (total {100 * total:.1f}%)" if total is not None else ""))
+    ax.set_title("Per-layer sparsity" + (f" (total {percent(total)})" if total is not None else ""))
     return fig
+
+
+def percent(value: float) -> str:
+    """``value`` as a percentage with one decimal, or as many more as keep a value short of 100% (or above 0%) from
+    reading as 100.0% (0.0%): a layer at 99.98% is not a collapsed one.
+
+    Example:
+        >>> percent(0.9), percent(0.9998), percent(1.0), percent(0.00002)
+        ('90.0%', '99.98%', '100.0%', '0.002%')
+    """
+    digits = 1
+    while digits < 6 and 0 < value < 1 and f"{100 * value:.{digits}f}" in (f"{100:.{digits}f}", f"{0:.{digits}f}"):
+        digits += 1
+    return f"{100 * value:.{digits}f}%"
 
 
 def plot_layer_sparsity(summary: Any, out_png: str | Path) -> Path:
@@ -531,7 +545,16 @@ def draw_mask_movement(metrics_csv: str | Path, title: str | None = None) -> Any
     if plan:
         steps, values = zip(*plan, strict=True)
         # wide and pale under the layers' lines, so a layer that follows the plan exactly does not hide it
-        ax.plot(steps, values, color=TARGET_COLOR, linewidth=6, alpha=0.3, label="planned share (cosine decay)")
+        ax.plot(
+            steps,
+            values,
+            color=TARGET_COLOR,
+            linewidth=6,
+            alpha=0.3,
+            marker="o",
+            markersize=9,
+            label="planned share (cosine decay)",
+        )  # fmt: skip  (a point per update: one update is seen too)
     groups: list[list[str]] = []  # layers with the same curve share one line (they would hide each other)
     for key in keys:
         group = next((g for g in groups if _same_curve(series[g[0]], series[key])), None)
@@ -549,7 +572,9 @@ def draw_mask_movement(metrics_csv: str | Path, title: str | None = None) -> Any
         _note(ax, "no mask update logged (pruning.regrow is off)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("share of the layer's active\nweights regrown at the update")
-    ax.set_ylim(bottom=0)
+    highest = max([v for key in [*keys, _REGROWN_PLAN] for _, v in series.get(key, [])], default=0.0)
+    top = 1.12 * highest if highest > 0 else 1.0
+    ax.set_ylim(-0.04 * top, top)  # room around the highest point and the points at 0: none is cut by the frame
     ax.grid(alpha=0.3)
     if keys or plan:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="layer")
@@ -560,7 +585,8 @@ def draw_mask_movement(metrics_csv: str | Path, title: str | None = None) -> Any
 def plot_mask_movement(metrics_csv: str | Path, out_png: str | Path, title: str | None = None) -> Path:
     """Dynamic sparse training (``regrow``): at each mask update, the share of each layer's active weights that was
     dropped and regrown (``pruning/regrown/<layer>``, one colour per layer, a point per update), and the planned
-    share (``pruning/regrown/fraction``, dashed red: ``regrow_fraction`` decayed by a cosine to 0); saves a PNG.
+    share (``pruning/regrown/fraction``, wide, pale red, a point per update joined by straight lines: ``regrow_fraction``
+    decayed by a cosine to 0, taken at the updates only); saves a PNG.
 
     A layer's points sit under the planned share when it has fewer inactive weights than the share asks for, or
     where rounding to whole weights lowers it. Layers with the same curve share one line, labelled
