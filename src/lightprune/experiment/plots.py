@@ -585,8 +585,8 @@ def draw_mask_movement(metrics_csv: str | Path, title: str | None = None) -> Any
 def plot_mask_movement(metrics_csv: str | Path, out_png: str | Path, title: str | None = None) -> Path:
     """Dynamic sparse training (``regrow``): at each mask update, the share of each layer's active weights that was
     dropped and regrown (``pruning/regrown/<layer>``, one colour per layer, a point per update), and the planned
-    share (``pruning/regrown/fraction``, wide, pale red, a point per update joined by straight lines: ``regrow_fraction``
-    decayed by a cosine to 0, taken at the updates only); saves a PNG.
+    share (``pruning/regrown/fraction``, wide, pale red, a point per update joined by straight lines:
+    ``regrow_fraction`` decayed by a cosine to 0, taken at the updates only); saves a PNG.
 
     A layer's points sit under the planned share when it has fewer inactive weights than the share asks for, or
     where rounding to whole weights lowers it. Layers with the same curve share one line, labelled
