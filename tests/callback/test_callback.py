@@ -773,6 +773,36 @@ def test_rewind_after_every_event(rewind: Any) -> None:
     assert not live & {tensor.untyped_storage().data_ptr() for tensor in snapshot.values()}
 
 
+@pytest.mark.parametrize("rewind", ["init", 6])
+def test_a_ramps_first_event_at_level_0_prunes_and_rewinds_nothing(rewind: Any) -> None:
+    """A ramp from 0 starting at step 4: that event prunes nothing, so the training before it is kept (it was thrown
+    away by a rewind to the snapshot), and a rewind point before the next event (step 8) is no error."""
+    model = Net()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    callback = PruningCallback(Linear(final=0.8, start=4, end=16, frequency=4), rewind=rewind, make_permanent=False)
+    seen: dict[int, bool] = {}
+
+    class AtStep(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step in (4, 8):
+                weight = pl_module.net[0].weight_orig if trainer.global_step == 8 else pl_module.net[0].weight
+                seen[trainer.global_step] = torch.equal(weight, initial["net.0.weight"])
+
+    fit([callback, AtStep()], model)
+    assert seen[4] is False  # not rewound at the level-0 event
+    assert seen[8] is (rewind == "init")  # rewound at the first event that prunes (to step 6's weights for 6)
+
+
+def test_a_layerwise_cap_that_rounding_would_pass_holds_and_names_the_tensor() -> None:
+    """net.4 has 4 output channels and net.2 12: at 0.375 with a cap of 0.375, round(1.5) = 2 channels of net.4
+    would pass the cap (1.5): it holds 1, and the warning says so, naming it."""
+    callback = PruningCallback(0.375, method="ln_structured", method_kwargs={"n": 2, "dim": 0}, scope="layerwise",
+                               max_layer_sparsity=0.375, make_permanent=False, summary=False)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"max_layer_sparsity=0\.375 holds net\.4\.weight \(1 of 4\) short of"):
+        model, _ = fit(callback, max_steps=1)
+    assert int((~model.net[4].weight_mask.bool()).all(dim=1).sum()) == 1
+
+
 def test_a_snapshot_that_lacks_a_selected_tensor_is_refused_before_training() -> None:
     """A snapshot of the inner network (names without ``net.``) would rewind nothing: lottery-ticket rounds would
     silently be plain fine-tuning."""
@@ -1138,7 +1168,7 @@ def _explicit_bias(model: Net) -> dict[str, Any]:
             r"gives times as fractions of the run, but the run length in optimizer steps is unknown \(inf\)",
         ),
         (  # (integer times: refused at construction, below; fractions of the run: when it starts)
-            lambda model: {"schedule": Linear(final=0.5, start=0.25, end=0.75), "rewind": 5},
+            lambda model: {"schedule": Linear(initial=0.1, final=0.5, start=0.25, end=0.75), "rewind": 5},
             {},
             r"rewind=5 is after the first pruning event at step 4",
         ),

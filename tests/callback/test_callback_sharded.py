@@ -360,8 +360,15 @@ def test_sharded_selections_refuse_what_they_cannot_prune_exactly(tmp_path: Path
             check_sharded(selection, DDPStrategy(), prune.L1Unstructured, None)
         with pytest.raises(ValueError, match=r"built-in methods.*got Identity for \['fc\.weight'\]"):
             check_sharded(selection, parallel, prune.Identity, None)
-        with pytest.raises(ValueError, match=r"does not rewind sharded.*rewind='init'"):
-            check_sharded(selection, parallel, prune.L1Unstructured, "init")
+        with pytest.raises(
+            ValueError, match=r"does not rewind sharded \(DTensor\) parameters yet \(\['fc\.weight'\] are"
+        ):
+            check_sharded(selection, parallel, prune.L1Unstructured, 0)  # (rewind='init', resolved to step 0)
+        head = nn.Linear(3, 4, bias=False)
+        head.weight = layer.weight  # tied
+        owners = {id(layer.weight): [("fc.weight", layer, "weight"), ("head.weight", head, "weight")]}
+        with pytest.raises(ValueError, match=r"tied weights among sharded .*: fc\.weight is also head\.weight"):
+            check_sharded(selection, parallel, prune.L1Unstructured, None, owners)
         rows = nn.Linear(4, 3)  # tensor parallelism's row-wise layout: its input dim sharded
         rows.weight = nn.Parameter(distribute_tensor(rows.weight.detach(), mesh, [Shard(1)]))
         with pytest.raises(ValueError, match=r"cannot prune fc2\.weight: .*placed Shard\(0\).*got S\(1\)"):

@@ -378,6 +378,13 @@ def test_callable_scores_on_the_meta_device_are_refused_naming_the_tensor() -> N
         fit([PruningCallback(0.5, importance=meta)], max_steps=1)
 
 
+@pytest.mark.parametrize(("importance", "says"), [("magnitude", ""), ("movement", " by movement")])
+def test_the_summary_table_names_the_importance(importance: str, says: str) -> None:
+    callback = PruningCallback(Constant(0.5, at=2), importance=importance, make_permanent=False)
+    fit([callback], max_steps=3)
+    assert callback.summary_table().splitlines()[0] == f"PruningCallback: pruned global, L1Unstructured{says}"
+
+
 def test_magnitude_importance_is_todays_behaviour() -> None:
     schedule = Cubic(final=0.7, start=1, end=7, frequency=2)
     default = fit([PruningCallback(schedule, make_permanent=False)], max_steps=8)

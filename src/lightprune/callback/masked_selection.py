@@ -260,11 +260,22 @@ class MaskedSelection:
                     more = method(amount=count - pruned, **self.method_kwargs)
                     self._apply(module, name, more, scores, qualified)
         else:
+            held = []  # tensors the cap stops short of round(target * units)
             for qualified, module, name in self.selection:
                 units, pruned = self.units(module, name)
                 increment = exact_increment(target, units, pruned, cap)
+                if increment < exact_increment(target, units, pruned):
+                    held.append(f"{qualified} ({pruned + increment} of {units})")
                 if increment > 0:
                     self._apply(module, name, method(amount=increment, **self.method_kwargs), scores, qualified)
+            if held:
+                warnings.warn(
+                    f"layerwise event to {target:g}: max_layer_sparsity={cap} holds {', '.join(held[:4])}"
+                    f"{', ...' if len(held) > 4 else ''} short of the target, as rounding to whole units would "
+                    "pass the cap there (pruned of units in each)",
+                    UserWarning,
+                    stacklevel=2,
+                )
         for module in self.biases:
             _prune_bias(module, self.mask_dtype)
         self.share_everywhere()

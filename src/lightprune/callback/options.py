@@ -349,8 +349,9 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
 
 
 def check_rewind_time(schedule: Schedule, unit: str, rewind: int | None) -> None:
-    """Refuse a rewind time after the first event of a resolved ``schedule``: the weights to rewind to would not
-    exist yet (checked at construction where the schedule's times are ints, else when the run resolves them).
+    """Refuse a rewind time after the first event of a resolved ``schedule`` that prunes: the weights to rewind to
+    would not exist yet (checked at construction where the schedule's times are ints, else when the run resolves
+    them). A ramp's first event, at level 0, prunes nothing and does not count.
 
     Example:
         >>> check_rewind_time(Constant(0.5, at=4), "step", 2)
@@ -358,11 +359,17 @@ def check_rewind_time(schedule: Schedule, unit: str, rewind: int | None) -> None
         Traceback (most recent call last):
         ...
         ValueError: rewind=5 is after the first pruning event at step 4: the weights to rewind to would not exist yet
+        >>> from lightprune.schedules import Linear
+        >>> check_rewind_time(Linear(final=0.5, start=4, end=12, frequency=4), "step", 6)  # step 4 prunes nothing
     """
-    if rewind is not None and schedule.is_resolved and schedule.first_event < rewind:
+    if rewind is None or not schedule.is_resolved:
+        return
+    # the first event that prunes: a ramp's first event, at level 0, prunes nothing and rewinds nothing
+    first = next((t for t in schedule.events() if schedule.target(t) > 0), None)
+    if first is not None and first < rewind:
         raise ValueError(
-            f"rewind={rewind} is after the first pruning event at {unit} {schedule.first_event}: the weights to "
-            "rewind to would not exist yet"
+            f"rewind={rewind} is after the first pruning event at {unit} {first}: the weights to rewind to would "
+            "not exist yet"
         )
 
 

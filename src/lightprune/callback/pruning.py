@@ -158,8 +158,9 @@ class PruningCallback(Callback):
             entries of the pruned channels (refused at setup for a layer whose weight is stored ``(in, out)``, such
             as transformers' ``Conv1D`` or a ``ConvTranspose``: its dim 0 runs over inputs; and for a tensor with
             a bias of its own other than ``bias``, such as ``in_proj_weight`` and ``in_proj_bias``).
-        rewind: lottery-ticket rewinding after every event: ``None`` (off), ``"init"`` (the weights when training
-            starts), an int ``k`` (the weights after ``k`` units of time) or a snapshot taken earlier with
+        rewind: lottery-ticket rewinding after every event that prunes (not a ramp's first, at level 0): ``None``
+            (off), ``"init"`` (the weights when training starts), an int ``k`` (the weights after ``k`` units of
+            time) or a snapshot taken earlier with
             :meth:`snapshot_weights` (e.g. the initial weights, for rounds that are separate fits). The snapshot
             lives on the CPU; taken of the module given to ``fit``, it holds every selected tensor under its name
             there: one that lacks any (a snapshot of a submodule) is refused when training starts.
@@ -1135,7 +1136,7 @@ class PruningCallback(Callback):
             self._say_collapsed(event)
         self._last_event = event
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
-        if self.rewind is not None and self._rewind_snapshot is not None:
+        if self.rewind is not None and self._rewind_snapshot is not None and target > 0:  # (level 0: nothing pruned)
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
             self._after_rewrite()
         self._log(trainer, pl_module, target, log_to_module=log_to_module)
@@ -1345,7 +1346,11 @@ class PruningCallback(Callback):
             return reporting.summary_table(title, self.units or "units", self._masked.table_rows())
         unit = f"channels (dim {self.method_kwargs['dim']})" if self.structured else "weights"
         rows = [(q, tuple(prune.original(m, n).shape), *self._masked.units(m, n)) for q, m, n in self._masked.selection]
-        return reporting.summary_table(f"{self._title()}: pruned {self.scope}, {self.method.__name__}", unit, rows)
+        kind = self._importance.kind
+        by = "" if kind == "magnitude" else f" by {'an importance function' if callable(self.importance) else kind}"
+        regrown = f", {self.regrow} regrowth" if self.regrow else ""
+        title = f"{self._title()}: pruned {self.scope}, {self.method.__name__}{by}{regrown}"
+        return reporting.summary_table(title, unit, rows)
 
     def _warn_if_last_event_ends_fit(self, trainer: Trainer) -> None:
         """An epoch event at ``max_epochs`` runs when fit ends, after the last validation and checkpoints: say so."""

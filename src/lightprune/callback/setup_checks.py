@@ -239,9 +239,18 @@ def check_sharded(
             f"{[m.__name__ for m in supported]}; got {getattr(method, '__name__', method)} for {sharded[:3]}"
         )
     if rewind is not None:
-        raise ValueError(f"PruningCallback does not rewind sharded (DTensor) parameters yet (rewind={rewind!r})")
-    if owners is not None and find_ties(selection, owners):
-        raise ValueError("PruningCallback does not support tied weights among sharded (DTensor) parameters")
+        raise ValueError(
+            f"PruningCallback does not rewind sharded (DTensor) parameters yet ({sharded[:3]} are sharded): leave "
+            "rewind unset, or shard nothing"
+        )
+    ties = find_ties(selection, owners) if owners is not None else []
+    if ties:
+        module, name, others = ties[0]
+        selected = next(q for q, m, n in selection if m is module and n == name)
+        raise ValueError(
+            f"PruningCallback does not support tied weights among sharded (DTensor) parameters: {selected} is also "
+            f"{', '.join(q for q, _, _ in others)}; untie them, or exclude them"
+        )
 
 
 def refuse_sharded_units(model: nn.Module, units: str | None) -> None:

@@ -29,7 +29,8 @@ __all__ = [
 ]
 
 COLLAPSE_MEANING = (
-    "the layer no longer computes anything from its input (a Linear outputs its bias alone, whatever the input)"
+    "a weight so pruned no longer computes anything from its input (a Linear outputs its bias alone, whatever the "
+    "input); a bias or norm vector so pruned adds or scales by nothing"
 )
 
 
@@ -142,7 +143,7 @@ def warn_collapsed(names: Sequence[str], where: str, unit: str = "weight", stack
         ...     warnings.simplefilter("always")
         ...     warn_collapsed(["fc.weight"], "global_unstructured()")
         >>> print(caught[0].message)  # doctest: +ELLIPSIS
-        global_unstructured() pruned every weight of fc.weight: layer collapse; the layer no longer computes ...
+        global_unstructured() pruned every weight of fc.weight: layer collapse; a weight so pruned no longer ...
     """
     if names:
         warnings.warn(collapse_message(names, where, unit), LayerCollapseWarning, stacklevel=stacklevel)
