@@ -803,6 +803,18 @@ def test_a_layerwise_cap_that_rounding_would_pass_holds_and_names_the_tensor() -
     assert int((~model.net[4].weight_mask.bool()).all(dim=1).sum()) == 1
 
 
+def test_check_run_makes_the_checks_of_training_start_on_a_given_length() -> None:
+    """An app that knows its fine-tuning run's length refuses what fit would refuse, before anything trains."""
+    fractions = Linear(initial=0.1, final=0.5, start=0.25, end=0.75)
+    PruningCallback(fractions, rewind=3).check_run(steps=16, epochs=2)
+    with pytest.raises(ValueError, match=r"rewind=5 is after the first pruning event at step 4"):
+        PruningCallback(fractions, rewind=5).check_run(steps=16, epochs=2)
+    with pytest.raises(ValueError, match=r"start=1 must be < end=1"):
+        PruningCallback(Linear(final=0.5, start=0.5, end=0.6), unit="epoch").check_run(steps=16, epochs=2)
+    with pytest.raises(ValueError, match=r"no update falls before it"):
+        PruningCallback(0.5, regrow="rigl", regrow_every=8).check_run(steps=10, epochs=1)
+
+
 def test_a_snapshot_that_lacks_a_selected_tensor_is_refused_before_training() -> None:
     """A snapshot of the inner network (names without ``net.``) would rewind nothing: lottery-ticket rounds would
     silently be plain fine-tuning."""

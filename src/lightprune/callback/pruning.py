@@ -899,7 +899,8 @@ class PruningCallback(Callback):
 
         Raises:
             ValueError: the schedule's fractions of the run collapse on this length (``start`` rounding to ``end``),
-                or no mask update of ``regrow`` falls before ``regrow_until``.
+                ``rewind`` comes after its first event that prunes, or no mask update of ``regrow`` falls before
+                ``regrow_until``.
 
         Example:
             >>> from lightprune.schedules import Cubic
@@ -914,6 +915,7 @@ class PruningCallback(Callback):
         validate = getattr(schedule, "validate", None)
         if callable(validate):
             validate()
+        check_rewind_time(schedule, self.unit, self.rewind)
         if self._dst is not None:
             self._dst.check(steps)
 
