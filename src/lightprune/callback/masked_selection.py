@@ -271,8 +271,8 @@ class MaskedSelection:
             if held:
                 warnings.warn(
                     f"layerwise event to {target:g}: max_layer_sparsity={cap} holds {', '.join(held[:4])}"
-                    f"{', ...' if len(held) > 4 else ''} short of the target, as rounding to whole units would "
-                    "pass the cap there (pruned of units in each)",
+                    f"{', ...' if len(held) > 4 else ''} short of the target (pruned of all units given), as "
+                    "rounding to whole units would pass the cap there",
                     UserWarning,
                     stacklevel=2,
                 )
