@@ -122,7 +122,7 @@ def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Ten
         if key.endswith(ORIG_SUFFIX) and key[: -len(ORIG_SUFFIX)] in pairs:
             plain = key[: -len(ORIG_SUFFIX)]
             orig, mask = (state[k] for k in pairs[plain])
-            same = (_place(orig), _place(mask))
+            same = (tensor_place(orig), tensor_place(mask))
             if None in same:
                 out[plain] = apply_mask(orig, mask)
                 continue
@@ -134,9 +134,15 @@ def effective_state_dict(obj: nn.Module | Mapping[str, Tensor]) -> dict[str, Ten
     return out
 
 
-def _place(t: Tensor) -> tuple[Any, ...] | None:
-    """Where and how ``t``'s entries lie: equal for the same tensor under two names; ``None`` for one without plain
-    storage (empty, a DTensor), never taken as shared."""
+def tensor_place(t: Tensor) -> tuple[Any, ...] | None:
+    """Where and how ``t``'s entries lie: equal for the same tensor under two names (tied weights); ``None`` for one
+    without plain storage (empty, a DTensor), never taken as shared.
+
+    Example:
+        >>> w = torch.ones(2, 3)
+        >>> tensor_place(w) == tensor_place(w.detach()), tensor_place(w) == tensor_place(w.t()), tensor_place(w[:0])
+        (True, False, None)
+    """
     if not t.numel() or type(t) is not Tensor:
         return None
     return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())

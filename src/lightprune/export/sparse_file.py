@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lightprune.export._pruned import effective_state_dict
+from lightprune.export._pruned import effective_state_dict, tensor_place
 
 __all__ = ["SparseFileError", "load_sparse", "save_sparse", "stored_layouts"]
 
@@ -292,12 +292,12 @@ def save_sparse(obj: nn.Module | Mapping[str, Tensor], path: str | os.PathLike[s
             raise TypeError(f"tensor {name!r} is a {type(value).__name__}, not a plain tensor: {hint}")
         if value.is_meta:
             raise TypeError(f"tensor {name!r} is on the meta device: it holds no values to save")
-        same = (value.device, value.dtype, value.untyped_storage().data_ptr(), value.storage_offset(), value.shape,
-                value.stride())  # fmt: skip
-        if value.numel() and same in stored:
-            aliases.append([name, stored[same], position])
+        place = tensor_place(value)
+        if place is not None and place in stored:
+            aliases.append([name, stored[place], position])
             continue
-        stored[same] = name
+        if place is not None:
+            stored[place] = name
         encoded.append(_Encoded(name, value.to("cpu").contiguous()))
     _write(path, encoded, aliases)
 
