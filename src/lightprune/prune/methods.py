@@ -46,16 +46,21 @@ def _unstructured_mask(
     dtype: torch.dtype,
     magnitude: bool,
     largest: bool,
+    draw: bool = False,
 ) -> Tensor:
     """``base`` (None: all ones) with the ``amount`` lowest-ranked entries set to 0.
 
     With ``restrict`` the entries are chosen among those where ``base == 1`` and ``amount`` refers to them;
-    otherwise among all entries of ``scores``.
+    otherwise among all entries of ``scores``. With ``draw`` (``RandomUnstructured``) the scores are uniform draws
+    of ``scores``' shape, drawn once the amount is checked and only if it prunes something: torch checks first and
+    draws nothing for a count of 0, so the generator is left where torch leaves it (and unmoved by a refused call).
     """
     eligible = base if restrict else None
     available = count_eligible([eligible], [scores])
     k = _compute_nparams_toprune(amount, available)
     _validate_pruning_amount(k, available)
+    if draw:  # (nothing to prune: zeros, which select nothing)
+        scores = uniform_draws(scores, eligible=eligible) if k else torch.zeros(scores.shape, device=scores.device)
     out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
     cut = find_cut([scores], k, eligible=[eligible], magnitude=magnitude, largest=largest)
     apply_cut([scores], cut, out=[out], eligible=[eligible], base=[base], magnitude=magnitude, largest=largest)
@@ -85,18 +90,6 @@ def uniform_draws(like: Tensor, eligible: Tensor | None = None, dtype: torch.dty
     keep = _eligible_on(like, eligible)
     draws = torch.zeros(like.shape, dtype=dtype, device=like.device)
     return draws.masked_scatter_(keep, torch.rand(int(keep.sum()), dtype=dtype, device=like.device))
-
-
-def _random_scores(amount: int | float, like: Tensor, eligible: Tensor | None) -> Tensor:
-    """:func:`uniform_draws` for ``RandomUnstructured``, once the amount is checked, and only if it prunes something:
-    torch checks first and draws nothing for a count of 0, so the generator is left where torch leaves it (and
-    unmoved by a refused call). With nothing to prune the scores are zeros, which select nothing."""
-    available = count_eligible([eligible], [like])
-    k = _compute_nparams_toprune(amount, available)
-    _validate_pruning_amount(k, available)
-    if k == 0:
-        return torch.zeros(like.shape, device=like.device)
-    return uniform_draws(like, eligible=eligible)
 
 
 def _eligible_on(like: Tensor, eligible: Tensor) -> Tensor:
@@ -254,15 +247,20 @@ class RandomUnstructured(BasePruningMethod):
         self.amount = amount
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
-        draws = _random_scores(self.amount, t, None)
         return _unstructured_mask(
-            self.amount, draws, default_mask, restrict=False, dtype=default_mask.dtype, magnitude=False, largest=True
+            self.amount,
+            t,
+            default_mask,
+            restrict=False,
+            dtype=default_mask.dtype,
+            magnitude=False,
+            largest=True,
+            draw=True,
         )
 
     def _next_mask(self, scores: Tensor, current: Tensor | None, dtype: torch.dtype) -> Tensor:
-        draws = _random_scores(self.amount, scores, current)
         return _unstructured_mask(
-            self.amount, draws, current, restrict=True, dtype=dtype, magnitude=False, largest=True
+            self.amount, scores, current, restrict=True, dtype=dtype, magnitude=False, largest=True, draw=True
         )
 
     @classmethod
