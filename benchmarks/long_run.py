@@ -123,7 +123,7 @@ def run(steps: int, frequency: int, warmup: int, sample_every: int, pruning: boo
         "frequency": frequency,
         "pruning": pruning,
         "events": 0 if callback is None else len(range(frequency, steps + 1, frequency)),
-        "last_event": None if callback is None else callback._last_event,
+        "last_event": None if callback is None else callback._timeline.last_event,
         "sparsity": pruned / total,
         "weights": total,
         "rss_start_bytes": start_rss,

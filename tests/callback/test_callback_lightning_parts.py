@@ -212,7 +212,7 @@ def test_swas_batch_norm_epoch_is_not_part_of_the_run(tmp_path: Path, batch_norm
     moves = Moves()
     callbacks = [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=3), pruning, moves]
     trainer(callbacks, tmp_path, max_epochs=4, limit_val_batches=0).fit(model)  # 32 optimizer steps that train
-    assert pruning._resolved is not None and pruning._resolved.last_event == 16  # half of 32, with or without it
+    assert pruning._timeline.resolved is not None and pruning._timeline.resolved.last_event == 16  # half of 32, with or without it
     assert moves.steps and max(moves.steps) < 32
 
 

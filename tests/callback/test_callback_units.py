@@ -102,7 +102,7 @@ class Record(Callback):
         self.pruning, self.seen = pruning, []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        target = self.pruning._resolved.target(trainer.global_step)
+        target = self.pruning._timeline.resolved.target(trainer.global_step)
         self.seen.append((target, unit_states(self.pruning)))
 
 

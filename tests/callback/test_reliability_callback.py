@@ -291,7 +291,7 @@ def test_exception_in_compute_mask_mid_event(tmp_path: Path, scope: str) -> None
     assert run.global_step == 20 and Flaky.calls == fail_at
 
     # the model in memory holds the last completed event (step 18), never part of the failed one
-    assert callback._last_event == 18
+    assert callback._timeline.last_event == 18
     assert_complete_event(state(model), 18, scope, "the model after the failure")
     # so does every checkpoint: those of epochs 1 and 2 and the one written on the exception
     paths = assert_checkpoints_hold_complete_events(root, scope)
@@ -331,7 +331,7 @@ def test_keyboard_interrupt_mid_epoch_then_resume(tmp_path: Path, where: str, re
         run.fit(model)
     assert info.value.code == 1
     assert run.interrupted and run.global_step == stopped_at
-    assert callback._last_event == last_event
+    assert callback._timeline.last_event == last_event
     assert_complete_event(state(model), last_event, scope, "the model after the interrupt")
     paths = assert_checkpoints_hold_complete_events(root, scope)
     assert paths[-1] == ckpt_at(root, 16)

@@ -13,7 +13,6 @@ travel in the callback's own checkpoint state, from which ``trainer.fit(model, c
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from lightprune.callback import clock, neighbours, reporting, rewinding, setup_c
 from lightprune.callback.calibration import calibrate, first_batch, inputs_as_trained_on, reshard
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
+from lightprune.callback.model_hooks import ModelHooks
 from lightprune.callback.options import (
     MASKING,
     UNITS,
@@ -44,10 +44,10 @@ from lightprune.callback.options import (
     resolve_method_options,
     resolve_rewind,
     resolve_schedule,
-    schedule_for_run,
 )
 from lightprune.callback.reconstruction import blocks
 from lightprune.callback.regrowth import DynamicSparsity
+from lightprune.callback.timeline import Timeline
 from lightprune.callback.tokens import TokenMask, check_token_mask, find_token_mask
 from lightprune.callback.units import ExampleInputs, UnitRanking, UnitSelection, example_from_batch, find_groups
 from lightprune.choices import ALLOCATION_SCOPES, OWL_LAMBDA, OWL_THRESHOLD
@@ -478,25 +478,18 @@ class PruningCallback(Callback):
         self._importance = Importance(importance, activation_window)
         reads_inputs = self._importance.kind in choices.STATISTICS_IMPORTANCES or bool(self.units and reconstruct)
         check_unused_inputs(token_mask, example_inputs, reads_inputs=reads_inputs, units=self.units is not None)
-        self._events: list[int] = []  # the resolved schedule's events, to find the next one
         self._collecting = False  # this training batch's inputs feed the activation statistics
         self._log_prefix = _LOG_PREFIX if name is None else f"{_LOG_PREFIX}{name}/"
         self._state_key: str | None = None  # see state_key
 
         self._masked: MaskedSelection | None = None
-        self._plain_state_dict_handle: Any = None
-        self._plain_load_handle: Any = None
-        self._step_handles: list[Any] = []  # in place: the optimizers' step post-hooks
-        self._attached_optimizers: list[Any] = []  # the Trainer's optimizers when the step hooks were attached
+        self._hooks = ModelHooks()  # on the model (plain checkpoints) and the optimizers (in-place masking)
         self._restored_masks: dict[str, Tensor] | None = None
         self._units_pending = False  # a resumed fit with unit methods: units are found on its first training batch
         self._skipped_step = False  # the gradient scaler skips the current optimizer step
         self._fitting = False  # between setup("fit") and the fit's end: a checkpoint's masks are put back only then
         self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
-        self._resolved: Schedule | None = None
-        self._lengths: dict[str, int] = {}  # the run lengths fractions of the run were resolved against, per clock
-        self._restored_lengths: dict[str, int] = {}  # a checkpoint's: a resumed run keeps them
-        self._last_event = -1
+        self._timeline = Timeline(self._title(), unit)  # the schedule resolved for this fit, the last event taken
         self._last_logged = -1
         self._given_snapshot = snapshot
         self._rewind_snapshot: dict[str, Tensor] | None = snapshot
@@ -533,7 +526,7 @@ class PruningCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._accept_plain_checkpoints(pl_module)
+        self._hooks.accept_plain_checkpoints(pl_module)
         if stage == "fit":
             setup_checks.refuse_strategy(trainer.strategy)
             self._reset()
@@ -550,7 +543,7 @@ class PruningCallback(Callback):
             return  # units are found on the first training batch, when training starts
         self._masked = self._select(trainer, pl_module)
         self._importance.bind(self._masked.selection, self._masked.weight if self._masked.adapted else None)
-        self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(self._masked.plain_state_dict)
+        self._hooks.write_plain_state_dict(pl_module, self._masked.plain_state_dict)
         self._masked.share_with_averages(neighbours.averaged_models(trainer))
         if self.adopt_zeros:
             self._masked.adopt_zeros()
@@ -558,33 +551,30 @@ class PruningCallback(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._last_event < 0
+        fresh = trainer.global_step == 0 and clock.now(trainer, "step") == 0 and self._timeline.last_event < 0
         if self.units is not None and self._masked is None:
             if not fresh and (self.example_inputs is None or callable(self.example_inputs)):
                 # a batch drawn here would use up a resumed loader's position: the first training batch serves
                 self._units_pending = True
             else:
                 self._select_units(trainer, pl_module)
-        length = None if self.schedule.is_resolved else self._fraction_length(trainer, self.unit)
-        self._resolved = schedule_for_run(self.schedule, self.unit, trainer, self.rewind, length)
-        self._warn_if_last_event_ends_fit(trainer)
-        if self._masked is not None:  # callbacks such as BackboneFinetuning freeze layers when fit starts
-            setup_checks.refuse_frozen_movement(self._masked.selection, self._importance.kind, "when training starts")
-        self._start_masks(trainer, pl_module)
         windowed = (  # (a resumed unit fit binds its statistics at its first batch: reconstruct says it will have some)
             self._importance.kind in choices.STATISTICS_IMPORTANCES
             or self._importance.activations is not None
             or (self.units is not None and self.reconstruct)
         )
-        self._events = self._resolved.events() if windowed else []  # for its window
+        resolved = self._timeline.start(self.schedule, trainer, self.rewind, windowed)
+        if self._masked is not None:  # callbacks such as BackboneFinetuning freeze layers when fit starts
+            setup_checks.refuse_frozen_movement(self._masked.selection, self._importance.kind, "when training starts")
+        self._start_masks(trainer, pl_module)
         if self._dst is not None and self._masked is not None:  # (the run clock: batches under manual optimization)
-            self._dst.start(trainer, self._masked, self._fraction_length(trainer, "step"), self._title())
+            self._dst.start(trainer, self._masked, self._timeline.run_length(trainer, "step"), self._title())
         # the callback's schedule starts with this fit (also from a checkpoint without its state, a dense one, and
         # after a restore with nothing trained: LearningRateFinder and BatchSizeFinder put back their own checkpoint)
-        now, starting = self._now(trainer), self._last_event < 0 and (fresh or not self._resumed)
+        now, starting = self._now(trainer), self._timeline.last_event < 0 and (fresh or not self._resumed)
         if starting and now > 0:
-            self._warn_catching_up(now)
-        first_due = starting and self._resolved.target(now) > 0  # an event that prunes, before any training batch
+            self._timeline.warn_catching_up(now)
+        first_due = starting and resolved.target(now) > 0  # an event that prunes, before any training batch
         self._check_first_event(first_due, now)
         if starting and self.sequential:
             self._sequential_first_event(trainer, pl_module, now)
@@ -599,7 +589,7 @@ class PruningCallback(Callback):
         elif starting and self.calibration_batches:  # (their sums would join the first event's window)
             rank_zero_warn(
                 f"PruningCallback: calibration_batches={self.calibration_batches} gives statistics to an event when "
-                f"training starts, but the schedule {self._resolved!r} prunes nothing at {self.unit} {now}: its "
+                f"training starts, but the schedule {resolved!r} prunes nothing at {self.unit} {now}: its "
                 "first event is ranked on its activation_window alone, and no calibration batch runs",
                 category=UserWarning,
             )
@@ -624,7 +614,10 @@ class PruningCallback(Callback):
         if self._masked is not None and self._stale.pending:
             self._stale.watch(self._masked.pairs())
         # (no schedule events kept: no statistics window to be in; the clock is read only when there is one)
-        self._collecting = bool(self._events) and self._importance.collects(self._now(trainer), self._next_event())
+        timeline = self._timeline
+        self._collecting = bool(timeline.events) and self._importance.collects(
+            self._now(trainer), timeline.next_event()
+        )
         if self._collecting:
             self._importance.start_batch(find_token_mask(batch, self.token_mask))
         if self._dst is not None:  # RigL: the backward of an update step's batch gives its dense gradients
@@ -648,9 +641,10 @@ class PruningCallback(Callback):
             if (
                 step % self.log_every_n_steps == 0
                 and step != self._last_logged
-                and not self._event_next(trainer, batch_idx)
+                and not self._timeline.event_next(trainer, batch_idx)
             ):
-                target = 0.0 if self._resolved is None else self._resolved.target(self._now(trainer))
+                resolved = self._timeline.resolved
+                target = 0.0 if resolved is None else resolved.target(self._now(trainer))
                 self._log(trainer, pl_module, target)
 
     @override
@@ -660,13 +654,14 @@ class PruningCallback(Callback):
         now = self._now(trainer) - partial
         if not (clock.stopped_early(trainer) or partial):  # the last event; none after a stop
             self._step(trainer, pl_module, now, log_to_module=False)
-        self._warn_if_schedule_unfinished(now)
+        if self._masked is not None:
+            self._timeline.warn_if_unfinished(now, self._masked.counts)
         if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.strategy.collective):
             table = self.summary_table()  # sharded: every rank takes part in reducing the counts
             rank_zero_info(table)
         if self._masked is not None:
             self._masked.make_permanent(self.make_permanent)
-        self._remove_step_handles()
+        self._hooks.remove_steps()
         self._importance.close()
         if self._dst is not None:
             self._dst.stop()
@@ -706,7 +701,7 @@ class PruningCallback(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._remove_plain_load()
+        self._hooks.remove_plain_load()
         if stage != "fit":
             return
         self._fitting = False  # validate/test(ckpt_path=...) restore this state too: their masks are not put back
@@ -722,14 +717,12 @@ class PruningCallback(Callback):
                     category=UserWarning,
                 )
             return
-        self._remove_plain_state_dict()
+        self._hooks.remove_plain_state_dict()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._fitting = False
-        self._remove_plain_state_dict()  # Lightning skips teardown hooks when fit fails
-        self._remove_plain_load()
-        self._remove_step_handles()
+        self._hooks.remove_all()  # Lightning skips teardown hooks when fit fails
         self._importance.close()
         if self._dst is not None:
             self._dst.stop()
@@ -746,12 +739,11 @@ class PruningCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         state = {
-            "last_event": self._last_event,
+            **self._timeline.state(),
             "rewind_snapshot": self._rewind_snapshot,
             "masks": dict(self._restored_masks or {}) if self._masked is None else self._masked.masks_or_zeros(),
             "sharded_masks": list(self._sharded_masks_in),
             "last_regrow": -1 if self._dst is None else self._dst.last,
-            "run_lengths": dict(self._lengths),
         }
         statistics = self._importance.state_dict()  # collected since the last event (a refit's too, any importance)
         if statistics:
@@ -761,10 +753,9 @@ class PruningCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed = True
-        self._last_event = int(state_dict.get("last_event", -1))
+        self._timeline.load_state(state_dict)
         if self._dst is not None:
             self._dst.last = int(state_dict.get("last_regrow", -1))
-        self._restored_lengths = {unit: int(n) for unit, n in state_dict.get("run_lengths", {}).items()}
         self._rewind_snapshot = state_dict.get("rewind_snapshot")
         self._sharded_masks_in = list(state_dict.get("sharded_masks", []))
         masks = state_dict.get("masks", {})
@@ -788,10 +779,8 @@ class PruningCallback(Callback):
 
         Runs in ``setup``, before Lightning restores a checkpoint's state into the callback (``load_state_dict``).
         """
-        self._resolved = None
+        self._timeline.reset()
         self._resumed = False  # a checkpoint's state was restored into the callback (load_state_dict)
-        self._lengths, self._restored_lengths = {}, {}
-        self._last_event = -1
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
         self._restored_masks = None
@@ -800,7 +789,6 @@ class PruningCallback(Callback):
         self._units_pending = False
         self._stale.reset()
         self._importance.unbind()
-        self._events = []
         self._collecting = False
         self._collapsed = None
         if self._dst is not None:
@@ -845,7 +833,7 @@ class PruningCallback(Callback):
             setup_checks.refuse_unrecorded_inputs(masked.consumers(), pl_module, reader, way_out)
         self._masked = masked
         self._importance.bind(masked.selection, inputs_of=masked.consumers(), moments=moments, outer=self.reconstruct)
-        self._plain_state_dict_handle = pl_module.register_state_dict_post_hook(masked.plain_state_dict)
+        self._hooks.write_plain_state_dict(pl_module, masked.plain_state_dict)
         masked.share_with_averages(neighbours.averaged_models(trainer))
 
     def _unit_ranking(self, trainer: Trainer) -> UnitRanking:
@@ -1029,12 +1017,13 @@ class PruningCallback(Callback):
         self._load_sharded_masks(trainer)
         self._load_sharded_sums(trainer)
         self._apply_restored_masks()  # strategies that restore checkpoints after setup restore them after on_fit_start
-        if isinstance(self._masked, UnitSelection) and self._resolved is not None:
-            self._masked.check_final(self._resolved.final_sparsity)
+        resolved = self._timeline.resolved
+        if isinstance(self._masked, UnitSelection) and resolved is not None:
+            self._masked.check_final(resolved.final_sparsity)
         self._attach(trainer, pl_module)
-        if self.max_layer_sparsity < 1 and self._resolved is not None:  # resumed: the counts hold the masks
+        if self.max_layer_sparsity < 1 and resolved is not None:  # resumed: the counts hold the masks
             counts = self._masked.counts() if self.scope in ("global", *ALLOCATION_SCOPES) else None
-            setup_checks.check_cap(self.max_layer_sparsity, self.scope, self._resolved.final_sparsity, counts)
+            setup_checks.check_cap(self.max_layer_sparsity, self.scope, resolved.final_sparsity, counts)
 
     def _load_sharded_masks(self, trainer: Trainer) -> None:
         """Resuming from a distributed checkpoint: read this rank's shard of every mask saved beside the weights."""
@@ -1061,40 +1050,15 @@ class PruningCallback(Callback):
     def _attach(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Attach the strategy's step hooks to the Trainer's optimizers (in place: their post-step passes, and the
         state of pruned entries zeroed at every event)."""
-        if self._masked is not None:
-            self._remove_step_handles()
-            self._step_handles = self._masked.strategy.attach(trainer, pl_module, self._masked)
-            self._attached_optimizers = list(trainer.optimizers)
+        masked = self._masked
+        if masked is not None:
+            self._hooks.attach_steps(trainer.optimizers, lambda: masked.strategy.attach(trainer, pl_module, masked))
 
     def _follow_optimizers(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A callback or the module replaced the optimizers mid-fit (``trainer.strategy.optimizers = [...]``): attach
         to the new ones before their first step, or their steps would move pruned weights off zero in place."""
-        optimizers = trainer.optimizers
-        if [id(o) for o in optimizers] != [id(o) for o in self._attached_optimizers]:  # (the old ones are held here)
+        if self._hooks.optimizers_replaced(trainer.optimizers):
             self._attach(trainer, pl_module)
-
-    def _remove_step_handles(self) -> None:
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles = []
-        self._attached_optimizers = []
-
-    def _remove_plain_state_dict(self) -> None:
-        """After fit, the model follows torch's state_dict contract again (``name_orig``, ``name_mask``)."""
-        if self._plain_state_dict_handle is not None:
-            self._plain_state_dict_handle.remove()
-            self._plain_state_dict_handle = None
-
-    def _accept_plain_checkpoints(self, pl_module: LightningModule) -> None:
-        """Let a model left reparametrized (by a fit with ``make_permanent=False``, or one that failed) load the plain
-        checkpoints this callback writes: Lightning loads a checkpoint's weights before any callback sees it."""
-        if self._plain_load_handle is None and prune.is_pruned(pl_module):
-            self._plain_load_handle = pl_module.register_load_state_dict_pre_hook(_adapt_to_checkpoint)
-
-    def _remove_plain_load(self) -> None:
-        if self._plain_load_handle is not None:
-            self._plain_load_handle.remove()
-            self._plain_load_handle = None
 
     def _apply_restored_masks(self) -> None:
         """Put the masks of a checkpoint back on the selected tensors (resume), once both are known."""
@@ -1112,16 +1076,17 @@ class PruningCallback(Callback):
 
     def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
         """Take the rewind snapshot when its time comes, then prune if an event is due."""
-        if self._resolved is None or self._masked is None or clock.in_swa_batch_norm_epoch(trainer):
+        resolved = self._timeline.resolved
+        if resolved is None or self._masked is None or clock.in_swa_batch_norm_epoch(trainer):
             return
         if self.rewind is not None and self._rewind_snapshot is None and t >= self.rewind:
             self._rewind_snapshot = rewinding.snapshot_weights(pl_module)
         # the latest event at or before t, in O(1): events missed in between are caught up by one prune to target
-        event = self._resolved.latest_event(t)
-        if event is None or event <= self._last_event:
+        event = resolved.latest_event(t)
+        if event is None or event <= self._timeline.last_event:
             return
         setup_checks.refuse_replaced(self._masked.selection, pl_module)
-        target = self._resolved.target(t)
+        target = resolved.target(t)
         if target > 0 and self._collapsed is None:  # (every rank: counting sharded tensors is collective)
             self._collapsed = set(self._masked.collapsed())  # what a resumed fit brought back is not news
         if target > 0 and self.reconstruct and self._importance.hessians is not None:
@@ -1136,7 +1101,7 @@ class PruningCallback(Callback):
         if target > 0:
             self._importance.after_event()
             self._say_collapsed(event)
-        self._last_event = event
+        self._timeline.last_event = event
         self._stale.expect_new()  # newly pruned tensors: learn at the next batch whether their forward runs
         if self.rewind is not None and self._rewind_snapshot is not None and target > 0:  # (level 0: nothing pruned)
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
@@ -1169,89 +1134,41 @@ class PruningCallback(Callback):
             where = f"{self._title()}: the event at {self.unit} {event}"
             rank_zero_warn(collapse_message(new, where, unit), category=LayerCollapseWarning)
 
-    def _fraction_length(self, trainer: Trainer, unit: str) -> int | float | None:
-        """The run length that fractions of the run on ``unit``'s clock are resolved against: this run's, or in a
-        run resumed from a checkpoint that recorded one, the checkpoint's (warned about where they differ), so that
-        events and mask updates fall at the same times as in the run that wrote it."""
-        if unit in self._lengths:  # the schedule's and the regrowth's step clocks: one length, said once
-            return self._lengths[unit]
-        length = clock.run_length(trainer, unit)
-        restored = self._restored_lengths.get(unit)
-        if restored is not None and length != restored:
-            if length is not None and length != float("inf"):
-                rank_zero_warn(
-                    f"{self._title()}: this fit lasts {int(length)} {clock.clock_name(trainer, unit)}, the run of the "
-                    f"checkpoint {restored}: the schedule's fractions of the run keep that run's length, so events "
-                    f"(and regrow_until) come at the same {unit}s as there; to spread them over this run, resume "
-                    "with a new PruningCallback of integer times",
-                    category=UserWarning,
-                )
-            length = restored
-        if length is not None and length != float("inf"):
-            self._lengths[unit] = int(length)
-        return length
-
-    def _event_next(self, trainer: Trainer, batch_idx: int) -> bool:
-        """``unit="epoch"``: whether this batch ends its epoch and an event comes when the next one starts (or fit
-        ends), which logs at this same step: one value a step, the one the next batch trains with."""
-        if self.unit != "epoch" or self._resolved is None or batch_idx + 1 < trainer.num_training_batches:
-            return False
-        after = trainer.current_epoch + 1
-        return self._resolved.latest_event(after) == after > self._last_event
-
     def _title(self) -> str:
         return "PruningCallback" if self.name is None else f"PruningCallback {self.name!r}"
-
-    def _next_event(self) -> int | None:
-        """The first event of the schedule after the last one taken, or ``None``."""
-        index = bisect.bisect_right(self._events, self._last_event)
-        return self._events[index] if index < len(self._events) else None
-
-    def _warn_catching_up(self, now: int) -> None:
-        """A fit that starts the schedule at ``now`` > 0 (from a checkpoint without the callback's state) takes every
-        event of the ramp up to ``now`` at once: say so, and how to ramp from here."""
-        assert self._resolved is not None
-        first = self._resolved.first_event
-        if first >= now or self._resolved.latest_event(now) == first:
-            return  # no event is past, or a single one (a one-shot schedule) is taken late
-        rank_zero_warn(
-            f"{self._title()}: this fit starts at {self.unit} {now} (the clock of the checkpoint it resumes, which "
-            f"holds no state of this callback), past the events from {self.unit} {first} of the schedule "
-            f"{self._resolved!r}: its first event prunes to {self._resolved.target(now):.4g} at once instead of "
-            f"ramping. To ramp from this fit's start, start the schedule at {self.unit} {now} or later",
-            category=UserWarning,
-        )
 
     def _check_first_event(self, due: bool, now: int) -> None:
         """An event that prunes when training starts (``due``, at ``now``) has no statistics to rank by, unless
         calibration provides them."""
-        if not due or self._resolved is None:
+        resolved = self._timeline.resolved
+        if not due or resolved is None:
             return
         kind = self._importance.kind
         if kind == "movement":
             raise ValueError(
-                f"importance='movement' needs optimizer steps before an event, but the schedule {self._resolved!r} "
+                f"importance='movement' needs optimizer steps before an event, but the schedule {resolved!r} "
                 f"has one at {self.unit} {now}: start it later"
             )
         if self.units is not None and self.reconstruct and not self.calibration_batches:
             raise ValueError(
-                f"reconstruct=True refits from input statistics, but the schedule {self._resolved!r} has an event at "
+                f"reconstruct=True refits from input statistics, but the schedule {resolved!r} has an event at "
                 f"{self.unit} {now}, before any training batch: set calibration_batches (e.g. 8) or start it later"
             )
         if kind in choices.STATISTICS_IMPORTANCES and not self.calibration_batches:
             raise ValueError(
-                f"importance={kind!r} needs input statistics, but the schedule {self._resolved!r} has an event "
+                f"importance={kind!r} needs input statistics, but the schedule {resolved!r} has an event "
                 f"at {self.unit} {now}, before any training batch: set calibration_batches (e.g. 8) or start it later"
             )
 
     def _sequential_first_event(self, trainer: Trainer, pl_module: LightningModule, now: int) -> None:
         """The event at the start (``now``), block by block: calibration batches through the blocks already pruned,
         then the block's OBS event, until every block is pruned (``sequential=True``)."""
-        assert self._resolved is not None and self._masked is not None and self._importance.hessians is not None
-        target = self._resolved.target(now)
+        resolved = self._timeline.resolved
+        assert resolved is not None and self._masked is not None and self._importance.hessians is not None
+        target = resolved.target(now)
         if target == 0:
             raise ValueError(
-                f"sequential=True calibrates an event at {self.unit} {now}, but the schedule {self._resolved!r} has "
+                f"sequential=True calibrates an event at {self.unit} {now}, but the schedule {resolved!r} has "
                 "none that prunes: use a one-shot schedule (a float) or a ramp starting above 0, or sequential=False"
             )
         hessians = self._importance.hessians
@@ -1266,7 +1183,7 @@ class PruningCallback(Callback):
             )
             self._masked.reconstruct_to(target, hessians.hessian, only=names)
             hessians.reset()
-        self._last_event = self._resolved.latest_event(now)
+        self._timeline.last_event = resolved.latest_event(now)
         self._stale.expect_new()
         self._log(trainer, pl_module, target, log_to_module=False)
 
@@ -1354,29 +1271,6 @@ class PruningCallback(Callback):
         title = f"{self._title()}: pruned {self.scope}, {self.method.__name__}{by}{regrown}"
         return reporting.summary_table(title, unit, rows)
 
-    def _warn_if_last_event_ends_fit(self, trainer: Trainer) -> None:
-        """An epoch event at ``max_epochs`` runs when fit ends, after the last validation and checkpoints: say so."""
-        epochs = clock.run_length(trainer, "epoch")
-        if self._resolved is None or self.unit != "epoch" or epochs is None or self._resolved.last_event != epochs:
-            return
-        rank_zero_warn(
-            f"{self._title()}: the schedule {self._resolved!r} has its last event at epoch {epochs}, "
-            "which is max_epochs: it runs when fit ends, after the last validation and every checkpoint written "
-            f"during fit, so the returned model (at {self._resolved.final_sparsity:.4g}) is neither fine-tuned, nor "
-            f"validated, nor in those checkpoints. End the schedule at epoch {int(epochs) - 1} or before (a "
-            "fraction of the run, end=1.0, resolves to it) to train after its last event",
-            category=UserWarning,
-        )
-
-    def _warn_if_schedule_unfinished(self, now: int) -> None:
-        """Fit ended (EarlyStopping, max_steps, interruption) at ``now``, before the schedule's last event: say how
-        far it got."""
-        if self._resolved is None or self._masked is None or self._last_event >= self._resolved.last_event:
-            return
-        counts = self._masked.counts()
-        reached = sum(pruned for _, pruned in counts) / max(sum(units for units, _ in counts), 1)
-        reporting.warn_unfinished(self.unit, now, self._resolved.last_event, reached, self._resolved.final_sparsity)
-
 
 def _check_unit_options(
     method: str,
@@ -1400,9 +1294,3 @@ def _check_unit_options(
     for key, (value, bad, why) in refused.items():
         if bad:
             raise ValueError(f"{key}={value!r} is not supported with method={method!r}: {why}")
-
-
-def _adapt_to_checkpoint(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: a plain checkpoint makes the pruning of a reparametrized model permanent first
-    (:func:`~lightprune.prune.prepare_for_state_dict`), so it loads as saved."""
-    prune.prepare_for_state_dict(module, state_dict, prefix)
