@@ -4,8 +4,8 @@ A small MLP learns scikit-learn's bundled handwritten digits. Its initial weight
 ``PruningCallback.snapshot_weights`` before any training. Then each round is one ``trainer.fit``: a callback prunes
 20% of the weights that remain (ranked by magnitude over all Linear layers) when the fit starts, rewinds the
 surviving weights to their saved initial values (``rewind=``) and the fit retrains the sparser network from there.
-Masks carry over from round to round, so sparsity grows 20%, 36%, 49%, 59%, ... The last round makes the pruning
-permanent (plain weights with zeros).
+Masks carry over from round to round (each later round's callback adopts them: ``adopt_zeros=True``), so sparsity
+grows 20%, 36%, 49%, 59%, ... The last round makes the pruning permanent (plain weights with zeros).
 
 Run::
 
@@ -109,6 +109,7 @@ def main() -> None:
             scope="global",
             rewind=initial,  # after pruning, the surviving weights restart from their initial values
             make_permanent=round_index == rounds,  # keep the masks between rounds; plain zeros after the last
+            adopt_zeros=round_index > 1,  # start from the earlier rounds' masks (a model with masks is refused else)
         )
         accuracy = fit(model, epochs, [pruning])
         weights = [effective_weight(model, name) for name in pruning.selection]

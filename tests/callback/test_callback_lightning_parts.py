@@ -212,7 +212,9 @@ def test_swas_batch_norm_epoch_is_not_part_of_the_run(tmp_path: Path, batch_norm
     moves = Moves()
     callbacks = [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=3), pruning, moves]
     trainer(callbacks, tmp_path, max_epochs=4, limit_val_batches=0).fit(model)  # 32 optimizer steps that train
-    assert pruning._timeline.resolved is not None and pruning._timeline.resolved.last_event == 16  # half of 32, with or without it
+    assert (
+        pruning._timeline.resolved is not None and pruning._timeline.resolved.last_event == 16
+    )  # half of 32, with or without it
     assert moves.steps and max(moves.steps) < 32
 
 
@@ -279,3 +281,52 @@ def test_a_layer_replaced_after_the_selection_is_refused_at_the_next_event(
     callback = PruningCallback(Cubic(final=0.5, start=start, end=8, frequency=1))
     with pytest.raises(RuntimeError, match=r"selected net\.4\.weight of a Linear that is no longer the model's net\.4"):
         trainer([callback], tmp_path).fit(ReplacesItsHead(hook))
+
+
+class FailsAtStep(TinyNet):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.global_step == 5:
+            raise RuntimeError("stop here")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_model_that_carries_masks_is_refused_unless_they_are_adopted(tmp_path: Path) -> None:
+    """A fit starts its schedule from an unpruned model: masks already on a selected tensor (lightprune.prune, a fit
+    left reparametrized) would have been taken over silently (a 0.5 target ending at 0.9). Refused, naming them;
+    adopt_zeros=True starts from them, and the schedule's target counts them."""
+    model = TinyNet()
+    prune.l1_unstructured(model.net[2], "weight", amount=0.9)
+    with pytest.raises(
+        ValueError, match=r"net\.2\.weight \(90\.1% masked\) already carries a pruning mask .*adopt_zeros=True"
+    ):
+        trainer([PruningCallback(0.5)], tmp_path).fit(model)
+    assert prune.is_pruned(model) and float((model.net[2].weight == 0).float().mean()) == pytest.approx(0.9, abs=0.01)
+
+    callback = PruningCallback(0.5, adopt_zeros=True)
+    trainer([callback], tmp_path).fit(model)
+    zeros = sum(int((model.net[i].weight == 0).sum()) for i in (0, 2, 4))
+    assert zeros == round(0.5 * N)  # the global target counts the 173 weights pruned before
+    assert int((model.net[2].weight == 0).sum()) >= round(0.9 * 192)  # they stayed pruned
+
+
+def test_a_refit_after_a_failed_fit_is_refused_naming_the_way_to_resume(tmp_path: Path) -> None:
+    """A fit that raises leaves the model reparametrized (Lightning skips teardown): a plain refit of that model
+    would start its ramp at the failed fit's sparsity. Refused, naming the way to resume."""
+    model = FailsAtStep()
+    schedule = Cubic(final=0.8, start=0, end=12, frequency=2)
+    with pytest.raises(RuntimeError, match="stop here"):
+        trainer([PruningCallback(schedule)], tmp_path).fit(model)
+    assert prune.is_pruned(model)
+    with pytest.raises(ValueError, match=r"already carry pruning masks .*ckpt_path="):
+        trainer([PruningCallback(schedule)], tmp_path).fit(model)
+
+
+def test_unit_methods_refuse_masks_already_there_unless_adopted(tmp_path: Path) -> None:
+    model = TinyNet()
+    prune.ln_structured(model.net[0], "weight", amount=0.5, n=2, dim=0)
+    with pytest.raises(ValueError, match=r"net\.0\.weight \(50\.0% masked\) already carries a pruning mask"):
+        trainer([PruningCallback(0.25, method="neurons")], tmp_path, max_epochs=1).fit(model)
+    callback = PruningCallback(0.75, method="neurons", adopt_zeros=True)
+    trainer([callback], tmp_path, max_epochs=1).fit(model)
+    rows = (model.net[0].weight != 0).any(dim=1)
+    assert int(rows.sum()) == 4  # 16 neurons, 0.75 of them pruned: the 8 pruned before among the 12

@@ -8,6 +8,7 @@ callback cannot change Lightning's loop; it warns, naming the way out.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -265,3 +266,66 @@ def test_a_dense_checkpoint_resumed_past_the_ramps_start_says_it_catches_up(
         assert not said, said
     pruned = sum(int((model.get_parameter(f"net.{i}.weight") == 0).sum()) for i in (0, 2, 4))
     assert pruned == round((schedule if isinstance(schedule, float) else 0.6) * (128 + 192 + 48))
+
+
+def _checkpoint_after_fit(tmp_path: Path, callback: PruningCallback) -> Path:
+    trainer = quiet_trainer([callback], max_epochs=2)
+    trainer.fit(TinyNet(), loader())
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    return tmp_path / "after_fit.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"schedule": 0.8}, "schedule=Constant(sparsity=0.5, at=0) there, schedule=Constant(sparsity=0.8, at=0) here"),
+        ({"schedule": Linear(final=0.5, start=0, end=12, frequency=4)}, "schedule=Constant"),
+        ({"unit": "epoch"}, "unit='step' there, unit='epoch' here"),  # step 16 had been read as epoch 16
+        ({"method": "ln_structured"}, "method='l1_unstructured' there, method='ln_structured' here"),
+        ({"importance": "movement", "schedule": 0.5}, "importance='magnitude' there, importance='movement' here"),
+        ({"rewind": "init"}, "rewind=None there, rewind=0 here"),  # rewound to the resume step's weights
+        ({"masking": "inplace"}, "masking='reparametrize' there, masking='inplace' here"),
+    ],
+    ids=["one-shot target (had stayed at 0.5)", "schedule", "unit", "method", "importance", "rewind", "masking"],
+)
+def test_a_fit_resumed_with_other_options_is_refused_naming_them(
+    tmp_path: Path, changed: dict[str, Any], named: str
+) -> None:
+    """The checkpoint's masks and last event belong to its configuration: resumed under another, the new one was
+    ignored (a target 0.8 stayed at 0.5) or mixed with it (a cubic to 0.5 ended at 0.7), without a word."""
+    path = _checkpoint_after_fit(tmp_path, PruningCallback(0.5, name="p"))
+    options = {"name": "p", "schedule": 0.5, **changed}
+    model = TinyNet()
+    with pytest.raises(ValueError, match=r"resumes a checkpoint written with other options: .*" + re.escape(named)):
+        quiet_trainer([PruningCallback(**options)], max_epochs=3).fit(model, loader(), ckpt_path=path)
+    assert not prune.is_pruned(model)  # refused before the selection: nothing was reparametrized
+
+
+def test_a_fit_resumed_with_another_selection_is_refused_naming_it(tmp_path: Path) -> None:
+    path = _checkpoint_after_fit(tmp_path, PruningCallback(0.5, name="p", include=r"net\.[02]\.weight"))
+    callback = PruningCallback(0.5, name="p", include=r"net\.[024]\.weight")
+    with pytest.raises(ValueError, match=r"selection was other: it selects \['net\.4\.weight'\]"):
+        quiet_trainer([callback], max_epochs=3).fit(TinyNet(), loader(), ckpt_path=path)
+
+
+def test_a_checkpoint_of_a_differently_keyed_callback_is_refused(tmp_path: Path) -> None:
+    """Unnamed, the state key follows scope, unit and patterns: under another key the checkpoint's masks were
+    skipped and its pruned weights trained again (one layer from 0.953 to 0.828)."""
+    path = _checkpoint_after_fit(tmp_path, PruningCallback(0.8))
+    with pytest.raises(ValueError, match=r"the checkpoint holds the state of PruningCallback\{.*'scope': 'global'"):
+        quiet_trainer([PruningCallback(0.8, scope="layerwise")], max_epochs=3).fit(TinyNet(), loader(), ckpt_path=path)
+
+
+def test_the_same_options_resume_and_another_configuration_goes_on_from_the_weights(tmp_path: Path) -> None:
+    """The way out the refusal names: a new fit from the checkpoint's weights with adopt_zeros=True."""
+    path = _checkpoint_after_fit(tmp_path, PruningCallback(0.5, name="p"))
+    resumed = TinyNet()
+    quiet_trainer([PruningCallback(0.5, name="p")], max_epochs=3).fit(resumed, loader(), ckpt_path=path)
+    assert sum(_zeros(resumed)) == round(0.5 * 368)
+    again = TinyNet()
+    again.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    pruned_before = [layer.weight == 0 for layer in again.net if isinstance(layer, torch.nn.Linear)]
+    quiet_trainer([PruningCallback(0.8, adopt_zeros=True)], max_epochs=1).fit(again, loader())
+    assert sum(_zeros(again)) == round(0.8 * 368)
+    layers = [layer for layer in again.net if isinstance(layer, torch.nn.Linear)]
+    assert all(bool((layer.weight[before] == 0).all()) for layer, before in zip(layers, pruned_before, strict=True))

@@ -351,7 +351,6 @@ def test_unit_patterns_match_a_groups_tensors_too_and_one_matching_nothing_is_wa
         ({"masking": "inplace"}, "masking='inplace' is not supported with method='neurons'"),
         ({"max_layer_sparsity": 0.5}, "max_layer_sparsity=0.5 is not supported with method='neurons'"),
         ({"parameters": []}, "parameters='\\[...\\]' is not supported with method='neurons'"),
-        ({"adopt_zeros": True}, "adopt_zeros=True is not supported"),
         ({"scope": "row"}, "scope='row': neurons ranks whole units"),
         ({"method_kwargs": {"dim": 0}}, "takes no method_kwargs"),
         ({"prune_channel_bias": True}, "prune_channel_bias=True: neurons prunes the units' biases already"),

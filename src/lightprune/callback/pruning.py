@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
-from lightprune.callback import clock, neighbours, reporting, rewinding, setup_checks, sharded, sharded_movement
+from lightprune.callback import clock, neighbours, reporting, resume, rewinding, setup_checks, sharded, sharded_movement
 from lightprune.callback.calibration import calibrate, first_batch, inputs_as_trained_on, reshard
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
@@ -92,10 +92,12 @@ class PruningCallback(Callback):
     ``optimizer.step()`` call there: a fraction of the run stays a fraction of the run whatever number of optimizers a
     batch steps, and also when some batches step none (see :mod:`lightprune.callback.clock`).
     Pruning happens only inside ``fit``: never in the sanity check, ``validate``, ``test`` or ``predict``. Every fit
-    starts the schedule afresh, also with a callback reused from an earlier fit (on Lightning's clock: a fit resumed
+    starts the schedule afresh on an unpruned model (masks already on the selected tensors are refused unless
+    ``adopt_zeros=True``), also with a callback reused from an earlier fit (on Lightning's clock: a fit resumed
     from a checkpoint without the callback's state, a dense one, takes the events before its step at once, and the
-    callback warns); a fit resumed from a checkpoint
-    (``ckpt_path=``) continues where the checkpoint left it, masks, clock and rewind snapshot included, and ends with
+    callback warns); a fit resumed from a checkpoint (``ckpt_path=``), with the options and selection of the fit that
+    wrote it (others are refused, naming them), continues where the checkpoint left it, masks, clock and rewind
+    snapshot included, and ends with
     the masks and weights of the uninterrupted run, as long as Lightning replays the same batches: a mid-epoch
     checkpoint needs a resumable dataloader, and a run bounded by ``max_steps`` resumed from a checkpoint written at
     an epoch's end trains one extra batch (a Lightning issue; the callback warns when it happens). Pruned tensors
@@ -126,7 +128,7 @@ class PruningCallback(Callback):
             LightningModule on ``example_inputs``; the schedule's targets are shares of each group's units
             (``round(target * count)``, exact; every group keeps at least one). ``include``/``exclude`` then match
             a group's module name or the name of a tensor it slices (a pattern matching no group is warned about);
-            ``masking="inplace"``, ``parameters``, ``adopt_zeros`` and ``max_layer_sparsity`` are refused.
+            ``masking="inplace"``, ``parameters`` and ``max_layer_sparsity`` are refused.
         method_kwargs: extra arguments of the method besides ``amount``, e.g. ``{"n": 2, "dim": 0}`` for
             ``ln_structured`` (whose defaults are ``n=2, dim=0``: output channels).
         scope: ``"global"`` (one ranking across the selection; unstructured methods only), ``"layerwise"``,
@@ -247,7 +249,10 @@ class PruningCallback(Callback):
             early blocks change the inputs of later ones); gradual schedules, whose later events see the training
             batches through the pruned model anyway, do not need it.
         adopt_zeros: when fit starts, mask the entries of the selected weights that are exactly zero (a checkpoint
-            pruned by another tool), so they stay zero through training; the schedule's targets count them.
+            pruned by another tool), so they stay zero through training; the schedule's targets count them. Masks
+            already on the selected tensors (from :mod:`lightprune.prune`, or an earlier fit left reparametrized by
+            ``make_permanent=False``) are kept too; without ``adopt_zeros`` such tensors are refused when fit starts.
+            With unit methods only those masks are kept (units are ranked whole; zeros are not masked).
         example_inputs: with ``"neurons"``/``"heads"``, the inputs of the forward traced to find the units: a
             callable ``batch -> inputs`` or fixed inputs (a tensor, a tuple of positional arguments, a dict of
             keyword arguments; built on the CPU, they are moved to the device the model trains on and converted as
@@ -357,7 +362,7 @@ class PruningCallback(Callback):
         self.units = method if isinstance(method, str) and method in choices.UNIT_METHODS else None
         self.example_inputs = example_inputs
         if self.units is not None:
-            _check_unit_options(method, reconstruct, masking, adopt_zeros, max_layer_sparsity, parameters)
+            _check_unit_options(method, reconstruct, masking, max_layer_sparsity, parameters)
         self.method, self.method_kwargs, scope = resolve_method_options(method, method_kwargs, scope)
         self.structured = self.method.PRUNING_TYPE == "structured"
         entry = None if self.units else method_entry(self.method)
@@ -485,6 +490,7 @@ class PruningCallback(Callback):
         self._masked: MaskedSelection | None = None
         self._hooks = ModelHooks()  # on the model (plain checkpoints) and the optimizers (in-place masking)
         self._restored_masks: dict[str, Tensor] | None = None
+        self._saved_selection: list[str] | None = None  # a checkpoint's selection, compared once this one is made
         self._units_pending = False  # a resumed fit with unit methods: units are found on its first training batch
         self._skipped_step = False  # the gradient scaler skips the current optimizer step
         self._fitting = False  # between setup("fit") and the fit's end: a checkpoint's masks are put back only then
@@ -744,14 +750,27 @@ class PruningCallback(Callback):
             "masks": dict(self._restored_masks or {}) if self._masked is None else self._masked.masks_or_zeros(),
             "sharded_masks": list(self._sharded_masks_in),
             "last_regrow": -1 if self._dst is None else self._dst.last,
+            "configuration": resume.configuration(self._resume_options()),
         }
+        if self._masked is not None:
+            state["selection"] = self.selection
         statistics = self._importance.state_dict()  # collected since the last event (a refit's too, any importance)
         if statistics:
             state["importance"] = statistics
         return state
 
     @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._fitting:  # (validate/test(ckpt_path=...) evaluate the checkpoint's weights, whatever wrote them)
+            keys = [c.state_key for c in trainer.callbacks if isinstance(c, PruningCallback)]
+            resume.refuse_foreign_states(checkpoint, keys, self._title())
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._fitting and "configuration" in state_dict:
+            current = resume.configuration(self._resume_options())
+            resume.refuse_changed(state_dict["configuration"], current, self._title())
+            self._saved_selection = state_dict.get("selection")
         self._resumed = True
         self._timeline.load_state(state_dict)
         if self._dst is not None:
@@ -784,6 +803,7 @@ class PruningCallback(Callback):
         self._last_logged = -1
         self._rewind_snapshot = self._given_snapshot
         self._restored_masks = None
+        self._saved_selection = None
         self._sharded_masks_in = []
         self._masked = None
         self._units_pending = False
@@ -826,6 +846,7 @@ class PruningCallback(Callback):
             ) from err
         masked = UnitSelection(pl_module, groups, self.scope, self.mask_dtype, self.seed, self.reconstruct)
         setup_checks.refuse_overlaps(masked.selection, self._other_selections(trainer), self._log_prefix)
+        setup_checks.refuse_masked_already(masked.selection, self.adopt_zeros)
         moments = self._importance.kind == "activation" or self.reconstruct
         if moments:  # the units are ranked or refit on the inputs of the projections reading them
             reader = "importance='activation'" if self._importance.kind == "activation" else "reconstruct=True"
@@ -957,6 +978,7 @@ class PruningCallback(Callback):
         if self.mask_dtype == torch.bool:
             neighbours.refuse_averaged_bool_buffers(trainer)
         setup_checks.refuse_overlaps(selection, self._other_selections(trainer), self._log_prefix)
+        setup_checks.refuse_masked_already(selection, self.adopt_zeros)
         setup_checks.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
         setup_checks.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
         if self._default_types and self.parameters is None and self.include is None and self.exclude is None:
@@ -1060,8 +1082,33 @@ class PruningCallback(Callback):
         if self._hooks.optimizers_replaced(trainer.optimizers):
             self._attach(trainer, pl_module)
 
+    def _resume_options(self) -> dict[str, Any]:
+        """The options a resumed fit must share with the fit that wrote its checkpoint (:mod:`.resume`)."""
+        return {
+            "schedule": self.schedule,
+            "unit": self.unit,
+            "method": self.units or method_name(self.method) or self.method.__name__,
+            "method_kwargs": dict(sorted(self.method_kwargs.items())),
+            "scope": self.scope,
+            "importance": self.importance,
+            "masking": self.masking,
+            "rewind": self.rewind if self._given_snapshot is None else "weights given",
+            "max_layer_sparsity": self.max_layer_sparsity,
+            "prune_channel_bias": self.prune_channel_bias,
+            "reconstruct": self.reconstruct,
+            "regrow": None if self.regrow is None else (self.regrow, self.regrow_every, self.regrow_fraction),
+            "regrow_until": None if self.regrow is None else self.regrow_until,
+        }
+
+    def _check_resumed_selection(self) -> None:
+        """A resumed fit selects what the fit that wrote its checkpoint selected (checked once it is known)."""
+        if self._saved_selection is not None and self._masked is not None:
+            saved, self._saved_selection = self._saved_selection, None
+            resume.refuse_changed_selection(saved, self.selection, self._title())
+
     def _apply_restored_masks(self) -> None:
         """Put the masks of a checkpoint back on the selected tensors (resume), once both are known."""
+        self._check_resumed_selection()
         if self._restored_masks is not None and self._masked is not None and self._fitting:
             restored, self._restored_masks = self._restored_masks, None
             self._masked.restore(restored, self.state_key)
@@ -1276,7 +1323,6 @@ def _check_unit_options(
     method: str,
     reconstruct: Any,
     masking: str,
-    adopt_zeros: bool,
     max_layer_sparsity: float,
     parameters: Any,
 ) -> None:
@@ -1285,7 +1331,6 @@ def _check_unit_options(
         raise ValueError(f"reconstruct={reconstruct!r} must be None or a bool")
     refused = {
         "masking": (masking, masking != "reparametrize", "units are masked through the reparametrization only"),
-        "adopt_zeros": (adopt_zeros, adopt_zeros, "units are found and ranked whole, not adopted from zeros"),
         "max_layer_sparsity": (
             max_layer_sparsity, max_layer_sparsity != 1.0, "every group keeps at least one unit already",
         ),

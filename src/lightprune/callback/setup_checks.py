@@ -24,6 +24,7 @@ __all__ = [
     "check_rows",
     "check_sharded",
     "find_ties",
+    "refuse_masked_already",
     "refuse_overlaps",
     "refuse_reserved_names",
     "refuse_sharded_criteria",
@@ -52,6 +53,42 @@ def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str
                 f"two PruningCallbacks would log to the same keys {log_prefix}...: give each a distinct name= (e.g. "
                 "PruningCallback(..., name='encoder'))"
             )
+
+
+def refuse_masked_already(selection: Selection, adopt: bool) -> None:
+    """Selected tensors that carry a pruning mask when fit starts (pruned with :mod:`lightprune.prune`, or left
+    reparametrized by a fit with ``make_permanent=False`` or one that raised): a fit's schedule starts from an unpruned
+    model, so they are refused, naming them, unless ``adopt`` (``adopt_zeros=True``: start from the masks already
+    there).
+
+    Example:
+        >>> layer = prune.l1_unstructured(nn.Linear(4, 2), "weight", amount=0.5)
+        >>> refuse_masked_already([("fc.weight", layer, "weight")], adopt=True)
+        >>> refuse_masked_already([("fc.weight", layer, "weight")], adopt=False)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: PruningCallback: fc.weight (50.0% masked) already carries a pruning mask ...
+    """
+    if adopt:
+        return
+    found = []
+    for qualified, module, name in selection:
+        if name in prune.pruned_names(module):
+            mask = module._buffers[name + "_mask"]
+            assert mask is not None
+            found.append(f"{qualified} ({1 - int(mask.count_nonzero()) / max(mask.numel(), 1):.1%} masked)")
+    if not found:
+        return
+    ways = (
+        "pass adopt_zeros=True to start from these masks (they stay pruned and the schedule's targets count them), "
+        "or make them permanent first with prune.remove(module, name) (their zeros are then trained like any weight)"
+    )
+    raise ValueError(
+        f"PruningCallback: {', '.join(found[:5])}{' and more' if len(found) > 5 else ''} already "
+        f"{'carries a pruning mask' if len(found) == 1 else 'carry pruning masks'} "
+        "(from lightprune.prune, or a fit left reparametrized by make_permanent=False or by an exception; resume "
+        f"such a fit with trainer.fit(..., ckpt_path=...)), and a fit's schedule starts from an unpruned model: {ways}"
+    )
 
 
 def refuse_reserved_names(selection: Selection, total_key: str = TOTAL_KEY) -> None:

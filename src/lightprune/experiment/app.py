@@ -99,6 +99,7 @@ def build_callback(
     rounds_target: float | None = None,
     rewind: Any = None,
     make_permanent: bool = True,
+    adopt_masks: bool = False,
     example: Any = None,
 ) -> Any:
     """A :class:`lightprune.PruningCallback` for ``cfg.pruning``, or ``None`` for the dense preset.
@@ -117,6 +118,8 @@ def build_callback(
         rewind: the callback's ``rewind=``, e.g. a :meth:`~lightprune.PruningCallback.snapshot_weights` dict of
             the initial weights. ``None`` with ``pruning.rewind=init``: rewind to the weights at the start of fit.
         make_permanent: remove the pruning reparametrization at the end of fit (plain weights with zeros).
+        adopt_masks: the model carries the masks of an earlier round (left by ``make_permanent=False``): start from
+            them (``adopt_zeros=True``), which a callback refuses otherwise.
         example: one input of the model, run once to find the classifier for ``pruning.exclude_classifier`` (the
             last ``nn.Linear`` called); ``None``: ``module.example_input_array``, else the last one defined.
 
@@ -144,6 +147,7 @@ def build_callback(
         "mask_dtype": torch.bool if p.mask_dtype == "bool" else None,
         "method_kwargs": method_kwargs(p),
         "make_permanent": make_permanent,
+        "adopt_zeros": bool(p.adopt_zeros) or adopt_masks,
         "log_every_n_steps": cfg.trainer.log_every_n_steps,
     }
     arguments = inspect.signature(PruningCallback).parameters
@@ -439,6 +443,7 @@ def _plan(
                         rounds_target=target,
                         rewind=rewind,
                         make_permanent=index == len(targets),
+                        adopt_masks=index > 1,
                         example=example,
                     ),
                 )
