@@ -118,20 +118,31 @@ def test_integer_times_count_batches_under_manual_optimization() -> None:
 def test_fractions_under_manual_optimization_refuse_max_steps() -> None:
     callback = PruningCallback(SCHEDULE, summary=False)
     trainer = quiet_trainer([callback], max_epochs=5, max_steps=30)
-    with pytest.raises(ValueError, match=r"run length in training batches is unknown .*max_steps counts optimizer"):
+    with pytest.raises(ValueError, match=r"run length in training batches is unknown: .*max_steps counts optimizer"):
         trainer.fit(TwoOptimizers())
 
 
 def test_regrowth_under_manual_optimization_with_max_steps_says_what_sets_its_length() -> None:
     callback = PruningCallback(0.5, regrow="set", summary=False)
     trainer = quiet_trainer([callback], max_epochs=-1, max_steps=30)
-    with pytest.raises(ValueError, match=r"regrow_until=0\.75 .* training batches is unknown .*set max_epochs"):
+    with pytest.raises(ValueError, match=r"regrow_until=0\.75 .* training batches is unknown.*set max_epochs"):
         trainer.fit(TwoOptimizers())
 
 
-def test_max_steps_beyond_the_batches_keeps_the_batch_count(plain: Counts) -> None:
-    counts = _fit(EveryOtherBatch(), max_steps=1000)  # never reached: 20 optimizer steps in 40 batches
-    assert counts.pruned == plain.pruned
+@pytest.mark.parametrize("max_steps", [BATCHES, 1000])
+def test_fractions_under_manual_optimization_refuse_any_max_steps(max_steps: int) -> None:
+    """max_steps counts optimizer.step() calls, any number of which a batch may make: at max_steps=BATCHES two
+    optimizers stop the run after half the batches, while the schedule had been spread over all of them."""
+    trainer = quiet_trainer([PruningCallback(SCHEDULE, summary=False)], max_epochs=5, max_steps=max_steps)
+    with pytest.raises(ValueError, match=r"run length in training batches is unknown: .*max_steps counts optimizer"):
+        trainer.fit(TwoOptimizers())
+
+
+def test_integer_times_under_manual_optimization_take_max_steps() -> None:
+    counts = Counts()
+    callback = PruningCallback(Cubic(final=0.5, start=4, end=12, frequency=4), make_permanent=False, summary=False)
+    quiet_trainer([callback, counts], max_epochs=5, max_steps=24).fit(TwoOptimizers())
+    assert len(counts.pruned) == 12 and counts.pruned[-1] == round(0.5 * N)  # 24 steps: 12 batches of two
 
 
 class MaskChanges(L.Callback):
@@ -281,3 +292,62 @@ def test_an_epoch_schedule_ending_at_max_epochs_says_its_last_event_follows_all_
     assert len(said) == warns, said
     if warns:
         assert "End the schedule at epoch 2 or before" in said[0]
+
+
+class RawOptimizer(TinyNet):
+    """Manual optimization stepping the optimizer itself, not Lightning's wrapper (or through it)."""
+
+    def __init__(self, wrapped: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.wrapped = wrapped
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers(use_pl_optimizer=self.wrapped)
+        x, y = batch
+        optimizer.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self(x), y))
+        optimizer.step()
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["Lightning's optimizer", "the raw optimizer"])
+def test_movement_refuses_optimizer_steps_lightning_does_not_announce(wrapped: bool) -> None:
+    """Movement adds -W*grad in on_before_optimizer_step, which a raw optimizer's step skips: its scores stayed zero
+    and the event pruned the first half of every tensor in index order, silently."""
+    schedule = Linear(final=0.5, start=4, end=8, frequency=4)
+    callback = PruningCallback(schedule, importance="movement", scope="layerwise", summary=False)
+    model = RawOptimizer(wrapped)
+    trainer = quiet_trainer([callback], max_epochs=1)
+    if not wrapped:
+        with pytest.raises(RuntimeError, match=r"importance='movement' .* this step of SGD skipped"):
+            trainer.fit(model)
+        return
+    trainer.fit(model)
+    kept = (model.net[0].weight != 0).flatten()
+    assert int((~kept).sum()) == 64 and not bool((~kept[:64]).all())  # half pruned, ranked, not in index order
+
+
+class LongerEveryEpoch(TinyNet):
+    """A loader reloaded every epoch, of 8 batches and then 24."""
+
+    def train_dataloader(self) -> Any:
+        return loader(64 if self.trainer.current_epoch == 0 else 192)
+
+
+@pytest.mark.parametrize("unit", ["step", "epoch"])
+def test_fractions_fixed_before_the_loader_changes_length_are_said(unit: str) -> None:
+    """Fractions of the run are fixed when training starts (8 batches an epoch: 16 steps); a reloaded loader of 24
+    batches makes the run 32 steps, and the ramp ended at step 8 of 32 without a word. The epoch clock's length
+    does not change: nothing to say there."""
+    schedule = Cubic(final=0.8, start=0.0, end=0.5, frequency=2 if unit == "step" else 1)
+    trainer = quiet_trainer([PruningCallback(schedule, unit=unit, summary=False)], max_epochs=2)
+    trainer.reload_dataloaders_every_n_epochs = 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LongerEveryEpoch())
+    said = [str(w.message) for w in caught if "stay fixed to" in str(w.message)]
+    if unit == "epoch":
+        assert said == []
+    else:
+        assert len(said) == 1 and "the loader of epoch 1 has 24 batches, the one the run's length was read" in said[0]
+        assert "started 8: the schedule's fractions of the run (and regrow_until) stay fixed to 16 optimizer" in said[0]

@@ -257,7 +257,7 @@ def test_resuming_from_tampered_masks_fails_before_training(
     path = tmp_path / "tampered.ckpt"
     torch.save(checkpoint, path)
     model = Net()
-    callback = PruningCallback(Cubic(final=0.6, start=0, end=12, frequency=4), make_permanent=False)
+    callback = PruningCallback(Cubic(final=0.6, start=0, end=12, frequency=4), make_permanent=False, rewind="init")
     trainer = L.Trainer(max_epochs=4, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
                         callbacks=[callback])  # fmt: skip
     with pytest.raises(ValueError, match=message) as info:

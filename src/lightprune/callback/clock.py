@@ -9,7 +9,8 @@
   schedule twice as fast, and a loop that steps every other batch (gradient accumulation by hand) half as fast, as
   one that steps once. Counting batches makes a fraction of the run a fraction of the run whatever the loop does with
   its optimizers; with one ``optimizer.step()`` a batch both counts agree. The run lasts ``max_epochs`` times the
-  batches of an epoch (``max_steps`` counts ``optimizer.step()`` calls, so it cannot say how many batches run).
+  batches of an epoch; with ``max_steps`` set its length is unknown (``max_steps`` counts ``optimizer.step()``
+  calls, so it cannot say how many batches run: a GAN stepping twice a batch stops after half of them).
 """
 
 from __future__ import annotations
@@ -122,9 +123,10 @@ def in_swa_batch_norm_epoch(trainer: Trainer) -> bool:
 def run_length(trainer: Trainer, unit: str) -> int | float | None:
     """How many units of the clock the run lasts; ``None`` or ``inf`` when that is unknown.
 
-    Under manual optimization the length is unknown when ``max_steps`` (a count of ``optimizer.step()`` calls) may
-    end the run before ``max_epochs`` does. The epoch that ``StochasticWeightAveraging`` adds to recompute BatchNorm
-    statistics trains nothing and does not count (:func:`swa_batch_norm_epoch`).
+    Under manual optimization the length is unknown when ``max_steps`` is set: it counts ``optimizer.step()`` calls,
+    any number of which a batch may make, so it may end the run before ``max_epochs`` does. The epoch that
+    ``StochasticWeightAveraging`` adds to recompute BatchNorm statistics trains nothing and does not count
+    (:func:`swa_batch_norm_epoch`).
 
     Example:
         >>> run_length(Trainer(max_epochs=3, logger=False, enable_progress_bar=False), "epoch")
@@ -148,8 +150,7 @@ def _run_length(trainer: Trainer, unit: str) -> int | float | None:
     epochs, batches = trainer.max_epochs, trainer.num_training_batches
     if epochs is None or epochs < 0 or batches == float("inf"):
         return None
-    total = int(batches) * max(epochs, 1)
-    return None if trainer.max_steps != -1 and trainer.max_steps < total else total
+    return None if trainer.max_steps != -1 else int(batches) * max(epochs, 1)
 
 
 def stopped_early(trainer: Trainer) -> bool:

@@ -107,6 +107,7 @@ class Importance:
     def __init__(self, importance: str | ScoreFunction, window: int = 1) -> None:
         self.importance = importance
         self.window = window
+        self._seen_steps: set[int] = set()  # optimizers whose step on_before_optimizer_step announced (movement)
         self.activations: ActivationStats | None = None
         self.movement: MovementScores | None = None
         self.hessians: HessianStats | None = None
@@ -192,11 +193,36 @@ class Importance:
         if self.hessians is not None:
             self.hessians.finish_batch(reduce_sum)
 
-    def optimizer_step(self, optimizer: Any) -> None:
-        """Movement: add ``-W * grad`` of the selected weights this optimizer is about to step."""
+    def optimizer_step(self, optimizer: Any, skipped: bool = False) -> None:
+        """Movement: add ``-W * grad`` of the selected weights this optimizer is about to step (unless the gradient
+        scaler ``skipped`` the step); called from Lightning's ``on_before_optimizer_step``."""
         if self.movement is not None:
             optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
-            self.movement.accumulate(p for group in optimizer.param_groups for p in group["params"])
+            self._seen_steps.add(id(optimizer))
+            if not skipped:
+                self.movement.accumulate(p for group in optimizer.param_groups for p in group["params"])
+
+    def watch_steps(self, optimizers: list[Any]) -> list[Any]:
+        """Movement: refuse a step of ``optimizers`` that Lightning's ``on_before_optimizer_step`` did not announce
+        (an optimizer stepped directly under manual optimization, ``self.optimizers(use_pl_optimizer=False)``): its
+        gradients would never be added, and the event would rank zeros. Returns the hooks' handles."""
+        if self.movement is None:
+            return []
+        seen = self._seen_steps
+
+        def check(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if id(optimizer) in seen:
+                seen.discard(id(optimizer))
+                return
+            raise RuntimeError(
+                f"PruningCallback: importance='movement' adds up -W*grad in Lightning's on_before_optimizer_step, "
+                f"which this step of {type(optimizer).__name__} skipped: an optimizer stepped directly "
+                "(self.optimizers(use_pl_optimizer=False), or one of your own) is not seen, and its event would rank "
+                "all-zero scores. Under manual optimization step the optimizers self.optimizers() returns"
+            )
+
+        raw = [getattr(optimizer, "optimizer", optimizer) for optimizer in optimizers]
+        return [optimizer.register_step_post_hook(check) for optimizer in raw]
 
     # ------------------------------------------------------------------------------------------------------------
     # Scores at an event

@@ -388,7 +388,7 @@ def schedule_for_run(
         if fractions_of is None or fractions_of < 1 or fractions_of == float("inf"):
             raise ValueError(
                 f"the schedule {schedule!r} gives times as fractions of the run, but the run length in "
-                f"{clock.clock_name(trainer, unit)} is unknown ({fractions_of!r}): "
+                f"{clock.clock_name(trainer, unit)} is unknown: "
                 f"{unknown_length_hint(trainer, unit, 'give integer times')}"
             )
         try:

@@ -604,6 +604,8 @@ class PruningCallback(Callback):
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._after_rewrite()  # StochasticWeightAveraging updates its average when an epoch starts
+        if trainer.current_epoch > 0:
+            self._timeline.warn_if_length_changed(trainer)  # (reloaded loaders of another length)
         if self.unit == "epoch":
             self._step(trainer, pl_module, trainer.current_epoch)
 
@@ -682,8 +684,7 @@ class PruningCallback(Callback):
         if self._masked is not None:
             self._follow_optimizers(trainer, pl_module)
             self._masked.strategy.before_optimizer_step()  # the gradients are final; clipping and the step follow
-        if not self._skipped_step:
-            self._importance.optimizer_step(optimizer)  # movement: the gradients are final (accumulated, unscaled)
+        self._importance.optimizer_step(optimizer, self._skipped_step)  # movement: final (accumulated, unscaled)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -1074,7 +1075,13 @@ class PruningCallback(Callback):
         state of pruned entries zeroed at every event)."""
         masked = self._masked
         if masked is not None:
-            self._hooks.attach_steps(trainer.optimizers, lambda: masked.strategy.attach(trainer, pl_module, masked))
+            self._hooks.attach_steps(
+                trainer.optimizers,
+                lambda: [
+                    *masked.strategy.attach(trainer, pl_module, masked),
+                    *self._importance.watch_steps(trainer.optimizers),
+                ],
+            )
 
     def _follow_optimizers(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A callback or the module replaced the optimizers mid-fit (``trainer.strategy.optimizers = [...]``): attach

@@ -44,13 +44,16 @@ class Timeline:
         self.events: list[int] = []  # the resolved schedule's events, where a statistics window needs the next one
         self.lengths: dict[str, int] = {}  # the run lengths fractions of the run were resolved against, per clock
         self.restored_lengths: dict[str, int] = {}  # a checkpoint's: a resumed run keeps them
+        self.measured: dict[str, int] = {}  # this run's lengths as the Trainer gave them when training started
+        self._first_batches: int | float | None = None  # the loader's batches when training started
 
     def reset(self) -> None:
         """Forget the last fit: a new one replays the schedule from its start."""
         self.resolved = None
         self.last_event = -1
         self.events = []
-        self.lengths, self.restored_lengths = {}, {}
+        self.lengths, self.restored_lengths, self.measured = {}, {}, {}
+        self._first_batches = None
 
     def state(self) -> dict[str, Any]:
         """The entries of the callback's checkpoint state that resume this timeline."""
@@ -68,6 +71,9 @@ class Timeline:
         if unit in self.lengths:  # the schedule's and the regrowth's step clocks: one length, said once
             return self.lengths[unit]
         length = clock.run_length(trainer, unit)
+        if length is not None and length != float("inf"):
+            self.measured[unit] = int(length)
+            self._first_batches = trainer.num_training_batches
         restored = self.restored_lengths.get(unit)
         if restored is not None and length != restored:
             if length is not None and length != float("inf"):
@@ -82,6 +88,24 @@ class Timeline:
         if length is not None and length != float("inf"):
             self.lengths[unit] = int(length)
         return length
+
+    def warn_if_length_changed(self, trainer: Trainer) -> None:
+        """At an epoch's start: the step clock's fractions of the run were fixed to a length read from the first
+        epoch's loader, and a reloaded loader (``reload_dataloaders_every_n_epochs``) has another number of batches:
+        say so, once."""
+        measured = self.measured.get("step")
+        batches, first = trainer.num_training_batches, self._first_batches
+        if measured is None or first is None or batches == first:
+            return
+        self._first_batches = None  # said once
+        rank_zero_warn(
+            f"{self.title}: the loader of epoch {trainer.current_epoch} has {batches} batches, the one the run's "
+            f"length was read from when training started {first}: the schedule's fractions of the run (and "
+            f"regrow_until) stay fixed to {self.lengths.get('step', measured)} {clock.clock_name(trainer, 'step')}, "
+            "so events and mask updates do not follow the new length. Give integer times for loaders whose length "
+            "changes between epochs",
+            category=UserWarning,
+        )
 
     def start(self, schedule: Schedule, trainer: Trainer, rewind: int | None, windowed: bool) -> Schedule:
         """Resolve ``schedule`` for this fit and check it against the run; keep its events where a statistics window
