@@ -339,3 +339,27 @@ def test_the_second_moment_is_summed_in_float32_under_autocast() -> None:
         h = prune.input_second_moment(layer, x)
     assert h.dtype == torch.float32
     torch.testing.assert_close(h, exact, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("pruned_before", [False, True], ids=["dense layer", "already pruned layer"])
+def test_an_undone_transaction_puts_obs_updated_weights_back(pruned_before: bool) -> None:
+    """OBS writes the updated weights in place: undone, the transaction had restored the masks but left the layer
+    dense with the SparseGPT-updated weights (a model no code asked for)."""
+    torch.manual_seed(0)
+    layer, other = nn.Linear(8, 4), nn.Linear(8, 4)
+    if pruned_before:
+        prune.l1_unstructured(layer, "weight", amount=0.25)
+    before = {name: tensor.detach().clone() for name, tensor in layer.state_dict().items()}
+    hessian = prune.input_second_moment(layer, torch.randn(64, 8))
+    block = prune.transaction([(layer, "weight"), (other, "weight")])
+    with pytest.raises(ValueError, match="larger than the number of units"), block:
+        prune.obs_unstructured(layer, "weight", hessian, amount=0.5)
+        assert not torch.equal(
+            prune.original(layer, "weight").detach(), before.get("weight_orig", before.get("weight"))
+        )
+        prune.l1_unstructured(other, "weight", amount=100)  # fails: undoes the block
+    after = layer.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    if pruned_before:
+        assert torch.equal(layer.weight, prune.original(layer, "weight") * layer.weight_mask)

@@ -407,15 +407,54 @@ class Transaction:
 
     def __init__(self) -> None:
         self._snapshots: list[_ModuleSnapshot] = []
+        self._values: list[tuple[Tensor, Tensor]] = []  # tensors written in place during the block, their values
 
     def save(self, module: nn.Module, name: str) -> None:
         """Record the current state of ``module.<name>``'s reparametrization."""
         self._snapshots.append(_ModuleSnapshot.take(module, name))
 
+    def keep_values(self, tensor: Tensor, values: Tensor) -> None:
+        """Record ``values`` (a copy) of ``tensor`` before the block writes into it in place (the first time)."""
+        if not any(kept is tensor for kept, _ in self._values):
+            self._values.append((tensor, values))
+
     def undo(self) -> None:
-        """Restore every saved state, newest first, and forget them."""
+        """Restore every saved state, newest first, and the values of tensors written in place; forget them."""
         while self._snapshots:
             self._snapshots.pop().restore()
+        with torch.no_grad():
+            while self._values:
+                tensor, values = self._values.pop()
+                tensor.copy_(values)
+
+
+_RUNNING: list[Transaction] = []
+"""The transactions whose block is running, innermost last."""
+
+
+def before_write_in_place(tensor: Tensor) -> None:
+    """Call before writing into ``tensor`` in place (OBS's update of the kept weights): every running
+    :func:`transaction` keeps a copy of its values (one copy, shared; in CPU memory for a plain tensor, so that an
+    accelerator holds no second model) so that undoing it puts them back. Outside a transaction nothing is copied.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> before = layer.weight.detach().clone()
+        >>> try:
+        ...     with transaction():
+        ...         before_write_in_place(layer.weight)
+        ...         _ = layer.weight.data.zero_()
+        ...         raise KeyboardInterrupt
+        ... except KeyboardInterrupt:
+        ...     pass
+        >>> torch.equal(layer.weight.detach(), before)
+        True
+    """
+    if _RUNNING:
+        detached = tensor.detach()
+        values = detached.to("cpu", copy=True) if type(detached) is Tensor else detached.clone()
+        for running in _RUNNING:
+            running.keep_values(tensor, values)
 
 
 @contextlib.contextmanager
@@ -441,11 +480,14 @@ def transaction(pairs: Iterable[tuple[nn.Module, str]] = ()) -> Iterator[Transac
     saved = Transaction()
     for module, name in pairs:
         saved.save(module, name)
+    _RUNNING.append(saved)
     try:
         yield saved
     except BaseException:
         saved.undo()
         raise
+    finally:
+        _RUNNING.remove(saved)
 
 
 # ----------------------------------------------------------------------------------------------------------------

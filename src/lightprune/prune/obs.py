@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightprune.layouts import is_transformers_conv1d
-from lightprune.prune._reparam import FROM_SETTING, original, pruned_names
+from lightprune.prune._reparam import FROM_SETTING, before_write_in_place, original, pruned_names
 from lightprune.prune.amount import validate_amount
 from lightprune.prune.distributed import local_of
 from lightprune.prune.functional import custom_from_mask
@@ -524,6 +524,7 @@ def obs_layer(
     )  # fmt: skip
     new_weight = from_matrix(module, new, param.shape)
     new_keep = from_matrix(module, kept, param.shape)
+    before_write_in_place(param)  # a running transaction puts the weights back if it is undone
     with torch.no_grad():
         param.copy_(torch.where(new_keep, new_weight, param))
     return custom_from_mask(module, name, mask=new_keep, mask_dtype=mask_dtype)
