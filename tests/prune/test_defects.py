@@ -749,3 +749,27 @@ def test_interrupted_remove_leaves_the_module_pruned(
     lstm(torch.randn(2, 1, 4))
     lp.remove(lstm, "weight_hh_l0")
     assert lstm._parameters["weight_hh_l0"] is orig and not lp.is_pruned(lstm)
+
+
+def test_a_parameter_that_replaced_a_pruned_tensor_is_neither_overwritten_nor_left_stale() -> None:
+    """torch.nn.utils.fusion deep-copies a module (which lightprune's pruned modules allow, unlike torch's) and puts
+    the fused weight back as a Parameter: the forward failed on an unclear TypeError, and prune.remove silently
+    wrote weight_orig * weight_mask over the fused values (outputs of the conv without its BatchNorm)."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 4, 3).eval(), nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    lp.l1_unstructured(conv, "weight", amount=0.5)
+    fused = fuse_conv_bn_eval(conv, bn)
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.raises(RuntimeError, match=r"Conv2d\.weight is pruned, but a Parameter 'weight' replaced"):
+        fused(x)
+    fused_weight = fused.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"Make the pruning permanent first \(prune\.remove\(module, 'weight'\)\)"):
+        lp.remove(fused, "weight")
+    assert torch.equal(fused.weight, fused_weight)  # nothing was written over it
+    lp.remove(conv, "weight")  # the way the message names: permanent first, then fuse
+    assert torch.allclose(fuse_conv_bn_eval(conv, bn)(x), bn(conv(x)), atol=1e-5)

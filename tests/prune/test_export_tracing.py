@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from lightprune import prune
-from lightprune.prune import base
 from lightprune.prune.masking import MIN_NUMEL_FOR_BITS
 
 
@@ -168,6 +167,40 @@ def test_a_module_compiled_in_place_trains_as_in_eager_mode(mask_dtype: torch.dt
     assert bool((net[0].weight_orig.grad[net[0].weight_mask == 0] == 0).all())
 
 
+class ReadsDirectly(nn.Module):
+    """A parent that reads its child's pruned weight without calling the child (as MultiheadAttention reads
+    ``out_proj.weight``): the value the pruning stored in eager mode enters the compiled graph as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = nn.functional.linear(x, self.fc.weight, self.fc.bias)
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool], ids=id_of)
+def test_a_compiled_forward_reading_a_pruned_weight_directly_matches_eager(mask_dtype: torch.dtype | None) -> None:
+    """The stored value was a Tensor subclass (so that it deep-copied): AOT autograd failed on it ("Multiple
+    dispatch failed for aten.t"), where torch.nn.utils.prune compiles; it is a plain tensor now, still copyable."""
+    torch.manual_seed(0)
+    net = ReadsDirectly()
+    with prune.mask_dtype(mask_dtype):
+        prune.l1_unstructured(net.fc, "weight", amount=0.5)
+        prune.l1_unstructured(net.attention.out_proj, "weight", amount=0.5)
+    twin = copy.deepcopy(net)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), twin(x), rtol=1e-5, atol=1e-6)
+    compiled(x).square().sum().backward()
+    assert bool((net.fc.weight_orig.grad[net.fc.weight_mask == 0] == 0).all())
+    assert net.attention.out_proj.weight_orig.grad is not None
+    assert torch.equal(pickle.loads(pickle.dumps(net)).fc.weight, net.fc.weight)
+
+
 def test_torch_compile_inductor() -> None:
     net, dense = pruned_net("container", torch.bool)
     torch._dynamo.reset()
@@ -194,11 +227,10 @@ def test_onnx_export(name: str, mask_dtype: torch.dtype | None) -> None:
 
 @pytest.mark.parametrize("mask_dtype", [None, torch.bool], ids=id_of)
 def test_tracing_keeps_eager_copies_and_pickles_working(mask_dtype: torch.dtype | None) -> None:
-    # the pruned attribute is a plain tensor only while traced; in eager mode it stays the type that deep-copies
-    # and pickles (pytorch #37322)
+    # the pruned attribute deep-copies and pickles (pytorch #37322) after an export traced the module, too
     net, _ = pruned_net("container", mask_dtype)
     torch.export.export(net, (inputs(0),))
     net(inputs(1))
-    assert type(net.fc1.weight) is base._PrunedTensor
+    assert type(net.fc1.weight) is torch.Tensor and net.fc1.weight.grad_fn is not None
     for twin in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
         assert torch.equal(twin(inputs(2)), net(inputs(2)))

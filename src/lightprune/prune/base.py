@@ -25,6 +25,8 @@ What differs from torch is behind that contract:
 
 from __future__ import annotations
 
+import functools
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
@@ -42,43 +44,41 @@ _OWN_COMPUTE_MASK: dict[type, Any] = {}
 """Per class defining ``_next_mask``: the ``compute_mask`` function defined beside it (recorded at class creation)."""
 
 
-class _PrunedTensor(Tensor):
-    """The type of the pruned attribute ``name``: a plain tensor that also deep-copies and pickles.
+def _deepcopy_detached(ref: weakref.ReferenceType[Tensor], memo: dict[int, Any]) -> Tensor:
+    tensor = ref()
+    assert tensor is not None  # (called as the tensor's own method: it is alive)
+    copied = tensor.detach().clone()
+    memo[id(tensor)] = copied
+    return copied
 
-    The attribute is ``orig * mask`` with its autograd history (the gradient must reach ``orig``), and torch refuses
-    to deep-copy such non-leaf tensors, which made ``copy.deepcopy`` of a pruned module fail (pytorch #37322).
-    Copies and pickles of this type hold the detached values instead; the copy's own hook recomputes the attribute
-    before its next forward. Torch functions see a regular tensor (``__torch_function__`` is disabled).
-    """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
-        copied = self.detach().clone()
-        memo[id(self)] = copied
-        return copied
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.detach().__reduce_ex__(protocol)
-
-    def __repr__(self, **kwargs: Any) -> str:
-        return repr(self.as_subclass(Tensor))
+def _reduce_detached(ref: weakref.ReferenceType[Tensor], protocol: Any) -> Any:
+    tensor = ref()
+    assert tensor is not None
+    return tensor.detach().__reduce_ex__(protocol)
 
 
 def _as_pruned(tensor: Tensor) -> Tensor:
-    """``tensor`` as a :class:`_PrunedTensor`, if it is a plain tensor in an eager forward; any other tensor as it is.
+    """``tensor`` (the pruned attribute ``orig * mask``), made to deep-copy and pickle as its detached values.
 
-    While a module is traced (``torch.export``, and so ONNX export, run it on fake or functional tensors), the
-    masked value is an instance of a tracing subclass bound to its tensor object, which cannot be given another
-    Python type; a traced program is never deep-copied through this attribute anyway. Inside a compiled forward
-    the value stays a plain tensor too: TorchDynamo of torch 2.5 cannot trace ``as_subclass``, and torch 2.13's
-    AOT autograd fails on it under ``nn.Module.compile()`` with the ``aot_eager`` backend (no dispatch for
-    ``aten.t``). So ``copy.deepcopy`` of a module right after a compiled training step fails until its next eager
-    forward, as torch's own pruning does always.
+    The attribute keeps its autograd history (the gradient must reach ``orig``), and torch refuses to deep-copy such
+    non-leaf tensors, which made ``copy.deepcopy`` of a pruned module fail (pytorch #37322). ``copy`` and ``pickle``
+    look ``__deepcopy__`` / ``__reduce_ex__`` up on the object itself first, so the tensor gets its own (holding it
+    weakly: no reference cycle keeps a weight-sized tensor alive): copies and pickles hold the detached values, and
+    a copy's own hook recomputes the attribute before its next forward. The tensor stays a plain ``torch.Tensor``, so
+    a compiled forward that reads it directly (``nn.MultiheadAttention``'s ``out_proj.weight``) takes it as any
+    input (a Tensor subclass had failed there in AOT autograd: no dispatch for ``aten.t``).
+
+    While a module is traced (``torch.export``, and so ONNX export, run it on fake or functional tensors) or
+    compiled, the value is left as it is; ``copy.deepcopy`` of a module right after a compiled training step fails
+    until its next eager forward, as torch's own pruning does always.
     """
     if type(tensor) is not Tensor or torch.compiler.is_compiling():
         return tensor
-    return tensor.as_subclass(_PrunedTensor)
+    ref = weakref.ref(tensor)
+    tensor.__deepcopy__ = functools.partial(_deepcopy_detached, ref)  # type: ignore[method-assign]
+    tensor.__reduce_ex__ = functools.partial(_reduce_detached, ref)  # type: ignore[method-assign]
+    return tensor
 
 
 def _stored_dtype(module: nn.Module, key: str, value: Any) -> torch.dtype:
@@ -103,6 +103,16 @@ def _traced_mask(module: nn.Module, name: str, orig: Any, mask: Any) -> Any:
     if mask_dtype != orig_dtype:
         mask = mask.to(dtype=orig_dtype)
     return orig * mask
+
+
+def replaced_message(module: nn.Module, name: str) -> str:
+    """Why a pruned ``module.<name>`` that became a Parameter again cannot be computed or un-pruned."""
+    return (
+        f"{type(module).__name__}.{name} is pruned, but a Parameter {name!r} replaced the pruned tensor afterwards "
+        f"(torch.nn.utils.fusion's fuse_conv_bn_eval / fuse_linear_bn_eval do so on a pruned module): the pruning "
+        f"would overwrite it with {name}_orig * {name}_mask. Make the pruning permanent first "
+        f"(prune.remove(module, {name!r})), then replace or fuse"
+    )
 
 
 class BasePruningMethod(ABC):
@@ -140,7 +150,10 @@ class BasePruningMethod(ABC):
 
     def __call__(self, module: nn.Module, inputs: Any) -> None:
         """Forward pre-hook: store the masked tensor as ``module.<name>`` before the module runs."""
-        setattr(module, self._attached_name(), _as_pruned(self.apply_mask(module)))
+        name = self._attached_name()
+        if name in module._parameters:
+            raise RuntimeError(replaced_message(module, name))
+        setattr(module, name, _as_pruned(self.apply_mask(module)))
 
     @abstractmethod
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:

@@ -22,7 +22,14 @@ from lightprune.prune._reparam import (
     uninstall_refresh_if_unpruned,
 )
 from lightprune.prune.amount import DeviceMismatchError, _compute_nparams_toprune, _validate_pruning_amount
-from lightprune.prune.base import BasePruningMethod, _check_same_shape, _has_fast_path, _to_mask_dtype, next_mask
+from lightprune.prune.base import (
+    BasePruningMethod,
+    _check_same_shape,
+    _has_fast_path,
+    _to_mask_dtype,
+    next_mask,
+    replaced_message,
+)
 from lightprune.prune.collapse import cap_units, check_max_layer_sparsity, fill_under_caps, warn_collapsed
 from lightprune.prune.k_smallest import apply_cut, count_eligible, find_cut, one_thread
 from lightprune.prune.methods import (
@@ -537,6 +544,8 @@ def _remove(module: nn.Module, name: str, in_place: bool) -> nn.Module:
             f"parameter {name!r} of {type(module).__name__} is not pruned, so its pruning cannot be removed; "
             f"pruned here: {[h._tensor_name for _, h in pruning_hooks(module)]}"
         )
+    if name in module._parameters:  # replaced after pruning: un-pruning would write orig * mask over it
+        raise ValueError(replaced_message(module, name))
     # all or nothing, as for pruning calls: an exception or a KeyboardInterrupt part-way through would leave a
     # plain Parameter next to a hook that still looks for <name>_orig (every forward then fails)
     with transaction([(module, name)]):
