@@ -30,7 +30,8 @@ class StaleRefresher:
     """Recompute the pruned tensors that no forward pre-hook recomputes.
 
     Call :meth:`watch` before a training step with the pruned ``(module, name)`` pairs, :meth:`classify` after it,
-    and :meth:`refresh` before every later step and before evaluation. After pruning more tensors, call
+    and :meth:`refresh` before every later forward that trains (with gradient accumulation, every micro-batch: each
+    backward frees its forward's graph) and before evaluation. After pruning more tensors, call
     :meth:`expect_new` so the next step classifies them.
 
     Example:
