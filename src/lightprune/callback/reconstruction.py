@@ -128,7 +128,6 @@ def reconstruct_sharded(
         >>> (~kept["fc"]).sum(dim=1).tolist(), (layer.weight == 0).sum(dim=1).tolist()
         ([4, 4], [4, 4])
     """
-    from lightprune.prune._reparam import before_write_in_place
     from lightprune.prune.distributed import local_of
     from lightprune.prune.distributed_obs import sharded_obs_counts, sharded_sparsegpt
 
@@ -144,7 +143,7 @@ def reconstruct_sharded(
             n=None if n_m is None else n_m[0], m=None if n_m is None else n_m[1], layer=qualified, group=group,
         )  # fmt: skip
         local = local_of(prune.original(module, name))
-        before_write_in_place(local)  # the event's transaction puts the weights back if it is undone
+        prune.before_write_in_place(local)  # the event's transaction puts the weights back if it is undone
         with torch.no_grad():  # (zero where pruned: the weights are masked in place)
             local.copy_(weight)
         put(module, name, keep)

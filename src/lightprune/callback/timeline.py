@@ -138,8 +138,9 @@ class Timeline:
         if first >= now or self.resolved.latest_event(now) == first:
             return  # no event is past, or a single one (a one-shot schedule) is taken late
         rank_zero_warn(
-            f"{self.title}: this fit starts at {self.unit} {now} (the clock of the checkpoint it resumes, which "
-            f"holds no state of this callback), past the events from {self.unit} {first} of the schedule "
+            f"{self.title}: this fit starts at {self.unit} {now} (Lightning's clock goes on from the checkpoint it "
+            "resumes, which holds no state of this callback, or from an earlier fit of this Trainer), past the "
+            f"events from {self.unit} {first} of the schedule "
             f"{self.resolved!r}: its first event prunes to {self.resolved.target(now):.4g} at once instead of "
             f"ramping. To ramp from this fit's start, start the schedule at {self.unit} {now} or later",
             category=UserWarning,

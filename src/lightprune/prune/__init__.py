@@ -5,7 +5,8 @@ signatures, reparametrization (``name_orig``, ``name_mask``, forward pre-hook) a
 
 Beyond torch's API: :func:`mask_dtype` (boolean masks), :func:`prepare_for_state_dict` (load checkpoints across the
 reparametrization), :func:`pruned_names` and :func:`original` (which tensors are pruned, and the Parameter behind
-one), :func:`refresh_pruned`, :func:`transaction` (all or nothing over several calls) and :func:`apply_method` (a
+one), :func:`refresh_pruned`, :func:`transaction` (all or nothing over several calls; :func:`before_write_in_place` lets
+it undo writes into a tensor) and :func:`apply_method` (a
 method object, with the new mask's dtype as an argument), ``max_layer_sparsity`` on :func:`global_unstructured` and
 :class:`LayerCollapseWarning` (a parameter left with no weight).
 
@@ -40,6 +41,7 @@ Example:
 """
 
 from lightprune.prune._reparam import (
+    before_write_in_place,
     get_mask_dtype,
     mask_dtype,
     original,
@@ -110,6 +112,7 @@ __all__ = [
     "_validate_pruning_dim",
     "_validate_structured_pruning",
     "apply_method",
+    "before_write_in_place",
     "custom_from_mask",
     "get_mask_dtype",
     "global_unstructured",

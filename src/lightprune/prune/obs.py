@@ -13,8 +13,9 @@ Conventions of this implementation:
 
 * **Dampening** :data:`DAMPENING` (1%) of ``H``'s mean diagonal is added to its diagonal; inputs that never fired
   (``H_jj == 0``, "dead") get ``H_jj = 1`` first; their weights cannot change the output on the calibration inputs,
-  so they receive no update: the pruned ones are zeroed, the kept ones keep their values. A layer whose ``H`` is still not positive definite, or holds NaN or inf, is refused with a
-  ``ValueError`` naming it: its weights are never turned into NaN.
+  so they receive no update: the pruned ones are zeroed, the kept ones keep their values. A layer whose ``H`` is
+  still not positive definite, or holds NaN or inf, is refused with a ``ValueError`` naming it: its weights are never
+  turned into NaN.
 * **Selection**: unstructured pruning chooses, in every block, the entries of least saliency over the whole block
   (SparseGPT's own); ``per_row=True`` chooses the same count in every row of every block instead, so every row ends
   with the same count. The counts per block follow the running total (``round(k * eligible so far / eligible)``),
