@@ -106,7 +106,7 @@ def l1_unstructured(
         >>> with torch.no_grad():
         ...     _ = layer.weight.copy_(torch.tensor([[0.5, -2.0, 0.1]]))
         >>> l1_unstructured(layer, "weight", amount=2).weight
-        tensor([[ 0., -2.,  0.]], grad_fn=<AliasBackward0>)
+        tensor([[ 0., -2.,  0.]], grad_fn=<MulBackward0>)
     """
     L1Unstructured.apply(module, name, amount=amount, importance_scores=importance_scores)
     return module
