@@ -16,9 +16,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+LEAVE = """\
+import os
+import sys
+import traceback
+
+try:  # (not runpy.run_path, which sets sys.argv[0] to the script: Lightning would start the other ranks on it)
+    with open({script!r}) as file:
+        exec(compile(file.read(), {script!r}, "exec"), {{"__name__": "__main__", "__file__": {script!r}}})
+except SystemExit as stop:
+    if stop.code not in (None, 0):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.code if isinstance(stop.code, int) else 1)
+except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+import torch.distributed as dist
+
+if dist.is_available() and dist.is_initialized():
+    dist.barrier()  # no rank tears the group down while another still talks to it
+    dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # no interpreter finalization: gloo's threads winding down can abort it (SIGABRT, seen in CI)
+"""
+"""The launcher of a rank script: runs it, then leaves as :data:`ranks.LEAVE` does. Lightning starts the other ranks
+with this process's ``sys.argv``, so they run through it too."""
+
+
 def run_script(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args`` in a fresh interpreter set up for torch.distributed on this machine (one thread,
-    warnings off, no rank variables inherited from the test process); fails the test on a non-zero exit."""
+    warnings off, no rank variables inherited from the test process), every rank through :data:`LEAVE`; fails the
+    test on a non-zero exit."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -28,8 +60,10 @@ def run_script(script: Path, *args: str, timeout: float) -> subprocess.Completed
     }
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
         env.pop(name, None)
+    launcher = script.with_name(f"{script.stem}_leave.py")
+    launcher.write_text(LEAVE.format(script=str(script)))
     done = subprocess.run(
-        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(launcher), *args], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done

@@ -125,7 +125,7 @@ def test_fractions_under_manual_optimization_refuse_max_steps() -> None:
 def test_regrowth_under_manual_optimization_with_max_steps_says_what_sets_its_length() -> None:
     callback = PruningCallback(0.5, regrow="set", summary=False)
     trainer = quiet_trainer([callback], max_epochs=-1, max_steps=30)
-    with pytest.raises(ValueError, match=r"regrow_until=0\.75 .* training batches is unknown.*set max_epochs"):
+    with pytest.raises(ValueError, match=r"regrow_until=0\.75 .* batches is unknown.*bound the run by max_epochs"):
         trainer.fit(TwoOptimizers())
 
 
@@ -351,3 +351,15 @@ def test_fractions_fixed_before_the_loader_changes_length_are_said(unit: str) ->
     else:
         assert len(said) == 1 and "the loader of epoch 1 has 24 batches, the one the run's length was read" in said[0]
         assert "started 8: the schedule's fractions of the run (and regrow_until) stay fixed to 16 optimizer" in said[0]
+
+
+def test_a_run_bounded_by_max_steps_keeps_its_length_when_the_loader_changes() -> None:
+    """max_steps bounds the run: a reloaded loader of another length changes nothing of its length, nothing to say."""
+    schedule = Cubic(final=0.8, start=0.0, end=0.5, frequency=2)
+    trainer = quiet_trainer([PruningCallback(schedule, summary=False)], max_epochs=2, max_steps=12)
+    trainer.reload_dataloaders_every_n_epochs = 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LongerEveryEpoch())
+    assert not [w for w in caught if "stay fixed to" in str(w.message)]
+    assert trainer.global_step == 12

@@ -330,3 +330,26 @@ def test_unit_methods_refuse_masks_already_there_unless_adopted(tmp_path: Path) 
     trainer([callback], tmp_path, max_epochs=1).fit(model)
     rows = (model.net[0].weight != 0).any(dim=1)
     assert int(rows.sum()) == 4  # 16 neurons, 0.75 of them pruned: the 8 pruned before among the 12
+
+
+class TiedTwin(TinyNet):
+    """``twin.weight`` is ``net.2.weight`` (as GPT-2's lm_head is its input embedding); the twin computes too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twin = nn.Linear(16, 12)
+        self.twin.weight = self.net[2].weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.net[1](self.net[0](x))
+        return self.net[4](self.net[3](self.net[2](hidden) + self.twin(hidden)))
+
+
+def test_a_mask_on_a_tied_owner_is_found_through_the_selected_name(tmp_path: Path) -> None:
+    """net.2 pruned with the engine, the callback selecting its tied twin only: the mask was missed and changed
+    silently (a 50% mask became the callback's 30%)."""
+    model = TiedTwin()
+    prune.l1_unstructured(model.net[2], "weight", amount=0.5)
+    callback = PruningCallback(0.3, include=r"twin\.weight")
+    with pytest.raises(ValueError, match=r"twin\.weight \(50\.0% masked, through net\.2\.weight\) already carries"):
+        trainer([callback], tmp_path, max_epochs=1).fit(model)

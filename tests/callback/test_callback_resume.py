@@ -329,3 +329,21 @@ def test_the_same_options_resume_and_another_configuration_goes_on_from_the_weig
     assert sum(_zeros(again)) == round(0.8 * 368)
     layers = [layer for layer in again.net if isinstance(layer, torch.nn.Linear)]
     assert all(bool((layer.weight[before] == 0).all()) for layer, before in zip(layers, pruned_before, strict=True))
+
+
+class RenamedPruning(PruningCallback):
+    """A subclass: its state key carries its own class name."""
+
+
+def test_a_subclass_checkpoint_is_recognised_as_a_pruning_state(tmp_path: Path) -> None:
+    path = _checkpoint_after_fit(tmp_path, RenamedPruning(0.8))
+    with pytest.raises(ValueError, match=r"the checkpoint holds the state of RenamedPruning\{"):
+        quiet_trainer([PruningCallback(0.8)], max_epochs=3).fit(TinyNet(), loader(), ckpt_path=path)
+
+
+def test_a_changed_statistics_window_is_refused_on_resume(tmp_path: Path) -> None:
+    options = {"name": "p", "importance": "activation", "calibration_batches": 2, "scope": "layerwise"}
+    path = _checkpoint_after_fit(tmp_path, PruningCallback(0.5, **options, activation_window=2))
+    with pytest.raises(ValueError, match=r"activation_window=2 there, activation_window=3 here"):
+        callback = PruningCallback(0.5, **options, activation_window=3)
+        quiet_trainer([callback], max_epochs=3).fit(TinyNet(), loader(), ckpt_path=path)

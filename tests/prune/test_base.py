@@ -279,6 +279,28 @@ def test_pruned_attribute_behaves_as_a_tensor() -> None:
     assert torch.equal(loaded, w)
 
 
+def test_a_pruned_module_goes_through_torch_multiprocessing_pickler() -> None:
+    """ddp_spawn and mp.Queue pickle with torch.multiprocessing's ForkingPickler, which dispatches tensors by type
+    and refuses a non-leaf one that requires grad (torch's pruned modules cannot be sent): the module's own
+    __reduce_ex__ hands it the detached values."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing
+
+    layer = lp.l1_unstructured(linear(), "weight", amount=5)
+    layer(torch.randn(2, layer.in_features))
+    buffer = io.BytesIO()
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(layer)
+    buffer.seek(0)
+    copied = pickle.load(buffer)
+    assert lp.is_pruned(copied) and torch.equal(copied.weight, layer.weight)
+    x = torch.randn(3, layer.in_features)
+    assert torch.equal(copied(x), layer(x))
+    lp.remove(layer, "weight")
+    assert "__reduce_ex__" not in vars(layer)  # a plain module again
+
+
 # --------------------------------------------------------------------------------------------------------------
 # BasePruningMethod
 # --------------------------------------------------------------------------------------------------------------

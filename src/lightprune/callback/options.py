@@ -339,7 +339,8 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
     if clock.counts_batches(trainer, unit):
         hint = (
             "under manual optimization the step clock counts training batches and max_steps counts "
-            "optimizer.step() calls: set max_epochs (and limit_train_batches) instead"
+            "optimizer.step() calls (any number a batch): bound the run by max_epochs (and limit_train_batches) "
+            "without max_steps"
         )
     elif unit == "step" and trainer.max_epochs not in (None, -1) and trainer.num_training_batches == float("inf"):
         hint = "the training loader has no length, so max_epochs does not give the number of steps: set max_steps"

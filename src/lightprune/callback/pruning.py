@@ -847,7 +847,7 @@ class PruningCallback(Callback):
             ) from err
         masked = UnitSelection(pl_module, groups, self.scope, self.mask_dtype, self.seed, self.reconstruct)
         setup_checks.refuse_overlaps(masked.selection, self._other_selections(trainer), self._log_prefix)
-        setup_checks.refuse_masked_already(masked.selection, self.adopt_zeros)
+        setup_checks.refuse_masked_already(masked.selection, pl_module, self.adopt_zeros)
         moments = self._importance.kind == "activation" or self.reconstruct
         if moments:  # the units are ranked or refit on the inputs of the projections reading them
             reader = "importance='activation'" if self._importance.kind == "activation" else "reconstruct=True"
@@ -979,7 +979,7 @@ class PruningCallback(Callback):
         if self.mask_dtype == torch.bool:
             neighbours.refuse_averaged_bool_buffers(trainer)
         setup_checks.refuse_overlaps(selection, self._other_selections(trainer), self._log_prefix)
-        setup_checks.refuse_masked_already(selection, self.adopt_zeros)
+        setup_checks.refuse_masked_already(selection, pl_module, self.adopt_zeros)
         setup_checks.check_sharded(selection, trainer.strategy, self.method, self.rewind, parameter_owners(pl_module))
         setup_checks.refuse_sharded_criteria(selection, self._importance.kind, self.method, self.scope, self.regrow)
         if self._default_types and self.parameters is None and self.include is None and self.exclude is None:
@@ -1098,6 +1098,10 @@ class PruningCallback(Callback):
             "method_kwargs": dict(sorted(self.method_kwargs.items())),
             "scope": self.scope,
             "importance": self.importance,
+            "activation_window": self.activation_window,
+            "calibration_batches": self.calibration_batches,
+            "sequential": self.sequential,
+            "owl": (self.owl_threshold, self.owl_lambda) if self.scope == "owl" else None,
             "masking": self.masking,
             "rewind": self.rewind if self._given_snapshot is None else "weights given",
             "max_layer_sparsity": self.max_layer_sparsity,

@@ -95,10 +95,15 @@ def refuse_foreign_states(checkpoint: Mapping[str, Any], keys: Iterable[str], ti
 
     Example:
         >>> key = "PruningCallback{'name': 'a'}"
-        >>> refuse_foreign_states({"callbacks": {key: {}}}, [key], "PruningCallback")
+        >>> refuse_foreign_states({"callbacks": {key: {"configuration": {}}}}, [key], "PruningCallback")
     """
     mine = set(keys)
-    foreign = [key for key in checkpoint.get("callbacks", {}) if key.startswith("PruningCallback") and key not in mine]
+    states = checkpoint.get("callbacks", {})
+    foreign = [  # (a PruningCallback's state, whatever its class is named: it records its configuration)
+        key
+        for key, state in states.items()
+        if isinstance(state, Mapping) and "configuration" in state and key not in mine
+    ]
     if foreign:
         raise ValueError(
             f"{title}: the checkpoint holds the state of {foreign[0]}, which no PruningCallback of this Trainer has "

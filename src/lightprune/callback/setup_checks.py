@@ -55,39 +55,45 @@ def refuse_overlaps(selection: Selection, others: Iterable[Any], log_prefix: str
             )
 
 
-def refuse_masked_already(selection: Selection, adopt: bool) -> None:
+def refuse_masked_already(selection: Selection, model: nn.Module, adopt: bool) -> None:
     """Selected tensors that carry a pruning mask when fit starts (pruned with :mod:`lightprune.prune`, or left
-    reparametrized by a fit with ``make_permanent=False`` or one that raised): a fit's schedule starts from an unpruned
-    model, so they are refused, naming them, unless ``adopt`` (``adopt_zeros=True``: start from the masks already
-    there).
+    reparametrized by a fit with ``make_permanent=False`` or one that raised), also through another module they are
+    tied to: a fit's schedule starts from an unpruned model, so they are refused, naming them, unless ``adopt``
+    (``adopt_zeros=True``: start from the masks already there).
 
     Example:
         >>> layer = prune.l1_unstructured(nn.Linear(4, 2), "weight", amount=0.5)
-        >>> refuse_masked_already([("fc.weight", layer, "weight")], adopt=True)
-        >>> refuse_masked_already([("fc.weight", layer, "weight")], adopt=False)  # doctest: +ELLIPSIS
+        >>> refuse_masked_already([("weight", layer, "weight")], layer, adopt=True)
+        >>> refuse_masked_already([("weight", layer, "weight")], layer, adopt=False)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: PruningCallback: fc.weight (50.0% masked) already carries a pruning mask ...
+        ValueError: PruningCallback: weight (50.0% masked) already carries a pruning mask ...
     """
     if adopt:
         return
+    masked: dict[int, tuple[str, Tensor]] = {}  # id of a pruned tensor's original -> where it is masked, the mask
+    for prefix, module in model.named_modules():
+        for name in prune.pruned_names(module):
+            mask = module._buffers[name + "_mask"]
+            if mask is not None:
+                masked[id(module._parameters[name + "_orig"])] = (f"{prefix}.{name}" if prefix else name, mask)
     found = []
     for qualified, module, name in selection:
-        if name in prune.pruned_names(module):
-            mask = module._buffers[name + "_mask"]
-            assert mask is not None
-            found.append(f"{qualified} ({1 - int(mask.count_nonzero()) / max(mask.numel(), 1):.1%} masked)")
+        where = masked.get(id(prune.original(module, name)))
+        if where is not None:
+            tied = "" if where[0] == qualified else f", through {where[0]}"
+            share = 1 - int(where[1].count_nonzero()) / max(where[1].numel(), 1)
+            found.append(f"{qualified} ({share:.1%} masked{tied})")
     if not found:
         return
-    ways = (
-        "pass adopt_zeros=True to start from these masks (they stay pruned and the schedule's targets count them), "
-        "or make them permanent first with prune.remove(module, name) (their zeros are then trained like any weight)"
-    )
     raise ValueError(
         f"PruningCallback: {', '.join(found[:5])}{' and more' if len(found) > 5 else ''} already "
         f"{'carries a pruning mask' if len(found) == 1 else 'carry pruning masks'} "
         "(from lightprune.prune, or a fit left reparametrized by make_permanent=False or by an exception; resume "
-        f"such a fit with trainer.fit(..., ckpt_path=...)), and a fit's schedule starts from an unpruned model: {ways}"
+        "such a fit with trainer.fit(..., ckpt_path=...)), and a fit's schedule starts from an unpruned model: pass "
+        "adopt_zeros=True to start from these masks (they stay pruned; the targets of unstructured methods count "
+        "them), or make them permanent first with prune.remove(module, name) (their zeros are then trained like any "
+        "weight)"
     )
 
 

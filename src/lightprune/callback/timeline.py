@@ -80,8 +80,9 @@ class Timeline:
                 rank_zero_warn(
                     f"{self.title}: this fit lasts {int(length)} {clock.clock_name(trainer, unit)}, the run of the "
                     f"checkpoint {restored}: the schedule's fractions of the run keep that run's length, so events "
-                    f"(and regrow_until) come at the same {unit}s as there; to spread them over this run, resume "
-                    "with a new PruningCallback of integer times",
+                    f"(and regrow_until) come at the same {unit}s as there; to spread them over this run, start a "
+                    "new fit from the checkpoint's weights with a PruningCallback of integer times and "
+                    "adopt_zeros=True",
                     category=UserWarning,
                 )
             length = restored
@@ -97,6 +98,8 @@ class Timeline:
         batches, first = trainer.num_training_batches, self._first_batches
         if measured is None or first is None or batches == first:
             return
+        if clock.run_length(trainer, "step") == measured:
+            return  # (max_steps bounds the run: its length did not move)
         self._first_batches = None  # said once
         rank_zero_warn(
             f"{self.title}: the loader of epoch {trainer.current_epoch} has {batches} batches, the one the run's "

@@ -296,6 +296,32 @@ class _RefreshingApply:
         return result
 
 
+class _DetachedReduce:
+    """Installed as ``module.__reduce_ex__`` on pruned modules: pickled or copied, the module holds each pruned
+    attribute (``orig * mask``, a non-leaf tensor) as its detached values; its hook recomputes it at the next forward.
+
+    ``pickle`` and ``copy`` look ``__reduce_ex__`` up on the object itself, so this reaches every pickler, also those
+    that dispatch tensors by type before any method of theirs (torch.multiprocessing's, used by ``ddp_spawn``,
+    refuses non-leaf tensors that require grad).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, protocol: Any) -> Any:
+        module = self.module
+        reduced = object.__reduce_ex__(module, protocol)
+        state = reduced[2]
+        if not isinstance(state, dict):
+            return reduced
+        state = dict(state)
+        for _, hook in pruning_hooks(module):
+            value = state.get(hook._tensor_name or "")
+            if isinstance(value, Tensor) and value.grad_fn is not None:
+                state[hook._tensor_name] = value.detach()
+        return (*reduced[:2], state, *reduced[3:])
+
+
 def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     """``load_state_dict`` post-hook: the loaded ``orig`` and ``mask`` make the pruned attribute stale."""
     refresh_pruned(module)
@@ -305,6 +331,8 @@ def install_refresh(module: nn.Module) -> None:
     """Keep ``module``'s pruned attributes current across conversions (``.to()``...) and ``load_state_dict``."""
     if not isinstance(module.__dict__.get("_apply"), _RefreshingApply):
         module.__dict__["_apply"] = _RefreshingApply(module)
+    if not isinstance(module.__dict__.get("__reduce_ex__"), _DetachedReduce):
+        module.__dict__["__reduce_ex__"] = _DetachedReduce(module)
     if _refresh_after_load not in module._load_state_dict_post_hooks.values():
         module.register_load_state_dict_post_hook(_refresh_after_load)
 
@@ -315,6 +343,8 @@ def uninstall_refresh_if_unpruned(module: nn.Module) -> None:
         return
     if isinstance(module.__dict__.get("_apply"), _RefreshingApply):
         del module.__dict__["_apply"]
+    if isinstance(module.__dict__.get("__reduce_ex__"), _DetachedReduce):
+        del module.__dict__["__reduce_ex__"]
     for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is _refresh_after_load]:
         del module._load_state_dict_post_hooks[key]
 
@@ -364,7 +394,11 @@ class _ModuleSnapshot:
             non_persistent=set(module._non_persistent_buffers_set),
             hooks=dict(module._forward_pre_hooks),
             load_hooks=dict(module._load_state_dict_post_hooks),
-            attributes={k: module.__dict__[k] for k in (name, "_apply") if isinstance(k, str) and k in module.__dict__},
+            attributes={
+                k: module.__dict__[k]
+                for k in (name, "_apply", "__reduce_ex__")
+                if isinstance(k, str) and k in module.__dict__
+            },
             containers=[(h, h._pruning_methods) for _, h in pruning_hooks(module) if isinstance(h, PruningContainer)],
             flat_weights=(flat, list(flat)) if isinstance(flat, list) else None,
             data=(parameter, parameter.data) if isinstance(parameter, Tensor) else None,
@@ -384,7 +418,7 @@ class _ModuleSnapshot:
         module._forward_pre_hooks.update(self.hooks)
         module._load_state_dict_post_hooks.clear()
         module._load_state_dict_post_hooks.update(self.load_hooks)
-        for key in (name, "_apply"):
+        for key in (name, "_apply", "__reduce_ex__"):
             if isinstance(key, str):
                 module.__dict__.pop(key, None)
         module.__dict__.update(self.attributes)

@@ -64,8 +64,10 @@ def _as_pruned(tensor: Tensor) -> Tensor:
     The attribute keeps its autograd history (the gradient must reach ``orig``), and torch refuses to deep-copy such
     non-leaf tensors, which made ``copy.deepcopy`` of a pruned module fail (pytorch #37322). ``copy`` and ``pickle``
     look ``__deepcopy__`` / ``__reduce_ex__`` up on the object itself first, so the tensor gets its own (holding it
-    weakly: no reference cycle keeps a weight-sized tensor alive): copies and pickles hold the detached values, and
-    a copy's own hook recomputes the attribute before its next forward. The tensor stays a plain ``torch.Tensor``, so
+    weakly, so that the tensor does not keep itself alive): copies and pickles hold the detached values, and a copy's
+    own hook recomputes the attribute before its next forward. A pickled or copied module does the same through its
+    own ``__reduce_ex__`` (``_reparam._DetachedReduce``), which also reaches picklers that dispatch tensors by type
+    (torch.multiprocessing's). The tensor stays a plain ``torch.Tensor``, so
     a compiled forward that reads it directly (``nn.MultiheadAttention``'s ``out_proj.weight``) takes it as any
     input (a Tensor subclass had failed there in AOT autograd: no dispatch for ``aten.t``).
 
