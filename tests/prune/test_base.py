@@ -279,26 +279,34 @@ def test_pruned_attribute_behaves_as_a_tensor() -> None:
     assert torch.equal(loaded, w)
 
 
-def test_a_pruned_module_goes_through_torch_multiprocessing_pickler() -> None:
+@pytest.mark.parametrize("kind", ["linear", "lstm"])
+def test_a_pruned_module_goes_through_torch_multiprocessing_pickler(kind: str) -> None:
     """ddp_spawn and mp.Queue pickle with torch.multiprocessing's ForkingPickler, which dispatches tensors by type
     and refuses a non-leaf one that requires grad (torch's pruned modules cannot be sent): the module's own
-    __reduce_ex__ hands it the detached values."""
+    __reduce_ex__ hands it the detached values, also those an RNN lists in its _flat_weights."""
     import io
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing
 
-    layer = lp.l1_unstructured(linear(), "weight", amount=5)
-    layer(torch.randn(2, layer.in_features))
+    module: nn.Module = linear() if kind == "linear" else nn.LSTM(3, 4)
+    name = "weight" if kind == "linear" else "weight_hh_l0"
+    lp.l1_unstructured(module, name, amount=5)
+    x = torch.randn(2, 4) if kind == "linear" else torch.randn(5, 2, 3)
+
+    def output(m: nn.Module) -> Tensor:
+        out = m(x)
+        return out if kind == "linear" else out[0]
+
+    expected = output(module)
     buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(layer)
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(module)
     buffer.seek(0)
     copied = pickle.load(buffer)
-    assert lp.is_pruned(copied) and torch.equal(copied.weight, layer.weight)
-    x = torch.randn(3, layer.in_features)
-    assert torch.equal(copied(x), layer(x))
-    lp.remove(layer, "weight")
-    assert "__reduce_ex__" not in vars(layer)  # a plain module again
+    assert lp.is_pruned(copied) and torch.equal(getattr(copied, name), getattr(module, name))
+    assert torch.equal(output(copied), expected)
+    lp.remove(module, name)
+    assert "__reduce_ex__" not in vars(module)  # a plain module again
 
 
 # --------------------------------------------------------------------------------------------------------------

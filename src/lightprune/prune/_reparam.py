@@ -310,7 +310,7 @@ class _DetachedReduce:
 
     def __call__(self, protocol: Any) -> Any:
         module = self.module
-        reduced = object.__reduce_ex__(module, protocol)
+        reduced = type(module).__reduce_ex__(module, protocol)  # (a class of its own may define one)
         state = reduced[2]
         if not isinstance(state, dict):
             return reduced
@@ -319,7 +319,14 @@ class _DetachedReduce:
             value = state.get(hook._tensor_name or "")
             if isinstance(value, Tensor) and value.grad_fn is not None:
                 state[hook._tensor_name] = value.detach()
+        flat = state.get("_flat_weights")  # an RNN lists its weights there too, the pruned ones as computed
+        if isinstance(flat, list):
+            state["_flat_weights"] = [_detached(value) for value in flat]
         return (*reduced[:2], state, *reduced[3:])
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, Tensor) and value.grad_fn is not None else value
 
 
 def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
