@@ -450,3 +450,21 @@ def test_the_cut_runs_its_passes_on_one_cpu_thread(monkeypatch: pytest.MonkeyPat
     assert calls == [1, 4]
     apply_cut(scores, cut, out=[torch.empty(3, dtype=torch.bool)], magnitude=True)
     assert calls == [1, 4, 1, 4]
+
+
+@pytest.mark.parametrize("tune", [{}, {"chunk": 7}, {"chunk": 7, "limit": 2}, {"chunk": 7, "limit": 2, "sample": 4}])
+def test_small_tensors_concatenated_compare_in_the_common_dtype(tune):
+    """Runs of small tensors were concatenated with torch.cat's promotion of the run alone: float16 beside int32 is
+    float16, where -2**31 overflows to -inf, though the common dtype of all the scores (with a bfloat16 one) is
+    float32. Found by test_matches_sorting_oracle."""
+    scores = [
+        torch.tensor([15.4062, -2.9336], dtype=torch.float16),
+        torch.tensor(12.6484, dtype=torch.float16),
+        torch.tensor(-(2**31), dtype=torch.int32),
+        torch.tensor([-6.8750, 4.0312], dtype=torch.bfloat16),
+    ]
+    eligible = [torch.tensor([False, False]), torch.tensor(False), None, None]
+    want = oracle(scores, 3, eligible, False, True)
+    with tuning(**tune):
+        assert_same(select_smallest(scores, 3, eligible=eligible, largest=True), want)
+        assert_same(masks_sync_free(scores, 3, eligible=eligible, largest=True), want)

@@ -307,13 +307,14 @@ def chunks(
 
 
 def batches(
-    scores: Sequence[Tensor], eligible: Sequence[Tensor | None], chunk: int
+    scores: Sequence[Tensor], eligible: Sequence[Tensor | None], chunk: int, dtype: torch.dtype
 ) -> Iterator[tuple[Tensor, Tensor | None]]:
     """Like :func:`chunks`, in the same order, but runs of small contiguous tensors come concatenated.
 
     Each operation on a chunk costs a few microseconds of dispatch whatever its size: over thousands of small
     tensors (biases, narrow layers) that, not the entries, is the cost of a pass. Concatenating them copies at most
-    ``chunk`` entries at a time. Scores keep their promoted dtype (``torch.cat``'s); eligibility is ``bool``.
+    ``chunk`` entries at a time. Concatenated scores are in ``dtype``, the common dtype of all the scores (a run's
+    own promotion can be narrower: float16 with int32 is float16, where -2**31 overflows); eligibility is ``bool``.
     """
     run: list[tuple[Tensor, Tensor | None]] = []
     size = 0
@@ -322,7 +323,7 @@ def batches(
         if len(run) == 1:
             yield from chunks([run[0][0]], [run[0][1]], chunk)
         elif run:
-            x = torch.cat([t.view(-1) for t, _ in run])
+            x = torch.cat([t.view(-1).to(dtype) for t, _ in run])
             if all(e is None for _, e in run):
                 yield x, None
             else:
@@ -447,7 +448,7 @@ def _window_cut(
     pos = 0
     total = torch.zeros((), dtype=torch.int64, device=device)  # sum over entries: -1 below, 0 inside, 1 above
     entries = 0
-    for x, e in batches(scores, eligible, chunk_size(device)):
+    for x, e in batches(scores, eligible, chunk_size(device), keys.dtype):
         t = keys(x)
         t.clamp_(lo - 1, hi).sub_(lo)  # -1 below the window, 0 .. 2**shift - 1 inside, 2**shift above
         where = t >> shift  # -1 below, 0 inside, 1 above
@@ -868,7 +869,7 @@ def _apply_threshold(
     def flush() -> None:
         if not run:
             return
-        x = torch.cat([scores[i].view(-1) for i in run])
+        x = torch.cat([scores[i].view(-1).to(keys.dtype) for i in run])  # (the run's own promotion may be narrower)
         flags = [elig[i] for i in run]
         ek = None
         if any(f is not None for f in flags):
