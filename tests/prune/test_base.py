@@ -279,6 +279,29 @@ def test_pruned_attribute_behaves_as_a_tensor() -> None:
     assert torch.equal(loaded, w)
 
 
+def test_a_pruned_module_is_freed_when_its_last_reference_goes() -> None:
+    """The module's own _apply and __reduce_ex__ held it strongly: a dropped pruned model (its weights and masks, on
+    a GPU too) stayed alive until Python's cyclic collector ran. They hold it weakly; copies still act on
+    themselves."""
+    import copy
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        layer = lp.l1_unstructured(linear(), "weight", amount=5)
+        layer(torch.randn(2, 4))
+        twin = copy.deepcopy(layer).double()  # the copy's _apply recomputes the copy's attribute
+        assert twin.weight.dtype == torch.float64 and torch.equal(twin.weight, layer.weight.double())
+        module, weight = weakref.ref(layer), weakref.ref(layer.weight_orig)
+        del layer
+        assert module() is None and weight() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @pytest.mark.parametrize("kind", ["linear", "lstm"])
 def test_a_pruned_module_goes_through_torch_multiprocessing_pickler(kind: str) -> None:
     """ddp_spawn and mp.Queue pickle with torch.multiprocessing's ForkingPickler, which dispatches tensors by type

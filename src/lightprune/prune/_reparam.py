@@ -18,6 +18,7 @@ owns everything about that arrangement on a module:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,7 +280,29 @@ def refresh_pruned(module: nn.Module) -> None:
             hook(module, ())
 
 
-class _RefreshingApply:
+class _OwnAttribute:
+    """A callable kept in a pruned module's ``__dict__`` that acts on that module, held weakly: a module that refers
+    to itself would stay alive, its weights and masks included, until Python's cyclic collector runs, not as soon as
+    the last reference to it goes. A copy or pickle of the module gets its own, acting on the copy."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        assert module is not None  # (called through the module: it is alive)
+        return module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OwnAttribute:
+        module = self._module()
+        return type(self)(memo.get(id(module), module))  # the copy of the module is in memo before its state
+
+    def __reduce__(self) -> Any:
+        return type(self), (self._module(),)  # (pickle's memo turns the module into the unpickled one)
+
+
+class _RefreshingApply(_OwnAttribute):
     """Installed as ``module._apply`` on pruned modules: after a conversion, recompute the pruned attributes.
 
     ``Module.to()``, ``.half()``, ``.double()``, ``.cuda()``... convert parameters and buffers through ``_apply``
@@ -287,16 +310,14 @@ class _RefreshingApply:
     forward. This wrapper runs the class's own ``_apply`` and then recomputes every pruned attribute.
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        result = type(self.module)._apply(self.module, fn, *args, **kwargs)
-        refresh_pruned(self.module)
+        module = self.module
+        result = type(module)._apply(module, fn, *args, **kwargs)
+        refresh_pruned(module)
         return result
 
 
-class _DetachedReduce:
+class _DetachedReduce(_OwnAttribute):
     """Installed as ``module.__reduce_ex__`` on pruned modules: pickled or copied, the module holds each pruned
     attribute (``orig * mask``, a non-leaf tensor) as its detached values; its hook recomputes it at the next forward.
 
@@ -304,9 +325,6 @@ class _DetachedReduce:
     that dispatch tensors by type before any method of theirs (torch.multiprocessing's, used by ``ddp_spawn``,
     refuses non-leaf tensors that require grad).
     """
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
 
     def __call__(self, protocol: Any) -> Any:
         module = self.module
