@@ -28,6 +28,7 @@ input to them. :func:`feature_sums` declares the usual ones of a layer whose fea
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -178,18 +179,23 @@ def feature_sums(
         if outer:
             sums["outer"] = ((features, features), dtype)
 
-    def add(x: Tensor, pending: Mapping[str, Tensor]) -> None:
-        flat = x.detach().reshape(-1, x.shape[-1]).to(dtype)
-        if squares:
-            pending["squares"] += (flat * flat).sum(0).to(pending["squares"].device)
-        if moments:
-            flat = flat.to(pending["sum"].device)
-            pending["sum"] += flat.sum(0)
-            pending["tokens"] += flat.shape[0]
-            if outer:
-                pending["outer"] += flat.T @ flat
+    add = functools.partial(_add_feature_sums, dtype=dtype, squares=squares, moments=moments, outer=outer)
+    return Recorded(name, module, sums, add, tokens=True, device=device)  # (a partial pickles; a closure would not)
 
-    return Recorded(name, module, sums, add, tokens=True, device=device)
+
+def _add_feature_sums(
+    x: Tensor, pending: Mapping[str, Tensor], *, dtype: torch.dtype, squares: bool, moments: bool, outer: bool
+) -> None:
+    """:func:`feature_sums`'s ``add``."""
+    flat = x.detach().reshape(-1, x.shape[-1]).to(dtype)
+    if squares:
+        pending["squares"] += (flat * flat).sum(0).to(pending["squares"].device)
+    if moments:
+        flat = flat.to(pending["sum"].device)
+        pending["sum"] += flat.sum(0)
+        pending["tokens"] += flat.shape[0]
+        if outer:
+            pending["outer"] += flat.T @ flat
 
 
 class InputStatistics:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 
 from lightprune import prune
 from lightprune.callback import PruningCallback
-from lightprune.schedules import Cubic, Points
+from lightprune.schedules import Cubic, Linear, Points
 from tiny_lightning import WEIGHTS, DestroyGroupAtExit, N, TinyNet, loader, quiet_trainer
 
 pytestmark = [
@@ -353,3 +354,30 @@ def test_a_mask_on_a_tied_owner_is_found_through_the_selected_name(tmp_path: Pat
     callback = PruningCallback(0.3, include=r"twin\.weight")
     with pytest.raises(ValueError, match=r"twin\.weight \(50\.0% masked, through net\.2\.weight\) already carries"):
         trainer([callback], tmp_path, max_epochs=1).fit(model)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"importance": "activation", "activation_window": 2},
+        {"importance": "obs", "activation_window": 2},
+        {"method": "neurons", "importance": "activation", "activation_window": 2},
+        {"scope": "owl", "importance": "activation", "activation_window": 2},
+        {"importance": "movement"},
+    ],
+    ids=["activation", "obs", "neurons", "owl", "movement"],
+)
+def test_the_callback_pickles_after_a_fit_that_recorded_statistics(tmp_path: Path, options: dict[str, Any]) -> None:
+    """Users pickle callbacks (and Trainers holding them) after a fit: every recorded statistic must pickle, and the
+    copy must still record (a later fit with it prunes as the original does)."""
+    callback = PruningCallback(Linear(final=0.5, start=2, end=6, frequency=2), summary=False, **options)
+    trainer([callback], tmp_path, max_epochs=1).fit(TinyNet(), loader())
+    copy_ = pickle.loads(pickle.dumps(callback))
+
+    models = []
+    for each in (callback, copy_):
+        model = TinyNet()
+        trainer([each], tmp_path, max_epochs=1).fit(model, loader())
+        models.append(model)
+    for name in WEIGHTS:
+        assert torch.equal(models[0].state_dict()[name], models[1].state_dict()[name]), name

@@ -16,6 +16,7 @@ those of :class:`lightprune.statistics.InputStatistics`, the one collector behin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,6 +34,15 @@ Reduce = Callable[[Tensor], Tensor]
 
 _STATE_KEYS = {"totals": "squares", "sums": "sum", "outers": "outer"}
 """This class's checkpoint keys -> the collector's statistics (``tokens`` is stored as ints)."""
+
+
+def _add_channel_squares(weight_dims: int, x: Tensor, pending: Mapping[str, Tensor]) -> None:
+    """A convolution's ``add``: each channel's sum of squares (channels on dim 1 of a sample)."""
+    squares = pending["squares"]
+    x = x.to(squares.dtype)
+    feature = x.dim() - weight_dims + 1
+    dims = [d for d in range(x.dim()) if d != feature]
+    squares += ((x * x).sum(dim=dims) if dims else x * x).to(squares.device)
 
 
 class ActivationStats:
@@ -97,15 +107,7 @@ class ActivationStats:
                 qualified, module, features, moments=self.with_moments, outer=self.with_outer, dtype=dtype,
                 device=weight.device,
             )  # fmt: skip
-        weight_dims = weight.dim()
-
-        def add(x: Tensor, pending: Mapping[str, Tensor]) -> None:  # convolutions: channels on dim 1 of a sample
-            squares = pending["squares"]
-            x = x.to(squares.dtype)
-            feature = x.dim() - weight_dims + 1
-            dims = [d for d in range(x.dim()) if d != feature]
-            squares += ((x * x).sum(dim=dims) if dims else x * x).to(squares.device)
-
+        add = functools.partial(_add_channel_squares, weight.dim())  # (a partial pickles; a closure would not)
         return Recorded(qualified, module, {"squares": ((features,), torch.float32)}, add, False, weight.device)
 
     @property

@@ -20,6 +20,7 @@ importance's :mod:`.activations` too).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,13 +39,15 @@ Reduce = Callable[[Tensor], Tensor]
 def _recorded(qualified: str, module: nn.Module) -> Recorded:
     """``H`` of one layer's input (float32, on the weight's device; convolutions count every position)."""
     columns = obs_columns(module)
-
-    def add(x: Tensor, pending: Mapping[str, Tensor]) -> None:
-        pending["H"] += input_second_moment(module, x).to(pending["H"].device)
-
+    add = functools.partial(_add_second_moment, module)  # (a partial pickles; a closure would not)
     conv = isinstance(module, nn.modules.conv._ConvNd)
     device = prune.original(module, "weight").device
     return Recorded(qualified, module, {"H": ((columns, columns), torch.float32)}, add, not conv, device)
+
+
+def _add_second_moment(module: nn.Module, x: Tensor, pending: Mapping[str, Tensor]) -> None:
+    """:func:`_recorded`'s ``add``."""
+    pending["H"] += input_second_moment(module, x).to(pending["H"].device)
 
 
 class HessianStats:
