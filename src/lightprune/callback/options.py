@@ -374,6 +374,26 @@ def check_rewind_time(schedule: Schedule, unit: str, rewind: int | None) -> None
         )
 
 
+def checked_schedule(schedule: Schedule, unit: str, length: int | None, rewind: int | None) -> Schedule:
+    """``schedule`` with fractional times fixed to a run of ``length`` (unused for integer times), validated, its
+    first pruning event checked against ``rewind``: the checks of a run that need no Trainer.
+
+    Example:
+        >>> from lightprune.schedules import Cubic
+        >>> checked_schedule(Cubic(final=0.8, start=0.0, end=0.5, frequency=0.1), "step", 100, None).events()[:3]
+        [0, 10, 20]
+    """
+    if not schedule.is_resolved:
+        if length is None:
+            raise ValueError(f"the schedule {schedule!r} gives times as fractions of the run: give the run's length")
+        schedule = schedule.resolve(length)
+    validate = getattr(schedule, "validate", None)
+    if callable(validate):
+        validate()
+    check_rewind_time(schedule, unit, rewind)
+    return schedule
+
+
 def schedule_for_run(
     schedule: Schedule, unit: str, trainer: Trainer, rewind: int | None, length: int | float | None = None
 ) -> Schedule:
@@ -402,10 +422,7 @@ def schedule_for_run(
                 f"{clock.clock_name(trainer, unit)} long, too short for the schedule's fractions of the run; give "
                 "it integer times for such a run, or fast_dev_run=N with room for them"
             ) from err
-    validate = getattr(schedule, "validate", None)
-    if callable(validate):
-        validate()
-    check_rewind_time(schedule, unit, rewind)
+    schedule = checked_schedule(schedule, unit, None, rewind)
     # the run's last time in the clock's unit (see lightprune.callback.clock)
     end = total
     if end is not None and 0 <= end < float("inf") and schedule.last_event > end:

@@ -38,6 +38,7 @@ from lightprune.callback.options import (
     check_owl,
     check_rewind_time,
     check_unused_inputs,
+    checked_schedule,
     method_entry,
     method_name,
     raise_problems,
@@ -920,12 +921,7 @@ class PruningCallback(Callback):
             ...
             ValueError: regrow='set' moves the masks every 100 optimizer steps until regrow_until=0.75 of the run, ...
         """
-        length = epochs if self.unit == "epoch" else steps
-        schedule = self.schedule if self.schedule.is_resolved else self.schedule.resolve(length)
-        validate = getattr(schedule, "validate", None)
-        if callable(validate):
-            validate()
-        check_rewind_time(schedule, self.unit, self.rewind)
+        checked_schedule(self.schedule, self.unit, epochs if self.unit == "epoch" else steps, self.rewind)
         if self._dst is not None:
             self._dst.check(steps)
 

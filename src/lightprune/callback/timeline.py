@@ -44,7 +44,7 @@ class Timeline:
         self.events: list[int] = []  # the resolved schedule's events, where a statistics window needs the next one
         self.lengths: dict[str, int] = {}  # the run lengths fractions of the run were resolved against, per clock
         self.restored_lengths: dict[str, int] = {}  # a checkpoint's: a resumed run keeps them
-        self.measured: dict[str, int] = {}  # this run's lengths as the Trainer gave them when training started
+        self._measured_steps: int | None = None  # this run's length in steps as the Trainer gave it at the start
         self._first_batches: int | float | None = None  # the loader's batches when training started
 
     def reset(self) -> None:
@@ -52,7 +52,7 @@ class Timeline:
         self.resolved = None
         self.last_event = -1
         self.events = []
-        self.lengths, self.restored_lengths, self.measured = {}, {}, {}
+        self.lengths, self.restored_lengths, self._measured_steps = {}, {}, None
         self._first_batches = None
 
     def state(self) -> dict[str, Any]:
@@ -71,8 +71,8 @@ class Timeline:
         if unit in self.lengths:  # the schedule's and the regrowth's step clocks: one length, said once
             return self.lengths[unit]
         length = clock.run_length(trainer, unit)
-        if length is not None and length != float("inf"):
-            self.measured[unit] = int(length)
+        if unit == "step" and length is not None and length != float("inf"):
+            self._measured_steps = int(length)
             self._first_batches = trainer.num_training_batches
         restored = self.restored_lengths.get(unit)
         if restored is not None and length != restored:
@@ -94,7 +94,7 @@ class Timeline:
         """At an epoch's start: the step clock's fractions of the run were fixed to a length read from the first
         epoch's loader, and a reloaded loader (``reload_dataloaders_every_n_epochs``) has another number of batches:
         say so, once."""
-        measured = self.measured.get("step")
+        measured = self._measured_steps
         batches, first = trainer.num_training_batches, self._first_batches
         if measured is None or first is None or batches == first:
             return

@@ -333,10 +333,8 @@ class _DetachedReduce(_OwnAttribute):
         if not isinstance(state, dict):
             return reduced
         state = dict(state)
-        for _, hook in pruning_hooks(module):
-            value = state.get(hook._tensor_name or "")
-            if isinstance(value, Tensor) and value.grad_fn is not None:
-                state[hook._tensor_name] = value.detach()
+        for name in {hook._tensor_name for _, hook in pruning_hooks(module)} & state.keys():
+            state[name] = _detached(state[name])
         flat = state.get("_flat_weights")  # an RNN lists its weights there too, the pruned ones as computed
         if isinstance(flat, list):
             state["_flat_weights"] = [_detached(value) for value in flat]
