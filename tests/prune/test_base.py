@@ -302,6 +302,22 @@ def test_a_pruned_module_is_freed_when_its_last_reference_goes() -> None:
             gc.enable()
 
 
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copied_pruned_module_converts_itself_after_the_original_is_gone(how: str) -> None:
+    """A shallow copy.copy took the original's own _apply: converting the copy recomputed the original's attribute
+    (the copy's stayed float32), and once the original was gone it failed. Every copy has helpers of its own."""
+    import copy
+
+    layer = lp.l1_unstructured(linear(), "weight", amount=5)
+    expected = layer.weight.detach().double()
+    copies = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m))}
+    twin = copies[how](layer)
+    del layer
+    twin.double()
+    assert twin.weight.dtype == torch.float64 and torch.equal(twin.weight, expected)
+    assert twin(torch.randn(2, 4, dtype=torch.float64)).dtype == torch.float64
+
+
 @pytest.mark.parametrize("kind", ["linear", "lstm"])
 def test_a_pruned_module_goes_through_torch_multiprocessing_pickler(kind: str) -> None:
     """ddp_spawn and mp.Queue pickle with torch.multiprocessing's ForkingPickler, which dispatches tensors by type

@@ -323,7 +323,7 @@ class _DetachedReduce(_OwnAttribute):
 
     ``pickle`` and ``copy`` look ``__reduce_ex__`` up on the object itself, so this reaches every pickler, also those
     that dispatch tensors by type before any method of theirs (torch.multiprocessing's, used by ``ddp_spawn``,
-    refuses non-leaf tensors that require grad).
+    refuses non-leaf tensors that require grad). The copy is made with helpers of its own (:func:`_rebuilt`).
     """
 
     def __call__(self, protocol: Any) -> Any:
@@ -332,13 +332,22 @@ class _DetachedReduce(_OwnAttribute):
         state = reduced[2]
         if not isinstance(state, dict):
             return reduced
-        state = dict(state)
+        state = {key: value for key, value in state.items() if not isinstance(value, _OwnAttribute)}
         for name in {hook._tensor_name for _, hook in pruning_hooks(module)} & state.keys():
             state[name] = _detached(state[name])
         flat = state.get("_flat_weights")  # an RNN lists its weights there too, the pruned ones as computed
         if isinstance(flat, list):
             state["_flat_weights"] = [_detached(value) for value in flat]
-        return (*reduced[:2], state, *reduced[3:])
+        return (_rebuilt, reduced[:2], state, *reduced[3:])
+
+
+def _rebuilt(make: Any, args: tuple[Any, ...]) -> nn.Module:
+    """A copied or unpickled pruned module, made by its class's own reduction, with helpers acting on itself (a
+    shallow ``copy.copy`` too, whose state is the original's ``__dict__``)."""
+    module = make(*args)
+    module.__dict__["_apply"] = _RefreshingApply(module)
+    module.__dict__["__reduce_ex__"] = _DetachedReduce(module)
+    return module
 
 
 def _detached(value: Any) -> Any:
