@@ -16,10 +16,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.nn.utils import prune as tp
 
 from lightprune import prune as lp
 from lightprune.prune import amount as am
+from lightprune.prune.rowwise import rowwise_mask
 
 
 def outcome(fn: Any, *args: Any) -> tuple[str, Any]:
@@ -231,13 +233,27 @@ def test_methods_reject_a_too_negative_dim_at_once() -> None:
             method.compute_mask(t, torch.ones_like(t))
 
 
-@pytest.mark.parametrize("dim", [1.0, True, "1"])
+@pytest.mark.parametrize("dim", [1.0, None, "1"])
 def test_methods_reject_non_integer_dims(dim: Any) -> None:
-    # torch fails on a float dim later (list index) with a TypeError and silently takes True for 1
+    # torch fails on a float dim later (list index) with a TypeError
     with pytest.raises(TypeError, match=r"dim must be an int, got"):
         lp.LnStructured(amount=1, n=2, dim=dim).compute_mask(torch.ones(2, 3), torch.ones(2, 3))
     with pytest.raises(TypeError, match=r"dim must be an int, got"):
         lp.RandomStructured(amount=1, dim=dim).compute_mask(torch.ones(2, 3), torch.ones(2, 3))
+    with pytest.raises(TypeError, match=r"dim must be an int, got"):
+        lp.RowwiseL1Unstructured(amount=1, dim=dim)
+    with pytest.raises(TypeError, match=r"dim must be an int, got"):
+        rowwise_mask(1, torch.ones(2, 3), None, torch.bool, dim=dim)
+
+
+def test_a_bool_dim_is_an_int_as_in_torch() -> None:
+    """Code that runs with torch runs unchanged: torch's int arguments take True as 1."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Conv2d(2, 4, 3), nn.Conv2d(2, 4, 3)
+    theirs.load_state_dict(ours.state_dict())
+    lp.ln_structured(ours, "weight", amount=1, n=2, dim=True)
+    torch.nn.utils.prune.ln_structured(theirs, "weight", amount=1, n=2, dim=True)
+    assert torch.equal(ours.weight_mask.float(), theirs.weight_mask) and ours.weight_mask.sum((0, 2, 3)).min() == 0
 
 
 def test_normalize_dim() -> None:

@@ -911,3 +911,21 @@ def test_refresh_machinery_is_installed_and_uninstalled() -> None:
     assert "_apply" not in layer.__dict__
     assert _reparam._refresh_after_load not in layer._load_state_dict_post_hooks.values()
     assert not lp.is_pruned(layer)
+
+
+def test_apply_method_takes_lightprunes_and_torchs_method_objects() -> None:
+    ours, theirs = linear(), linear()
+    theirs.load_state_dict(ours.state_dict())
+    assert isinstance(lp.apply_method(ours, "weight", lp.L1Unstructured(amount=5)), lp.L1Unstructured)
+    assert isinstance(lp.apply_method(theirs, "weight", tp.L1Unstructured(amount=5)), tp.L1Unstructured)
+    assert torch.equal(ours.weight_mask.float(), theirs.weight_mask.float())
+
+
+@pytest.mark.parametrize("method", [lp.L1Unstructured, "l1_unstructured", None])
+def test_apply_method_refuses_what_is_not_a_method_object_naming_it(method: object) -> None:
+    """The class (the form global_unstructured takes) or a name failed inside the method with an unrelated message."""
+    layer = linear()
+    before = {key: value.clone() for key, value in layer.state_dict().items()}
+    with pytest.raises(TypeError, match=r"method must be a pruning method object, such as L1Unstructured\(amount"):
+        lp.apply_method(layer, "weight", method)  # type: ignore[arg-type]
+    assert not lp.is_pruned(layer) and layer.state_dict().keys() == before.keys()

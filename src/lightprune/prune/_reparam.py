@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.utils.prune as torch_prune
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
@@ -695,6 +696,12 @@ def apply_method(
         >>> type(hook).__name__, layer.weight_mask.dtype, int((layer.weight == 0).sum())
         ('L1Unstructured', torch.bool, 3)
     """
+    if not isinstance(method, torch_prune.BasePruningMethod):  # lightprune's methods, torch's and their subclasses
+        given = f"the class {method.__name__}" if isinstance(method, type) else f"{method!r}"
+        raise TypeError(
+            f"method must be a pruning method object, such as L1Unstructured(amount=0.5), got {given}: "
+            "Method.apply(module, name, ...) builds one and applies it"
+        )
     if importance_scores is not None and isinstance(name, str):
         # torch checks the scores' shape first: keep its order of errors (e.g. for a buffer's name)
         target = getattr(module, name, None)

@@ -204,19 +204,31 @@ class MissingParameterError(AttributeError, TypeError):
     """
 
 
+def check_dim(dim: Any) -> None:
+    """Refuse a ``dim`` that is not an integer (torch's ``int`` arguments take ``True`` as 1, and so does this).
+
+    Example:
+        >>> check_dim(1.0)
+        Traceback (most recent call last):
+        ...
+        TypeError: dim must be an int, got 1.0 (float)
+    """
+    if not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
+
+
 def normalize_dim(t: Tensor, dim: int) -> int:
     """Return ``dim`` as a non-negative index into ``t``'s dimensions.
 
     Raises:
-        TypeError: ``dim`` is not an integer.
+        TypeError: ``dim`` is not an integer (a bool is one, as in torch: ``True`` is dim 1).
         DimOutOfRangeError: ``dim`` is out of range (an ``IndexError`` and a ``ValueError``).
 
     Example:
         >>> normalize_dim(torch.ones(2, 3, 4), -1)
         2
     """
-    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
-        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
+    check_dim(dim)
     ndim = t.dim()
     if not -ndim <= dim < ndim:
         raise DimOutOfRangeError(

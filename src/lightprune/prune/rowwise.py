@@ -17,7 +17,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from lightprune.prune.amount import validate_amount
+from lightprune.prune.amount import check_dim, normalize_dim, validate_amount
 from lightprune.prune.base import BasePruningMethod, _to_mask_dtype
 from lightprune.prune.ranks import group_ranks
 
@@ -81,8 +81,7 @@ def rowwise_mask(
         raise ValueError(
             f"per-row pruning needs a tensor of at least 2 dims (rows along dim {dim}), got shape {tuple(scores.shape)}"
         )
-    if not -scores.dim() <= dim < scores.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(scores.shape)}")
+    dim = normalize_dim(scores, dim)
     if dim % scores.dim():  # rows along another dim: rank the moved views (their entries keep their flat order)
         moved_base = None if base is None else base.movedim(dim, 0)
         mask = rowwise_mask(amount, scores.movedim(dim, 0), moved_base, dtype, magnitude=magnitude, sparsity=sparsity)
@@ -149,6 +148,7 @@ class RowwiseL1Unstructured(BasePruningMethod):
 
     def __init__(self, amount: int | float, dim: int = 0) -> None:
         validate_amount(amount)
+        check_dim(dim)
         self.amount = amount
         self.dim = dim
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightprune._checks import is_int
+from lightprune.prune.amount import check_dim
 from lightprune.prune.base import BasePruningMethod, _to_mask_dtype
 from lightprune.prune.ranks import group_ranks
 
@@ -30,7 +31,9 @@ def check_n_m(n: int, m: int) -> None:
         ValueError: n=4 must be smaller than m=4: an N:M pattern keeps n of every m entries
     """
     for label, value in (("n", n), ("m", m)):
-        if not is_int(value) or value < 1:
+        if not is_int(value):
+            raise TypeError(f"{label}={value!r} must be an int >= 1")
+        if value < 1:
             raise ValueError(f"{label}={value!r} must be an int >= 1")
     if n >= m:
         raise ValueError(f"n={n} must be smaller than m={m}: an N:M pattern keeps n of every m entries")
@@ -111,8 +114,7 @@ class SemiStructured(BasePruningMethod):
 
     def __init__(self, n: int = 2, m: int = 4, dim: int = 1) -> None:
         check_n_m(n, m)
-        if not is_int(dim):
-            raise ValueError(f"dim={dim!r} must be an int")
+        check_dim(dim)
         self.n, self.m, self.dim = int(n), int(m), int(dim)
 
     def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
