@@ -1143,8 +1143,12 @@ def test_torchs_built_in_methods_stand_for_lightprunes(name: str, given: str) ->
 def test_configuration_mistakes_raise_at_construction(kwargs: dict[str, Any], message: str) -> None:
     kwargs = dict(kwargs)
     schedule = kwargs.pop("schedule", 0.5)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message) as raised:
         PruningCallback(schedule, **kwargs)
+    wrong_types = {"mask_dtype": "bool", "make_permanent": "false", "prune_channel_bias": "no", "summary": 1}
+    wrong_types |= {"log_per_parameter": None, "method_kwargs": "abc", "seed": "0", "schedule": "cubic"}
+    wrong_type = any(wrong_types.get(key, ...) == value for key, value in {**kwargs, "schedule": schedule}.items())
+    assert raised.type is (TypeError if wrong_type else ValueError)
 
 
 def _a_tensor_named_total(model: Net) -> dict[str, Any]:

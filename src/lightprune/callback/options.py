@@ -121,7 +121,7 @@ def resolve_schedule(schedule: Schedule | float | Callable[[int], float]) -> Sch
         return Constant(float(schedule))
     if callable(schedule):
         return FromCallable(schedule, start=0, end=1.0, frequency=1)
-    raise ValueError(
+    raise TypeError(
         f"schedule={schedule!r} must be a lightprune.schedules.Schedule, a sparsity in [0, 1] (one-shot at the "
         "start) or a callable time -> target sparsity"
     )
@@ -264,7 +264,7 @@ def resolve_method_options(
         return prune.CustomFromMask, {}, scope
     cls = resolve_method(method)
     if method_kwargs is not None and not isinstance(method_kwargs, Mapping):
-        raise ValueError(f"method_kwargs={method_kwargs!r} must be a dict of the method's arguments, or None")
+        raise TypeError(f"method_kwargs={method_kwargs!r} must be a dict of the method's arguments, or None")
     kwargs = dict(method_kwargs or {})
     if "amount" in kwargs:
         raise ValueError("method_kwargs must not contain 'amount': the callback computes it from the schedule")

@@ -414,7 +414,7 @@ class PruningCallback(Callback):
         }
         for key, value in flags.items():
             if not isinstance(value, bool):  # "false" or 0 would pass a truth test
-                raise ValueError(f"{key}={value!r} must be a bool")
+                raise TypeError(f"{key}={value!r} must be a bool")
         self.max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity)
         if self.schedule.is_resolved:  # else checked when the run's length resolves it, before the first step
             setup_checks.check_cap(self.max_layer_sparsity, scope, self.schedule.final_sparsity)
@@ -434,12 +434,13 @@ class PruningCallback(Callback):
         if mask_dtype is not None and not (
             isinstance(mask_dtype, torch.dtype) and (mask_dtype == torch.bool or mask_dtype.is_floating_point)
         ):
-            raise ValueError(f"mask_dtype={mask_dtype!r} must be torch.bool, a floating torch.dtype or None")
+            error = ValueError if isinstance(mask_dtype, torch.dtype) else TypeError
+            raise error(f"mask_dtype={mask_dtype!r} must be torch.bool, a floating torch.dtype or None")
         check_parameter_names(parameter_names)
         if log_every_n_steps is not None and not (is_int(log_every_n_steps) and log_every_n_steps >= 1):
             raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be None or an int >= 1")
         if not is_int(seed):
-            raise ValueError(f"seed={seed!r} must be an int")
+            raise TypeError(f"seed={seed!r} must be an int")
         if parameters is not None and (include is not None or exclude is not None):
             raise ValueError("give either parameters=[(module, name), ...] or include/exclude patterns, not both")
         compile_patterns("include", include)  # an invalid pattern fails here, not when fit starts
