@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightprune.callback import PruningCallback
 from lightprune.schedules import Cubic, Linear
-from tiny_lightning import N, TinyNet, loader, quiet_trainer
+from tiny_lightning import WEIGHTS, N, TinyNet, loader, quiet_trainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread_for_module")]
 
@@ -288,7 +288,7 @@ def test_an_epoch_schedule_ending_at_max_epochs_says_its_last_event_follows_all_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyNet())
-    said = [str(w.message) for w in caught if "which is max_epochs" in str(w.message)]
+    said = [str(w.message) for w in caught if "where the run ends (max_epochs" in str(w.message)]
     assert len(said) == warns, said
     if warns:
         assert "End the schedule at epoch 2 or before" in said[0]
@@ -363,3 +363,66 @@ def test_a_run_bounded_by_max_steps_keeps_its_length_when_the_loader_changes() -
         trainer.fit(LongerEveryEpoch())
     assert not [w for w in caught if "stay fixed to" in str(w.message)]
     assert trainer.global_step == 12
+
+
+def _zeros(model: nn.Module) -> float:
+    """The share of the selected weights that are zero (the model returned: the reparametrization removed)."""
+    weights = [model.get_parameter(name) for name in WEIGHTS]
+    return sum(int((w == 0).sum()) for w in weights) / N
+
+
+def test_an_epoch_the_stream_did_not_finish_takes_no_event_at_fit_end() -> None:
+    """A loader without length cut by max_steps inside epoch 2: the event of epoch 3, which never started, ran when
+    fit ended (0.8 returned where the last batch trained at 0.53), silently; with a sized loader it did not."""
+    schedule = Linear(final=0.8, start=0, end=3, frequency=1)
+    model = TinyNet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([PruningCallback(schedule, unit="epoch", summary=False)], max_epochs=10, max_steps=10).fit(
+            model, torch.utils.data.DataLoader(Endless(), batch_size=4)
+        )  # 4 batches an epoch: epochs 0 and 1 complete, epoch 2 cut after 2 batches
+    assert _zeros(model) == pytest.approx(schedule.target(2), abs=1 / N)
+    assert any("before the schedule's last event at epoch 3" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(("accumulate", "max_steps"), [(1, 28), (3, 10)])
+def test_epoch_fractions_follow_the_epochs_max_steps_completes(accumulate: int, max_steps: int) -> None:
+    """max_epochs=10 with max_steps ending the run inside epoch 3: fractions of the run were resolved against 10
+    epochs, so a ramp over the whole run stopped at 0.24 of its target, said only when fit ended. They now resolve
+    against the 3 epochs completed; the last event (epoch 3) runs when that epoch starts, and the model trains
+    after it."""
+    model = TinyNet()
+    callback = PruningCallback(Linear(final=0.8, start=0.0, end=1.0), unit="epoch", summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer([callback], max_epochs=10, max_steps=max_steps, accumulate_grad_batches=accumulate).fit(model)
+    assert _zeros(model) == pytest.approx(0.8, abs=1 / N)
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "will not be reached" in m or "where the run ends" in m], said
+
+
+def test_epoch_fractions_over_a_stream_cut_by_max_steps_say_what_bounds_the_epochs() -> None:
+    """The hint said 'set max_steps or max_epochs' to a fit that had set max_steps."""
+    callback = PruningCallback(Linear(final=0.5, start=0.0, end=0.5), unit="epoch", summary=False)
+    trainer = quiet_trainer([callback], max_steps=10)
+    with pytest.raises(ValueError, match=r"no length, so max_steps does not give the number of epochs: bound the run"):
+        trainer.fit(TinyNet(), torch.utils.data.DataLoader(Endless(), batch_size=4))
+
+
+class FailAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("stopped by the test")
+
+
+def test_a_fit_that_raises_says_how_far_the_schedule_got() -> None:
+    """The docs promise the warning with the sparsity reached for an interruption too, not only for a stop."""
+    callback = PruningCallback(Linear(final=0.8, start=0, end=20, frequency=2), summary=False)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match="stopped by the test"):
+        warnings.simplefilter("always")
+        quiet_trainer([callback, FailAt(9)], max_epochs=5).fit(TinyNet())
+    said = [str(w.message) for w in caught if "before the schedule's last event" in str(w.message)]
+    assert len(said) == 1 and "fit ended at step 9" in said[0], said

@@ -1,6 +1,7 @@
 """The callback's clock: which count of the run a schedule's times are read against, and how long the run is.
 
-* ``unit="epoch"``: completed epochs (``trainer.current_epoch``); the run lasts ``max_epochs``.
+* ``unit="epoch"``: completed epochs (``trainer.current_epoch``); the run lasts ``max_epochs``, or, where
+  ``max_steps`` ends it first, the epochs completed within ``max_steps`` (an epoch it cuts short is not completed).
 * ``unit="step"`` under automatic optimization: optimizer steps (``trainer.global_step``, so gradient accumulation is
   handled); the run lasts ``trainer.estimated_stepping_batches``, or, beside a ``GradientAccumulationScheduler``
   (whose factors Lightning's estimate does not read), the sum over epochs of each epoch's optimizer steps.
@@ -15,6 +16,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch import Trainer
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "counts_batches",
     "ended_inside_epoch",
     "in_swa_batch_norm_epoch",
+    "max_steps_cuts_last_epoch",
     "now",
     "run_length",
     "stopped_early",
@@ -68,20 +72,57 @@ def now(trainer: Trainer, unit: str) -> int:
     return trainer.global_step
 
 
-def _optimizer_steps(trainer: Trainer) -> int | float:
-    """How many optimizer steps the run takes: ``trainer.estimated_stepping_batches``, counted epoch by epoch with
-    the factors of a ``GradientAccumulationScheduler`` among the callbacks (an epoch of ``b`` batches accumulated
-    ``a`` at a time steps ``ceil(b / a)`` times: its last, short group steps too)."""
+def _accumulation(trainer: Trainer) -> Any:
+    """The ``GradientAccumulationScheduler`` among the callbacks (its factors replace the Trainer's), or ``None``."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-    estimated = trainer.estimated_stepping_batches  # (sets the training data up if it is not yet)
     schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    return schedulers[0] if schedulers else None
+
+
+def _epoch_steps(trainer: Trainer, epoch: int, batches: int, scheduler: Any) -> int:
+    """The optimizer steps of one epoch of ``batches`` batches accumulated ``a`` at a time: ``ceil(batches / a)``
+    (its last, short group steps too)."""
+    factor = trainer.accumulate_grad_batches if scheduler is None else scheduler.get_accumulate_grad_batches(epoch)
+    return -(-batches // factor)
+
+
+def _optimizer_steps(trainer: Trainer) -> int | float:
+    """How many optimizer steps the run takes: ``trainer.estimated_stepping_batches``, counted epoch by epoch with
+    the factors of a ``GradientAccumulationScheduler`` among the callbacks."""
+    estimated = trainer.estimated_stepping_batches  # (sets the training data up if it is not yet)
+    scheduler = _accumulation(trainer)
     epochs, batches = trainer.max_epochs, trainer.num_training_batches
-    if not schedulers or epochs is None or epochs < 0 or batches == float("inf"):
+    if scheduler is None or epochs is None or epochs < 0 or batches == float("inf"):
         return estimated
-    factors = [schedulers[0].get_accumulate_grad_batches(epoch) for epoch in range(max(epochs, 1))]
-    total = sum(-(-int(batches) // factor) for factor in factors)
+    total = sum(_epoch_steps(trainer, epoch, int(batches), scheduler) for epoch in range(max(epochs, 1)))
     return min(total, trainer.max_steps) if trainer.max_steps != -1 else total
+
+
+def _epochs(trainer: Trainer) -> tuple[int | None, bool]:
+    """The epochs the run completes, and whether ``max_steps`` then ends it inside the next one.
+
+    ``max_epochs``, or where ``max_steps`` ends the run first the epochs completed within it; unknown (``None``)
+    where ``max_steps`` may end it and cannot be turned into epochs: a loader without length, or manual optimization
+    (``max_steps`` counts ``optimizer.step()`` calls, any number a batch).
+    """
+    epochs = trainer.max_epochs
+    if trainer.max_steps == -1:
+        return epochs, False
+    bounded = epochs is not None and epochs >= 0
+    module = trainer.lightning_module
+    batches = trainer.estimated_stepping_batches and trainer.num_training_batches  # (sets the data up first)
+    if batches == float("inf") or (module is not None and not module.automatic_optimization):
+        return None, False
+    if batches < 1:  # (no training at all)
+        return (epochs if bounded else None), False
+    scheduler, steps, completed = _accumulation(trainer), 0, 0
+    while not (bounded and completed >= epochs) and steps < trainer.max_steps:
+        steps += _epoch_steps(trainer, completed, int(batches), scheduler)
+        if steps > trainer.max_steps:
+            return completed, True
+        completed += 1
+    return completed, False
 
 
 def swa_batch_norm_epoch(trainer: Trainer) -> int | None:
@@ -144,13 +185,24 @@ def run_length(trainer: Trainer, unit: str) -> int | float | None:
 
 def _run_length(trainer: Trainer, unit: str) -> int | float | None:
     if unit == "epoch":
-        return trainer.max_epochs
+        return _epochs(trainer)[0]
     if not counts_batches(trainer, unit):
         return _optimizer_steps(trainer)
     epochs, batches = trainer.max_epochs, trainer.num_training_batches
     if epochs is None or epochs < 0 or batches == float("inf"):
         return None
     return None if trainer.max_steps != -1 else int(batches) * max(epochs, 1)
+
+
+def max_steps_cuts_last_epoch(trainer: Trainer) -> bool:
+    """Whether ``max_steps`` ends the run inside the epoch after its last completed one: that epoch starts (and an
+    event due when it starts runs) but is not completed.
+
+    Example:
+        >>> max_steps_cuts_last_epoch(Trainer(max_epochs=3, logger=False, enable_progress_bar=False))
+        False
+    """
+    return _epochs(trainer)[1]
 
 
 def stopped_early(trainer: Trainer) -> bool:
@@ -182,5 +234,9 @@ def ended_inside_epoch(trainer: Trainer) -> bool:
         False
     """
     batches = trainer.num_training_batches
-    trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    return trainer.current_epoch > 0 and batches != float("inf") and 0 < trained < batches
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if trainer.current_epoch == 0 or progress.current.processed == 0:
+        return False
+    if batches == float("inf"):  # a loader without length: whether its last batch was reached
+        return not progress.is_last_batch
+    return progress.current.processed < batches

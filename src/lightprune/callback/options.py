@@ -344,6 +344,16 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
         )
     elif unit == "step" and trainer.max_epochs not in (None, -1) and trainer.num_training_batches == float("inf"):
         hint = "the training loader has no length, so max_epochs does not give the number of steps: set max_steps"
+    elif unit == "epoch" and trainer.max_steps != -1:
+        module = trainer.lightning_module
+        why = (
+            "under manual optimization max_steps counts optimizer.step() calls (any number a batch)"
+            if module is not None and not module.automatic_optimization
+            else "the training loader has no length"
+        )
+        hint = f"{why}, so max_steps does not give the number of epochs: bound the run by max_epochs without max_steps"
+    elif unit == "epoch":
+        hint = "set max_epochs"
     else:
         hint = "set max_steps or max_epochs"
     return f"{hint}, or {alternative}" if alternative else hint

@@ -13,6 +13,7 @@ travel in the callback's own checkpoint state, from which ``trainer.fit(model, c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -735,6 +736,9 @@ class PruningCallback(Callback):
         self._importance.close()
         if self._dst is not None:
             self._dst.stop()
+        if self._masked is not None:  # (interrupted: say how far the schedule got, as a stop does)
+            with contextlib.suppress(Exception):  # nothing may hide the exception that ended the fit
+                self._timeline.warn_if_unfinished(self._now(trainer), self._masked.counts)
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -163,9 +163,12 @@ class Timeline:
         epochs = clock.run_length(trainer, "epoch")
         if self.resolved is None or self.unit != "epoch" or epochs is None or self.resolved.last_event != epochs:
             return
+        if clock.max_steps_cuts_last_epoch(trainer):  # (the event runs when that epoch starts, and it trains)
+            return
         rank_zero_warn(
             f"{self.title}: the schedule {self.resolved!r} has its last event at epoch {epochs}, "
-            "which is max_epochs: it runs when fit ends, after the last validation and every checkpoint written "
+            "where the run ends (max_epochs, or the epochs max_steps completes): it runs when fit ends, after the last "
+            "validation and every checkpoint written "
             f"during fit, so the returned model (at {self.resolved.final_sparsity:.4g}) is neither fine-tuned, nor "
             f"validated, nor in those checkpoints. End the schedule at epoch {int(epochs) - 1} or before (a "
             "fraction of the run, end=1.0, resolves to it) to train after its last event",
