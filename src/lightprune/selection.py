@@ -347,24 +347,24 @@ def parametrized_left_out(
     include: Sequence[str] | str | None = None,
 ) -> list[str]:
     r"""The qualified names of tensors :func:`select_parameters` would select but cannot: computed by a
-    ``torch.nn.utils.parametrize`` parametrization (the new ``weight_norm``, ``spectral_norm``, ``orthogonal``), so
-    not Parameters of their module. ``include`` and ``exclude`` patterns apply to them too.
+    ``torch.nn.utils.parametrize`` parametrization (the new ``weight_norm``, ``spectral_norm``, ``orthogonal``) or by
+    the forward pre-hook of the older ``torch.nn.utils.weight_norm`` / ``spectral_norm``, so not Parameters of their
+    module. ``include`` and ``exclude`` patterns apply to them too.
 
     Example:
         >>> from torch.nn.utils.parametrizations import weight_norm
         >>> parametrized_left_out(nn.Sequential(weight_norm(nn.Linear(2, 2)), nn.Linear(2, 2)))
         ['0.weight']
+        >>> parametrized_left_out(nn.Sequential(nn.Linear(2, 2), nn.utils.weight_norm(nn.Linear(2, 2))))
+        ['1.weight']
     """
-    from torch.nn.utils import parametrize
-
     types, names = _filters(module_types, parameter_names)
     excludes, includes = compile_patterns("exclude", exclude), compile_patterns("include", include)
     found = []
     for prefix, module in model.named_modules():
-        if (types is not None and not isinstance(module, types)) or not parametrize.is_parametrized(module):
+        if types is not None and not isinstance(module, types):
             continue
-        parametrized: nn.ModuleDict = getattr(module, "parametrizations")  # noqa: B009 (a Module's attribute)
-        for name in parametrized:
+        for name in _computed_tensors(module):
             if names is not None and name not in names:
                 continue
             qualified = _qualify(prefix, name)
@@ -373,6 +373,20 @@ def parametrized_left_out(
             if not any(pattern.fullmatch(qualified) for pattern in excludes):
                 found.append(qualified)
     return found
+
+
+def _computed_tensors(module: nn.Module) -> list[str]:
+    """The names of ``module``'s tensors computed by a parametrization, new (``parametrize``) or old (a forward
+    pre-hook of ``torch.nn.utils.weight_norm`` / ``spectral_norm``), that are not Parameters."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    names = list(getattr(module, "parametrizations", {})) if parametrize.is_parametrized(module) else []
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, (WeightNorm, SpectralNorm)) and hook.name not in module._parameters:
+            names.append(hook.name)
+    return names
 
 
 def resolve_pairs(model: nn.Module, pairs: Iterable[tuple[nn.Module, str]]) -> list[tuple[str, nn.Module, str]]:

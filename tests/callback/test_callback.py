@@ -967,7 +967,7 @@ def test_layers_under_a_parametrization_are_named_where_the_selection_cannot_tak
     selection skipped the layer without a word, and an explicit pair was refused as a missing parameter."""
     model = TinyNet()
     model.net[0] = nn.utils.parametrizations.weight_norm(model.net[0])
-    with pytest.warns(UserWarning, match=r"\['net\.0\.weight'\] are computed by torch\.nn\.utils\.parametrize"):
+    with pytest.warns(UserWarning, match=r"\['net\.0\.weight'\] are computed from other parameters by a parametri"):
         PruningCallback(0.5).check_model(model)
     with pytest.raises(
         ValueError, match=r"'weight' is computed by .*\(_WeightNorm\) from \['original0', 'original1'\]"
@@ -1316,3 +1316,32 @@ def test_defaults_bool_masks_weights_only_no_rewind() -> None:
     assert callback.rewind is None  # lottery-ticket rewinding is opt-in (lightning's ModelPruning: on by default)
     assert (callback.scope, callback.unit, callback.make_permanent) == ("global", "step", True)
     assert callback.parameter_names == ("weight",)
+
+
+def test_layers_under_the_older_weight_norm_are_named_with_the_tensor_to_select() -> None:
+    """``torch.nn.utils.weight_norm`` keeps a Linear's weight as ``weight_g``/``weight_v`` and computes ``weight`` in
+    a forward pre-hook. The default selection left such a layer out while the coverage warning advised passing
+    module_types for Linear, already selected; with a model of such layers only, the refusal said nothing of why."""
+    model = TinyNet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch deprecates the older weight_norm)
+        model.net[0] = nn.utils.weight_norm(model.net[0])
+    message = r"\['net\.0\.weight'\] are computed from other parameters .*parameter_names=\['weight_v'\]"
+    with pytest.warns(UserWarning, match=message):
+        PruningCallback(0.5).check_model(model)
+    with pytest.warns(UserWarning, match=message), pytest.raises(ValueError):
+        PruningCallback(0.5, include=r"net\.0\..*").check_model(model)
+    callback = PruningCallback(0.5, parameter_names=["weight", "weight_v"])
+    pruned, _ = fit(callback, model, max_epochs=1)
+    selected = [pruned.net[0].weight_v, pruned.net[2].weight, pruned.net[4].weight]
+    assert sum(zeros(tensor) for tensor in selected) == N // 2 and zeros(pruned.net[0].weight_v) > 0
+    pruned(torch.randn(1, 8))  # (the pre-hook computes weight from weight_v)
+    assert torch.equal(pruned.net[0].weight == 0, pruned.net[0].weight_v == 0)
+
+
+def test_the_coverage_warning_names_the_tensors_left_out() -> None:
+    """A model whose largest weights are a selected type's other tensors: the advice names them."""
+    model = TinyNet()
+    model.net[0].register_parameter("table", nn.Parameter(torch.zeros(64, 64)))
+    with pytest.warns(UserWarning, match=r"the largest unselected are torch\.nn\.modules\.linear\.Linear's table \("):
+        fit(PruningCallback(0.5), model, max_epochs=1)

@@ -948,6 +948,16 @@ class PruningCallback(Callback):
                 "qualified names, e.g. 'model.fc1.weight': write '.*fc1\\.weight' to match a suffix)",
                 category=UserWarning,
             )
+        parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude, self.include)
+        if parametrized:  # (said before a selection left empty by them is refused)
+            rank_zero_warn(
+                f"PruningCallback: {parametrized[:3]} are computed from other parameters by a parametrization, so "
+                "the selection leaves them out: prune their originals by name (torch.nn.utils.parametrizations."
+                "weight_norm: '...parametrizations.weight.original1', with module_types=None and "
+                "parameter_names=None; the older torch.nn.utils.weight_norm: parameter_names=['weight_v']), or "
+                "exclude them",
+                category=UserWarning,
+            )
         selection = select_parameters(
             model,
             include=self.include,
@@ -955,15 +965,6 @@ class PruningCallback(Callback):
             module_types=self.module_types,
             parameter_names=self.parameter_names,
         )
-        parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude, self.include)
-        if parametrized:
-            rank_zero_warn(
-                f"PruningCallback: {parametrized[:3]} are computed by torch.nn.utils.parametrize parametrizations, "
-                "so the selection leaves them out: prune their originals by name (for weight_norm: "
-                "'...parametrizations.weight.original1', with module_types=None and parameter_names=None), or "
-                "exclude them",
-                category=UserWarning,
-            )
         for pattern, names in includes_left_out(model, selection, self.include).items():
             rank_zero_warn(
                 f"PruningCallback: include pattern {pattern!r} matches {names}, but module_types / parameter_names / "

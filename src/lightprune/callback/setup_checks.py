@@ -783,7 +783,8 @@ def refuse_reconstructing_ties(
 
 def warn_small_share(selection: Selection, owners: Mapping[int, Selection]) -> None:
     """Say so once when the selection leaves most of the model's weights out (GPT-2's ``Conv1D`` layers are not
-    ``nn.Linear``), naming the largest unselected module types."""
+    ``nn.Linear``; the older ``weight_norm`` keeps a Linear's weight as ``weight_v``), naming the largest unselected
+    module types and their tensors' names."""
     selected = {id(prune.original(module, name)) for _, module, name in selection}
     total = chosen = 0
     unselected: dict[str, int] = {}
@@ -797,14 +798,14 @@ def warn_small_share(selection: Selection, owners: Mapping[int, Selection]) -> N
             chosen += tensor.numel()
         else:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
-            unselected[kind] = unselected.get(kind, 0) + tensor.numel()
+            unselected[kind, name] = unselected.get((kind, name), 0) + tensor.numel()
     if total == 0 or chosen / total >= SMALL_SHARE:
         return
     largest = sorted(unselected.items(), key=lambda item: -item[1])[:3]
-    named = ", ".join(f"{kind} ({count / total:.0%})" for kind, count in largest)
+    named = ", ".join(f"{kind}'s {name} ({count / total:.0%})" for (kind, name), count in largest)
     rank_zero_warn(
         f"PruningCallback: the default selection (Linear and Conv weights) covers {chosen / total:.0%} of the "
-        f"model's weights; the largest unselected module types are {named}. Pass module_types (classes or import "
-        "paths) to prune them too.",
+        f"model's weights; the largest unselected are {named}. Pass module_types (classes or import paths) and "
+        "parameter_names to prune them too.",
         category=UserWarning,
     )
