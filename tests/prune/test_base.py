@@ -929,3 +929,30 @@ def test_apply_method_refuses_what_is_not_a_method_object_naming_it(method: obje
     with pytest.raises(TypeError, match=r"method must be a pruning method object, such as L1Unstructured\(amount"):
         lp.apply_method(layer, "weight", method)  # type: ignore[arg-type]
     assert not lp.is_pruned(layer) and layer.state_dict().keys() == before.keys()
+
+
+def test_a_parametrization_added_on_the_original_after_pruning_keeps_the_attribute_current() -> None:
+    """Pruned first, then a parametrization on ``weight_orig`` (the only tensor one can go on): conversions and
+    load_state_dict left ``weight`` stale (skipped, as not a plain Parameter), and remove failed with a bare
+    KeyError."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return 2 * x
+
+    layer = lp.l1_unstructured(linear(), "weight", amount=5)
+    parametrize.register_parametrization(layer, "weight_orig", Doubled())
+    layer(torch.randn(1, 4))
+    layer.double()
+    assert layer.weight.dtype == torch.float64
+    state = {key: value.clone() for key, value in layer.state_dict().items()}
+    state["parametrizations.weight_orig.original"].add_(1.0)
+    layer.load_state_dict(state)
+    expected = 2 * layer.parametrizations.weight_orig.original.detach() * layer.weight_mask
+    assert torch.equal(layer.weight.detach(), expected)
+    with pytest.raises(
+        ValueError, match=r"'weight_orig' of ParametrizedLinear is not a plain Parameter.*nothing was changed"
+    ):
+        lp.remove(layer, "weight")
+    assert lp.is_pruned(layer) and torch.equal(layer.weight.detach(), expected)

@@ -275,10 +275,14 @@ def refresh_pruned(module: nn.Module) -> None:
         >>> bool(layer.weight[0, 0] == 0)
         True
     """
+    from torch.nn.utils import parametrize
+
     for _, hook in pruning_hooks(module):
         name = hook._tensor_name
-        if name is not None and name + "_orig" in module._parameters and name + "_mask" in module._buffers:
-            hook(module, ())
+        if name is None or name + "_mask" not in module._buffers:
+            continue
+        if name + "_orig" in module._parameters or parametrize.is_parametrized(module, name + "_orig"):
+            hook(module, ())  # (a parametrization the user put on name_orig computes it, as in the forward)
 
 
 class _OwnAttribute:

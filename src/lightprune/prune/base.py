@@ -229,6 +229,13 @@ class BasePruningMethod(ABC):
         from lightprune.prune._reparam import _move_key  # _reparam builds on this module's classes
 
         name = self._attached_name()
+        if name + "_orig" not in module._parameters:  # e.g. moved under module.parametrizations by parametrize
+            raise ValueError(
+                f"{name + '_orig'!r} of {type(module).__name__} is not a plain Parameter of the module (a "
+                "torch.nn.utils.parametrize parametrization?): take it off "
+                f"(parametrize.remove_parametrizations(module, {name + '_orig'!r})) before removing the pruning of "
+                f"{name!r}; nothing was changed"
+            )
         orig = module._parameters[name + "_orig"]
         with torch.no_grad():
             if in_place:
