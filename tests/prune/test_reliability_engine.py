@@ -724,7 +724,7 @@ class EngineMachine(RuleBasedStateMachine):
             bad_dims = st.one_of(st.integers(ndim, ndim + 3), st.integers(-ndim - 3, -ndim - 1))
             calls["dim out of range"] = lambda: prune.random_structured(module, name, amount=0, dim=data.draw(bad_dims))
             calls["dim not an int"] = lambda: prune.ln_structured(
-                module, name, amount=0, n=1, dim=data.draw(st.sampled_from([0.0, "0", None, True]))
+                module, name, amount=0, n=1, dim=data.draw(st.sampled_from([0.0, "0", None, 1.0]))
             )
             calls["bad norm"] = lambda: prune.ln_structured(
                 module, name, amount=0, n=data.draw(st.sampled_from(["bogus", "nuc" if ndim != 3 else "bogus"])), dim=0
