@@ -787,7 +787,7 @@ def warn_small_share(selection: Selection, owners: Mapping[int, Selection]) -> N
     module types and their tensors' names."""
     selected = {id(prune.original(module, name)) for _, module, name in selection}
     total = chosen = 0
-    unselected: dict[str, int] = {}
+    unselected: dict[tuple[str, str], int] = {}
     for parameter_id, places in owners.items():
         _, module, name = places[0]
         tensor = prune.original(module, name)
