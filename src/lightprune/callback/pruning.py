@@ -26,7 +26,17 @@ from typing_extensions import override
 
 from lightprune import choices, prune, rules
 from lightprune._checks import is_int
-from lightprune.callback import clock, neighbours, reporting, resume, rewinding, setup_checks, sharded, sharded_movement
+from lightprune.callback import (
+    clock,
+    neighbours,
+    reporting,
+    resume,
+    rewinding,
+    selecting,
+    setup_checks,
+    sharded,
+    sharded_movement,
+)
 from lightprune.callback.calibration import calibrate, first_batch, inputs_as_trained_on, reshard
 from lightprune.callback.importance import Importance, ScoreFunction, check_importance
 from lightprune.callback.masked_selection import MaskedSelection
@@ -62,13 +72,8 @@ from lightprune.selection import (
     check_pairs,
     check_parameter_names,
     compile_patterns,
-    includes_left_out,
     parameter_owners,
-    parametrized_left_out,
     resolve_module_types,
-    resolve_pairs,
-    select_parameters,
-    unmatched_patterns,
 )
 from lightprune.structure import UnitError
 
@@ -932,47 +937,9 @@ class PruningCallback(Callback):
 
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         """The ``(qualified name, module, name)`` of the tensors to prune in ``model``."""
-        selection = self._resolved_selection(model)
-        setup_checks.refuse_uninitialized(selection)
-        setup_checks.refuse_reserved_names(selection)
-        return selection
-
-    def _resolved_selection(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-        """The explicit ``parameters``, or the pattern selection with its warnings."""
-        if self.parameters is not None:
-            return resolve_pairs(model, self.parameters)
-        unmatched = unmatched_patterns(model, self.include, self.exclude)
-        if unmatched:  # a pattern matches the whole qualified name: "fc1.weight" is not "model.fc1.weight"
-            rank_zero_warn(
-                f"PruningCallback: {', '.join(unmatched)} matches no parameter of the model (patterns match whole "
-                "qualified names, e.g. 'model.fc1.weight': write '.*fc1\\.weight' to match a suffix)",
-                category=UserWarning,
-            )
-        parametrized = parametrized_left_out(model, self.module_types, self.parameter_names, self.exclude, self.include)
-        if parametrized:  # (said before a selection left empty by them is refused)
-            rank_zero_warn(
-                f"PruningCallback: {parametrized[:3]} are computed from other parameters by a parametrization, so "
-                "the selection leaves them out: prune their originals by name (torch.nn.utils.parametrizations."
-                "weight_norm: '...parametrizations.weight.original1', with module_types=None and "
-                "parameter_names=None; the older torch.nn.utils.weight_norm: parameter_names=['weight_v']), or "
-                "exclude them",
-                category=UserWarning,
-            )
-        selection = select_parameters(
-            model,
-            include=self.include,
-            exclude=self.exclude,
-            module_types=self.module_types,
-            parameter_names=self.parameter_names,
+        return selecting.selected(
+            model, self.parameters, self.include, self.exclude, self.module_types, self.parameter_names
         )
-        for pattern, names in includes_left_out(model, selection, self.include).items():
-            rank_zero_warn(
-                f"PruningCallback: include pattern {pattern!r} matches {names}, but module_types / parameter_names / "
-                "exclude leave all of it out: add its module type and attribute name to module_types and "
-                "parameter_names (or pass parameters=[(module, name)]) to prune it",
-                category=UserWarning,
-            )
-        return selection
 
     def _select(self, trainer: Trainer, pl_module: LightningModule) -> MaskedSelection:
         """Resolve which tensors to prune; check them against other pruning tools, the method and sharding."""
