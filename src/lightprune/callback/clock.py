@@ -111,7 +111,8 @@ def _epochs(trainer: Trainer) -> tuple[int | None, bool]:
         return epochs, False
     bounded = epochs is not None and epochs >= 0
     module = trainer.lightning_module
-    batches = trainer.estimated_stepping_batches and trainer.num_training_batches  # (sets the data up first)
+    _ = trainer.estimated_stepping_batches  # (sets the training data up if it is not yet)
+    batches = trainer.num_training_batches
     if batches == float("inf") or (module is not None and not module.automatic_optimization):
         return None, False
     if batches < 1:  # (no training at all)
