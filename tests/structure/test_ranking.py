@@ -180,3 +180,32 @@ def test_pruning_again_prunes_further_and_failed_calls_change_nothing() -> None:
     keeps = prune_units(model, groups, 0.5)
     assert [int((~k).sum()) for k in keeps] == [round(0.5 * g.count) for g in groups]
     assert [int(_pruned_units(model, g).sum()) for g in groups] == [round(0.5 * g.count) for g in groups]
+
+
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_units_already_pruned_rank_below_any_score_of_a_callable(scope: str) -> None:
+    """Already-pruned units scored -1: with a callable's scores below -1 ("higher keeps", any sign) they outranked
+    every live unit, so each call pruned its full count of new units on top of the old ones."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    groups = find_units(mlp, (torch.randn(1, 4),))
+
+    def negative(model: nn.Module, group: object) -> torch.Tensor:  # minus a loss increase, say
+        return -100.0 - torch.arange(8.0).flip(0)
+
+    prune_units(mlp, groups, 0.25 if scope == "layerwise" else 4, importance=negative, scope=scope)
+    prune_units(mlp, groups, 0.5 if scope == "layerwise" else 8, importance=negative, scope=scope)
+    assert sum(int(_pruned_units(mlp, g).sum()) for g in groups) == 8
+
+
+def test_nan_unit_scores_rank_above_every_number_in_a_global_ranking() -> None:
+    """Python's sort of float tuples with NaN misranked the finite scores too (30 and 10 pruned, 3 and 4 kept)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    groups = find_units(mlp, (torch.randn(1, 4),))
+    nan = math.nan
+    scores = [torch.tensor([30.0, nan, 10.0, nan, 90, 80, 70, 60]), torch.tensor([1.0, 2, 3, 4, 50, 51, 52, 53])]
+    keeps = prune_units(mlp, groups, 4, importance=lambda model, group: scores[groups.index(group)], scope="global")
+    assert [k.int().tolist() for k in keeps] == [[1] * 8, [0, 0, 0, 0, 1, 1, 1, 1]]
+    layerwise = prune_units(mlp, groups, 0.75, importance=lambda model, group: scores[groups.index(group)])
+    assert layerwise[0].int().tolist() == [0, 1, 0, 1, 0, 0, 0, 0]  # the NaN units kept longest

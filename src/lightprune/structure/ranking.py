@@ -17,6 +17,7 @@ every pruned tensor is an ordinary pruned tensor (``name_orig``, ``name_mask``).
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 
@@ -164,7 +165,26 @@ def check_unit_amount(groups: Sequence[UnitGroup], amount: int | float, scope: s
         raise ValueError(f"amount={amount!r} prunes {target} of {total} units; every group must keep at least one")
 
 
-def _prune_counts(groups: Sequence[UnitGroup], scores: list[Tensor], amount: int | float, scope: str) -> list[int]:
+def _rank_key(value: float, pruned: bool) -> tuple[int, int, float]:
+    """A unit's place in the ranking, lowest pruned first: units already pruned below every live one (whatever the
+    scores' sign), then by score, NaN above ``+inf`` (as the engine ranks it; ``float`` NaN compares with nothing)."""
+    nan = math.isnan(value)
+    return (0 if pruned else 1, int(nan), 0.0 if nan else value)
+
+
+def _keys(values: Tensor, pruned: Tensor) -> list[tuple[int, int, float]]:
+    return [_rank_key(v, p) for v, p in zip(values.tolist(), pruned.tolist(), strict=True)]
+
+
+def _ranking(values: Tensor, pruned: Tensor) -> list[int]:
+    """The units of one group from the first to prune to the last, ties by index."""
+    keys = _keys(values, pruned)
+    return sorted(range(len(keys)), key=lambda i: (keys[i], i))
+
+
+def _prune_counts(
+    groups: Sequence[UnitGroup], scores: list[Tensor], pruned: list[Tensor], amount: int | float, scope: str
+) -> list[int]:
     check_unit_amount(groups, amount, scope)
     if scope == "layerwise":
         return [_compute_nparams_toprune(amount, group.count) for group in groups]
@@ -172,9 +192,10 @@ def _prune_counts(groups: Sequence[UnitGroup], scores: list[Tensor], amount: int
     target = _compute_nparams_toprune(amount, total)
     # each group's best unit is kept; the rest are ranked together, ties by (group, index)
     pool = []
-    for g, values in enumerate(scores):
-        best = int(torch.argmax(values))
-        pool += [(float(v), g, i) for i, v in enumerate(values.tolist()) if i != best]
+    for g, (values, done) in enumerate(zip(scores, pruned, strict=True)):
+        keys = _keys(values, done)
+        best = max(range(len(keys)), key=lambda i: (keys[i], -i))  # (the first of the highest)
+        pool += [(key, g, i) for i, key in enumerate(keys) if i != best]
     pool.sort()
     counts = [0] * len(groups)
     for _, g, _ in pool[:target]:
@@ -195,8 +216,9 @@ def prune_units(
 ) -> list[Tensor]:
     """Prune the lowest-scoring units of ``groups`` with exact counts; returns each group's kept units (bool).
 
-    Units already pruned (all their consumer columns zero) score lowest, so a second call prunes further. All or
-    nothing: if any mask cannot be applied, no parameter changes.
+    Units already pruned (all their consumer columns zero) rank below every live unit, whatever the scores' sign, so
+    a second call prunes further; a NaN score ranks above ``+inf`` (kept longest), as in :mod:`lightprune.prune`.
+    All or nothing: if any mask cannot be applied, no parameter changes.
 
     Args:
         model: the model the groups were found in.
@@ -228,22 +250,21 @@ def prune_units(
     if isinstance(amount, float) and amount > 1:
         raise ValueError(f"a float amount must be in [0, 1], got {amount!r}")
     validate_amount(amount)  # NaN slips through the comparisons above
-    scores = []
-    for group in groups:
-        values = unit_scores(model, group, importance, moments=moments, gradients=gradients)
-        pruned = _already_pruned(model, group)
-        scores.append(torch.where(pruned, torch.full_like(values, -1.0), values))
+    scores = [unit_scores(model, group, importance, moments=moments, gradients=gradients) for group in groups]
+    pruned = [_already_pruned(model, group) for group in groups]  # (ranked below every live unit)
     counts: list[int] = [0] * len(groups)
     kinds = sorted({group.kind for group in groups})
     for kind in kinds:
         index = [i for i, group in enumerate(groups) if group.kind == kind]
-        found = _prune_counts([groups[i] for i in index], [scores[i] for i in index], amount, scope)
+        found = _prune_counts(
+            [groups[i] for i in index], [scores[i] for i in index], [pruned[i] for i in index], amount, scope
+        )
         for i, count in zip(index, found, strict=True):
             counts[i] = count
     keeps: list[Tensor] = []
     masks: dict[tuple[str, str], Tensor] = {}
-    for group, values, count in zip(groups, scores, counts, strict=True):
-        order = torch.sort(values, stable=True).indices
+    for group, values, done, count in zip(groups, scores, pruned, counts, strict=True):
+        order = torch.tensor(_ranking(values, done), dtype=torch.long)
         keep = torch.ones(group.count, dtype=torch.bool)
         keep[order[:count]] = False
         keeps.append(keep)
