@@ -363,3 +363,33 @@ def test_an_undone_transaction_puts_obs_updated_weights_back(pruned_before: bool
     assert all(torch.equal(after[name], before[name]) for name in before)
     if pruned_before:
         assert torch.equal(layer.weight, prune.original(layer, "weight") * layer.weight_mask)
+
+
+def test_an_update_past_float16s_range_leaves_the_row_masked_not_infinite() -> None:
+    """The update runs in float32 and was cast back without a range check: a kept float16 weight moved past 65504
+    became inf, silently. Such a row is masked without the update; the other rows keep theirs."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 2, bias=False).half()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[40000.0, 39000.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]]))
+    x = torch.randn(256, 4)
+    x[:, 1] = x[:, 0] + 1e-3 * torch.randn(256)  # two nearly equal inputs: the update moves one weight onto the other
+    before = layer.weight.detach().clone()
+    hessian = prune.input_second_moment(layer, x)
+    wide, kept = sparsegpt(before.float(), hessian, counts=3, per_row=True)
+    assert float(wide.abs().max()) > 65504  # (in float32 the update leaves float16's range)
+    prune.obs_unstructured(layer, "weight", hessian, amount=3, per_row=True)
+    weight, mask = layer.weight.detach(), layer.weight_mask.bool()
+    assert bool(torch.isfinite(weight).all()) and torch.equal(mask, kept)
+    assert torch.equal(weight[0], before[0] * mask[0])  # masked only
+    assert torch.equal(weight[1], wide[1].half())  # updated as in float32
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 4)], ids=["no inputs", "no outputs"])
+def test_zero_size_layers_prune_nothing_as_every_other_method(shape: tuple[int, int]) -> None:
+    """rowwise_l1_unstructured and input_second_moment failed on empty layers inside torch's reshape."""
+    layer = nn.Linear(*shape)
+    prune.rowwise_l1_unstructured(layer, "weight", amount=0.5)
+    assert layer.weight_mask.shape == layer.weight.shape == (shape[1], shape[0])
+    hessian = prune.input_second_moment(layer, torch.randn(5, shape[0]))
+    assert hessian.shape == (shape[0], shape[0])

@@ -179,7 +179,7 @@ def _input_rows(module: nn.Module, x: Tensor) -> Tensor:
         channels = x.shape[1]
         cols = cols.view(x.shape[0], channels, -1, cols.shape[-1])  # (N, C, K, L)
         return cols.permute(0, 3, 2, 1).reshape(-1, cols.shape[2] * channels)
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(-1, x.shape[-1]) if x.numel() else x.reshape(0, x.shape[-1])  # (-1 is ambiguous with no entries)
 
 
 def input_second_moment(module: nn.Module, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -355,6 +355,8 @@ def sparsegpt(
 
     Returns:
         ``(new weight, new keep mask)``: the weight in ``weight``'s dtype with zeros where pruned, and a bool mask.
+        A row whose update would change the layer's output more than masking alone, or leave the weight dtype's
+        range (float16), is masked without the update.
 
     Raises:
         ValueError: a bad argument, a count larger than what is left, or an ``H`` that cannot be used (named).
@@ -461,7 +463,11 @@ def sparsegpt(
     if bool(dead.any()):
         w[:, dead] = torch.where(kept[:, dead], before[:, dead], torch.zeros((), dtype=w.dtype, device=w.device))
     _keep_better_rows(w, before, kept, hessian.to(w.device, dtype))
-    return w.to(weight.dtype), kept
+    result = w.to(weight.dtype)
+    overflow = ~torch.isfinite(result).all(dim=1)  # updated values past the weight dtype's range (float16's 65504)
+    if bool(overflow.any()):  # those rows are masked without the update, as rows it makes worse are
+        result[overflow] = (before[overflow] * kept[overflow]).to(weight.dtype)
+    return result, kept
 
 
 def _keep_better_rows(weight: Tensor, before: Tensor, kept: Tensor, hessian: Tensor) -> None:

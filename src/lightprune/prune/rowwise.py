@@ -87,8 +87,8 @@ def rowwise_mask(
         mask = rowwise_mask(amount, scores.movedim(dim, 0), moved_base, dtype, magnitude=magnitude, sparsity=sparsity)
         return mask.movedim(0, dim).contiguous()
     rows = scores.shape[0]
-    flat = scores.reshape(rows, -1)
-    eligible = None if base is None else base.reshape(rows, -1)
+    flat = scores.flatten(1)  # (reshape(rows, -1) cannot infer a row's length without rows)
+    eligible = None if base is None else base.flatten(1)
     eligible_bool = None if eligible is None else (eligible if eligible.dtype == torch.bool else eligible == 1)
     if eligible_bool is None:
         available = torch.full((rows,), flat.shape[1], dtype=torch.int64, device=scores.device)
