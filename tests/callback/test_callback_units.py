@@ -9,6 +9,7 @@ least-squares refit must bring the pruned model closer to the dense one; what ca
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import lightning as L
@@ -325,10 +326,33 @@ def test_heads_of_a_multihead_attention_are_not_ranked_or_refit_on_inputs_never_
     with pytest.raises(ValueError, match=rf"{re.escape(reader)} records each layer's inputs .* \['layer.self_attn"):
         fit.fit(model, loader)
     assert fit.global_step == 0 and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    # ranked by magnitude, without a refit, the heads prune (out_proj's columns of two heads)
+    # ranked by magnitude, without a refit, the heads prune (out_proj's columns of two heads); torch's attention
+    # derives its head size from embed_dim, so they cannot be removed, which setup says
     fit = trainer([PruningCallback(Constant(0.5, at=2), method="heads", make_permanent=False)], max_steps=4)
-    fit.fit(TorchEncoder(), loader)
+    removal = r"heads of \['layer.self_attn'\] \(1 of 1 groups\) can be masked but not removed: .*MultiheadAttention"
+    with pytest.warns(UserWarning, match=removal):
+        fit.fit(TorchEncoder(), loader)
     assert fit.global_step == 4
+
+
+def test_heads_that_can_be_masked_but_not_removed_are_said_at_setup() -> None:
+    """T5's heads get a relative position bias from outside their projections: masked exactly, but remove_units
+    refuses them. The user learned that only after training; the setup says it now (and not for BERT's heads)."""
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=24, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
+    torch.manual_seed(0)
+
+    class T5Encoder(Lit):
+        def __init__(self) -> None:
+            L.LightningModule.__init__(self)
+            self.model, self.lr = transformers.T5EncoderModel(config), 0.05
+
+    with pytest.warns(UserWarning, match=r"heads of .*SelfAttention.* can be masked but not removed: .*position bias"):
+        trainer([PruningCallback(0.5, method="heads")], max_steps=1).fit(T5Encoder(), data(1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*can be masked but not removed")
+        trainer([PruningCallback(0.5, method="heads")], max_steps=1).fit(Lit("bert"), data(1))
 
 
 @pytest.mark.parametrize("pattern", [r".*layer\.0\..*", r"model\.encoder\.layer\.0\.intermediate\.dense\.weight"])

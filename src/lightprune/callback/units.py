@@ -28,6 +28,7 @@ from lightprune.selection import compile_patterns, patterns_matching_none
 from lightprune.statistics import paused
 from lightprune.structure import Moments, UnitGroup, find_units, prune_units, refit_consumers
 from lightprune.structure.ranking import _per_unit, check_unit_amount
+from lightprune.structure.units import removal_problem
 
 __all__ = ["UnitRanking", "UnitSelection", "example_from_batch", "find_groups"]
 
@@ -147,6 +148,14 @@ def find_groups(
     if not kept:
         found = [group.module for group in groups]
         raise UnitError(f"include/exclude leave none of the {kind} groups of {type(model).__name__}: {found}")
+    stuck = [(group.module, problem) for group in kept if (problem := removal_problem(model, group)) is not None]
+    if stuck:  # (masked exactly all the same)
+        rank_zero_warn(
+            f"the {kind} of {[module for module, _ in stuck][:3]} ({len(stuck)} of {len(kept)} groups) can be masked "
+            f"but not removed: {stuck[0][1]}. lightprune.export.remove_units will refuse them, so the model gets "
+            "sparser, not smaller; exclude them to keep them whole",
+            category=UserWarning,
+        )
     return kept
 
 

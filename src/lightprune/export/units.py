@@ -40,7 +40,7 @@ from torch.utils import _pytree
 
 from lightprune.export.compact import CompactError
 from lightprune.layouts import is_transformers_conv1d
-from lightprune.structure.units import UnitError, UnitGroup, find_units, plain_copy
+from lightprune.structure.units import UnitError, UnitGroup, find_units, plain_copy, removal_problem
 
 __all__ = ["load_compact", "remove_units"]
 
@@ -75,19 +75,10 @@ def _removable(model: nn.Module, group: UnitGroup) -> Tensor:
 
 
 def _check_removable(model: nn.Module, group: UnitGroup) -> None:
-    for piece in group.slices:
-        owner = model.get_submodule(piece.module)
-        if not (isinstance(owner, nn.Linear) or is_transformers_conv1d(owner)):
-            raise CompactError(
-                f"cannot remove {group.kind} of {group.module!r}: {piece.module or 'the model'!r} "
-                f"({type(owner).__name__}) holds them in {piece.name!r}, not in a Linear or Conv1D"
-                + (" (its forward derives the head size from embed_dim)" if piece.name == "in_proj_weight" else "")
-            )
-    if group.per_head_bias:
-        raise CompactError(
-            f"cannot remove heads of {group.module!r}: its attention scores get a per-head bias from outside its "
-            "projections (a relative position bias shared by every layer); prune its neurons, or keep its heads"
-        )
+    problem = removal_problem(model, group)
+    if problem is not None:
+        way_out = "; prune its neurons, or keep its heads" if group.per_head_bias else ""
+        raise CompactError(f"cannot remove {group.kind} of {group.module!r}: {problem}{way_out}")
 
 
 def _shrink(model: nn.Module, groups: Sequence[UnitGroup], removed: Sequence[Tensor]) -> None:

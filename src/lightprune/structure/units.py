@@ -37,7 +37,7 @@ from torch import Tensor, fx, nn
 from lightprune import adapters, prune
 from lightprune.selection import parameter_owners
 
-__all__ = ["Slice", "UnitError", "UnitGroup", "find_units"]
+__all__ = ["Slice", "UnitError", "UnitGroup", "find_units", "removal_problem"]
 
 
 class UnitError(ValueError):
@@ -79,8 +79,8 @@ class UnitGroup:
         heads_per_unit: query heads per unit (heads: the grouped-query ratio; neurons: 1).
         head_dim: features per query head (neurons: 1).
         per_head_bias: heads only: the attention scores get a per-head tensor from outside the projections (T5's
-            and MPNet's relative position bias, shared by every layer): masks are exact, but the heads cannot be
-            removed.
+            and MPNet's relative position bias, shared by every layer; Swin's and BEiT's tables, one per layer):
+            masks are exact, but the heads cannot be removed.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
@@ -102,6 +102,33 @@ class UnitGroup:
     def slices(self) -> tuple[Slice, ...]:
         """Every slice of the group: producers first, then consumers."""
         return self.produce + self.consume
+
+
+def removal_problem(model: nn.Module, group: UnitGroup) -> str | None:
+    """Why the units of ``group`` can be masked but not physically removed
+    (:func:`lightprune.export.remove_units` refuses them), or ``None``.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+        >>> removal_problem(mlp, find_units(mlp, (torch.randn(2, 4),))[0]) is None
+        True
+    """
+    from lightprune.layouts import is_transformers_conv1d
+
+    for piece in group.slices:
+        owner = model.get_submodule(piece.module)
+        if not (isinstance(owner, nn.Linear) or is_transformers_conv1d(owner)):
+            return (
+                f"{piece.module or 'the model'!r} ({type(owner).__name__}) holds them in {piece.name!r}, not in a "
+                "Linear or Conv1D"
+                + (" (its forward derives the head size from embed_dim)" if piece.name == "in_proj_weight" else "")
+            )
+    if group.per_head_bias:
+        return (
+            "its attention scores get a per-head bias from outside its projections (a relative position bias, "
+            "which removal cannot follow)"
+        )
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------------------
