@@ -279,6 +279,43 @@ def test_movement_works_with_every_scope(scope: str) -> None:
             assert (weight == 0).sum(dim=1).tolist() == [round(0.6 * weight.shape[1])] * weight.shape[0]
 
 
+class MovementSums(Callback):
+    """After each training batch (placed after the PruningCallback): how many movement sums the callback holds."""
+
+    def __init__(self, callback: PruningCallback) -> None:
+        self.callback = callback
+        self.held: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        sums = self.callback.state_dict().get("importance", {}).get("movement", {}).get("totals", {})
+        self.held.append(len(sums))
+
+
+def test_movement_stops_summing_after_the_last_event_and_its_sums_follow_the_model() -> None:
+    """The sums went on growing after the schedule's last event (a weight-sized pass every step that no event would
+    read) and stayed on the training device after fit, where Lightning moves the model back to the CPU."""
+    callback = PruningCallback(Linear(final=0.5, start=2, end=4, frequency=2), importance="movement")
+    sums = MovementSums(callback)
+    fit([callback, sums], max_steps=8)
+    assert sums.held[:3] == [3, 3, 3] and sums.held[4:] == [0, 0, 0, 0]  # events at steps 2 and 4
+
+
+class ToMetaAtTeardown(Callback):
+    """Moves the model at teardown, before the PruningCallback's (as Lightning's strategy moves it to the CPU)."""
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        pl_module.to("meta")
+
+
+def test_movement_sums_of_an_unfinished_schedule_follow_the_model_at_fit_end() -> None:
+    """A schedule cut short keeps its sums (a checkpoint written after fit resumes from them); they stayed on the
+    training device (a GPU) after fit while the model and the in-place masks went back to the CPU."""
+    callback = PruningCallback(Linear(final=0.5, start=2, end=40, frequency=2), importance="movement")
+    fit([ToMetaAtTeardown(), callback], max_steps=5)
+    totals = callback.state_dict()["importance"]["movement"]["totals"]
+    assert totals and {total.device.type for total in totals.values()} == {"meta"}
+
+
 class FreezeAtFitStart(Callback):
     """Freezes ``net.2`` when fit starts, as ``BackboneFinetuning`` freezes a backbone."""
 

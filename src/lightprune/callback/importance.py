@@ -193,14 +193,20 @@ class Importance:
         if self.hessians is not None:
             self.hessians.finish_batch(reduce_sum)
 
-    def optimizer_step(self, optimizer: Any, skipped: bool = False) -> None:
+    def optimizer_step(self, optimizer: Any, skipped: bool = False, collect: bool = True) -> None:
         """Movement: add ``-W * grad`` of the selected weights this optimizer is about to step (unless the gradient
-        scaler ``skipped`` the step); called from Lightning's ``on_before_optimizer_step``."""
+        scaler ``skipped`` the step, or no event is left to read them: ``collect=False``); called from Lightning's
+        ``on_before_optimizer_step``."""
         if self.movement is not None:
             optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
             self._seen_steps.add(id(optimizer))
-            if not skipped:
+            if collect and not skipped:
                 self.movement.accumulate(p for group in optimizer.param_groups for p in group["params"])
+
+    def follow_parameters(self) -> None:
+        """Move the running sums to their weights' devices (Lightning moved the model back to the CPU at fit end)."""
+        if self.movement is not None:
+            self.movement.follow_parameters()
 
     def watch_steps(self, optimizers: list[Any]) -> list[Any]:
         """Movement: refuse a step of ``optimizers`` that Lightning's ``on_before_optimizer_step`` did not announce

@@ -71,6 +71,13 @@ class MovementScores:
             found[qualified] = total.clone() if is_sharded(weight) else reduce(total.clone())
         return found
 
+    def follow_parameters(self) -> None:
+        """Move each sum to its weight's device."""
+        for qualified, module, name in self.selection:
+            total = self.totals.get(qualified)
+            if total is not None:
+                self.totals[qualified] = total.to(local_of(prune.original(module, name)).device)
+
     def reset(self) -> None:
         """Start a new sum (after an event, or when a fit starts)."""
         self.totals = {}

@@ -692,7 +692,8 @@ class PruningCallback(Callback):
         if self._masked is not None:
             self._follow_optimizers(trainer, pl_module)
             self._masked.strategy.before_optimizer_step()  # the gradients are final; clipping and the step follow
-        self._importance.optimizer_step(optimizer, self._skipped_step)  # movement: final (accumulated, unscaled)
+        # movement: final (accumulated, unscaled) gradients, added while an event is left to read them
+        self._importance.optimizer_step(optimizer, self._skipped_step, collect=not self._timeline.finished())
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -722,6 +723,7 @@ class PruningCallback(Callback):
         self._fitting = False  # validate/test(ckpt_path=...) restore this state too: their masks are not put back
         if self._masked is not None:
             self._masked.strategy.follow_parameters()  # Lightning moved the model back to the CPU before teardown
+        self._importance.follow_parameters()
         if neighbours.spawned(trainer):
             # Lightning hands rank zero's state_dict to the main process after teardown and loads it there with
             # strict=False: keep it plain, or the main process would silently keep its untrained dense weights

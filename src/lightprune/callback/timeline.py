@@ -120,6 +120,10 @@ class Timeline:
         self.events = resolved.events() if windowed else []
         return resolved
 
+    def finished(self) -> bool:
+        """Whether the resolved schedule's last event was taken (``False`` before the fit resolved it)."""
+        return self.resolved is not None and self.last_event >= self.resolved.last_event
+
     def next_event(self) -> int | None:
         """The first event of the schedule after the last one taken, or ``None`` (only where ``windowed``)."""
         index = bisect.bisect_right(self.events, self.last_event)
@@ -152,7 +156,7 @@ class Timeline:
     def warn_if_unfinished(self, now: int, counts: Callable[[], list[tuple[int, int]]]) -> None:
         """Fit ended (EarlyStopping, max_steps, interruption) at ``now``, before the schedule's last event: say how
         far it got (``counts``: the ``(units, pruned)`` of every tensor)."""
-        if self.resolved is None or self.last_event >= self.resolved.last_event:
+        if self.resolved is None or self.finished():
             return
         pairs = counts()
         reached = sum(pruned for _, pruned in pairs) / max(sum(units for units, _ in pairs), 1)
