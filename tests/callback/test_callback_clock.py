@@ -426,3 +426,10 @@ def test_a_fit_that_raises_says_how_far_the_schedule_got() -> None:
         quiet_trainer([callback, FailAt(9)], max_epochs=5).fit(TinyNet())
     said = [str(w.message) for w in caught if "before the schedule's last event" in str(w.message)]
     assert len(said) == 1 and "fit ended at step 9" in said[0], said
+
+
+def test_epoch_fractions_in_a_run_shorter_than_an_epoch_say_so() -> None:
+    """max_steps=5 of an 8-batch epoch: no epoch completes; the hint blamed a loader without length."""
+    callback = PruningCallback(Linear(final=0.5, start=0.0, end=0.5), unit="epoch", summary=False)
+    with pytest.raises(ValueError, match=r"max_steps=5 ends the run before its first epoch completes: raise it"):
+        quiet_trainer([callback], max_epochs=3, max_steps=5).fit(TinyNet())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -956,3 +957,24 @@ def test_a_parametrization_added_on_the_original_after_pruning_keeps_the_attribu
     ):
         lp.remove(layer, "weight")
     assert lp.is_pruned(layer) and torch.equal(layer.weight.detach(), expected)
+
+
+class RebuiltFromArguments(nn.Linear):
+    """Reduces itself to its constructor's arguments, without state (a 2-item ``__reduce__``)."""
+
+    def __init__(self, features: int = 4, outputs: int = 3) -> None:
+        super().__init__(features, outputs)
+        self.arguments = (features, outputs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return RebuiltFromArguments, self.arguments
+
+
+def test_a_class_reducing_to_its_arguments_copies_as_with_torch() -> None:
+    """Its reduction has no state: reading one failed with a bare IndexError, where torch's pruned module copies."""
+    import copy
+
+    ours = lp.l1_unstructured(RebuiltFromArguments(), "weight", amount=5)
+    theirs = tp.l1_unstructured(RebuiltFromArguments(), "weight", amount=5)
+    for copied in (copy.copy, copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        assert type(copied(ours)) is type(copied(theirs)) is RebuiltFromArguments

@@ -346,12 +346,19 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
         hint = "the training loader has no length, so max_epochs does not give the number of steps: set max_steps"
     elif unit == "epoch" and trainer.max_steps != -1:
         module = trainer.lightning_module
-        why = (
-            "under manual optimization max_steps counts optimizer.step() calls (any number a batch)"
-            if module is not None and not module.automatic_optimization
-            else "the training loader has no length"
+        if module is not None and not module.automatic_optimization:
+            why = "under manual optimization max_steps counts optimizer.step() calls (any number a batch)"
+        elif trainer.num_training_batches == float("inf"):
+            why = "the training loader has no length"
+        else:
+            why = None
+        hint = (
+            f"max_steps={trainer.max_steps} ends the run before its first epoch completes: raise it, or give "
+            "integer times"
+            if why is None
+            else f"{why}, so max_steps does not give the number of epochs: bound the run by max_epochs without "
+            "max_steps"
         )
-        hint = f"{why}, so max_steps does not give the number of epochs: bound the run by max_epochs without max_steps"
     elif unit == "epoch":
         hint = "set max_epochs"
     else:

@@ -316,8 +316,9 @@ class PruningCallback(Callback):
     checks every argument eagerly, as Lightning's callbacks do, and this docstring documents them all.)
 
     Raises:
-        ValueError: for any configuration mistake, at construction (or, for the selection, at setup), naming the
-            bad value and what is allowed.
+        ValueError: for a bad value, at construction (or, for the selection, at setup), naming it and what is
+            allowed.
+        TypeError: for an argument of the wrong type (a string seed or schedule, a flag that is not a bool).
 
     Example:
         >>> from lightprune.schedules import Cubic

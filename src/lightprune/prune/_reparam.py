@@ -334,7 +334,7 @@ class _DetachedReduce(_OwnAttribute):
     def __call__(self, protocol: Any) -> Any:
         module = self.module
         reduced = type(module).__reduce_ex__(module, protocol)  # (a class of its own may define one)
-        state = reduced[2]
+        state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None  # (a state is optional)
         if not isinstance(state, dict):
             return reduced
         state = {key: value for key, value in state.items() if not isinstance(value, _OwnAttribute)}
