@@ -347,6 +347,35 @@ def test_logged_keys_per_parameter_total_and_target(tmp_path: Path) -> None:
     assert float(run.callback_metrics["pruning/sparsity"]) == 0.5  # self.log: progress bar and callback_metrics
 
 
+class EpochTotals(Callback):
+    """``pruning/sparsity`` in ``callback_metrics`` at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.totals: list[float | None] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        value = trainer.callback_metrics.get("pruning/sparsity")
+        self.totals.append(None if value is None else float(value))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "unit", "expected"),
+    [
+        (0.5, "step", [0.5, 0.5, 0.5]),  # one-shot when training starts: never self.logged before
+        (Constant(0.5, at=3), "step", [0.5, 0.5, 0.5]),  # every event in epoch 0: logged for epoch 0 only
+        (Linear(final=0.5, start=0, end=2, frequency=1), "epoch", [0.0, 0.25, 0.5]),  # epoch 0's event at its start
+    ],
+    ids=["one-shot", "events in epoch 0", "epoch clock"],
+)
+def test_the_total_is_self_logged_every_epoch(schedule: Any, unit: str, expected: list[float]) -> None:
+    """docs: `pruning/sparsity` reaches the module's logged metrics once an epoch. It was logged only by events taken
+    inside an epoch's batches, so a one-shot schedule never gave it (EarlyStopping on it raised, ModelCheckpoint on
+    it saved nothing)."""
+    totals = EpochTotals()
+    fit([PruningCallback(schedule, unit=unit, summary=False), totals], max_epochs=3)
+    assert totals.totals == pytest.approx(expected, abs=1 / N)
+
+
 def test_log_per_parameter_false_and_log_every_n_steps(tmp_path: Path) -> None:
     logger = csv_logger(tmp_path)
     callback = PruningCallback(Points([(2, 0.25), (9, 0.5)]), log_per_parameter=False, log_every_n_steps=3)

@@ -433,3 +433,15 @@ def test_epoch_fractions_in_a_run_shorter_than_an_epoch_say_so() -> None:
     callback = PruningCallback(Linear(final=0.5, start=0.0, end=0.5), unit="epoch", summary=False)
     with pytest.raises(ValueError, match=r"max_steps=5 ends the run before its first epoch completes: raise it"):
         quiet_trainer([callback], max_epochs=3, max_steps=5).fit(TinyNet())
+
+
+def test_epoch_events_over_a_stream_give_one_value_a_step() -> None:
+    """A loader without length: the epoch's last batch was never recognized, so the periodic log and the next
+    epoch's event both logged at that step (two values for one step)."""
+    logger = Values()
+    callback = PruningCallback(Linear(final=0.5, start=0, end=3, frequency=1), unit="epoch", log_every_n_steps=4,
+                               summary=False)  # fmt: skip
+    loader = torch.utils.data.DataLoader(Endless(), batch_size=2)  # 8 batches an epoch
+    quiet_trainer([callback], max_epochs=4, logger=logger).fit(TinyNet(), loader)
+    steps = [step for step, _ in logger.values["pruning/sparsity/total"]]
+    assert steps == sorted(set(steps)) == [0, 4, 8, 12, 16, 20, 24, 28, 32]

@@ -506,6 +506,7 @@ class PruningCallback(Callback):
         self._sharded_masks_in: list[str] = []  # names of masks a sharded checkpoint holds beside the weights
         self._timeline = Timeline(self._title(), unit)  # the schedule resolved for this fit, the last event taken
         self._last_logged = -1
+        self._total: float | None = None  # the total sparsity the last event (or logging) counted, for self.log
         self._given_snapshot = snapshot
         self._rewind_snapshot: dict[str, Tensor] | None = snapshot
         self._collapsed: set[str] | None = None  # the tensors with every unit pruned, after the last event
@@ -608,7 +609,7 @@ class PruningCallback(Callback):
                 "first event is ranked on its activation_window alone, and no calibration batch runs",
                 category=UserWarning,
             )
-        self._step(trainer, pl_module, now, log_to_module=False)
+        self._step(trainer, pl_module, now)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -624,7 +625,7 @@ class PruningCallback(Callback):
             self._units_pending = False
             self._select_units(trainer, pl_module, batch)
             self._start_masks(trainer, pl_module)
-            self._step(trainer, pl_module, self._now(trainer), log_to_module=False)
+            self._step(trainer, pl_module, self._now(trainer))
         if batch_idx >= trainer.num_training_batches:  # (inf for a loader without length)
             reporting.warn_batch_past_epoch_end(trainer.current_epoch, batch_idx, int(trainer.num_training_batches))
         self._stale.refresh()
@@ -663,6 +664,7 @@ class PruningCallback(Callback):
                 resolved = self._timeline.resolved
                 target = 0.0 if resolved is None else resolved.target(self._now(trainer))
                 self._log(trainer, pl_module, target)
+        self._log_total(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -670,7 +672,7 @@ class PruningCallback(Callback):
         partial = self.unit == "epoch" and clock.ended_inside_epoch(trainer)
         now = self._now(trainer) - partial
         if not (clock.stopped_early(trainer) or partial):  # the last event; none after a stop
-            self._step(trainer, pl_module, now, log_to_module=False)
+            self._step(trainer, pl_module, now)
         if self._masked is not None:
             self._timeline.warn_if_unfinished(now, self._masked.counts)
         if self.summary and self._masked is not None and (trainer.is_global_zero or self._masked.strategy.collective):
@@ -816,6 +818,7 @@ class PruningCallback(Callback):
         self._timeline.reset()
         self._resumed = False  # a checkpoint's state was restored into the callback (load_state_dict)
         self._last_logged = -1
+        self._total = None
         self._rewind_snapshot = self._given_snapshot
         self._restored_masks = None
         self._saved_selection = None
@@ -1104,7 +1107,7 @@ class PruningCallback(Callback):
         """The time on the clock of :mod:`lightprune.callback.clock` (steps, batches under manual optimization)."""
         return clock.now(trainer, self.unit)
 
-    def _step(self, trainer: Trainer, pl_module: LightningModule, t: int, log_to_module: bool = True) -> None:
+    def _step(self, trainer: Trainer, pl_module: LightningModule, t: int) -> None:
         """Take the rewind snapshot when its time comes, then prune if an event is due."""
         resolved = self._timeline.resolved
         if resolved is None or self._masked is None or clock.in_swa_batch_norm_epoch(trainer):
@@ -1136,7 +1139,7 @@ class PruningCallback(Callback):
         if self.rewind is not None and self._rewind_snapshot is not None and target > 0:  # (level 0: nothing pruned)
             rewinding.rewind_into(pl_module, self._rewind_snapshot)
             self._after_rewrite()
-        self._log(trainer, pl_module, target, log_to_module=log_to_module)
+        self._log(trainer, pl_module, target)
 
     def _move(self, trainer: Trainer) -> None:
         """Dynamic sparse training: after an update step's optimizer step, move every tensor's mask (once)."""
@@ -1215,7 +1218,7 @@ class PruningCallback(Callback):
             hessians.reset()
         self._timeline.last_event = resolved.latest_event(now)
         self._stale.expect_new()
-        self._log(trainer, pl_module, target, log_to_module=False)
+        self._log(trainer, pl_module, target)
 
     @staticmethod
     def _reducer(trainer: Trainer, op: str) -> Callable[[Tensor], Tensor]:
@@ -1239,35 +1242,52 @@ class PruningCallback(Callback):
         """
         return rewinding.snapshot_weights(model)
 
-    def _log(self, trainer: Trainer, pl_module: LightningModule, target: float, log_to_module: bool = True) -> None:
-        """Send the sparsities to every logger at the current step and, where Lightning allows ``self.log`` in the
-        current hook, the total to the module's logged metrics (progress bar, ``callback_metrics``)."""
+    def _log(self, trainer: Trainer, pl_module: LightningModule, target: float) -> None:
+        """Send the sparsities to every logger at the current step; keep the total for :meth:`_log_total`."""
         if self._masked is None:
             return
-        current = {}
-        for qualified, module, name in self._masked.selection:
-            current[qualified] = self._masked.strategy.logged_mask(module, name, trainer.global_rank)
-        values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
-        total_key = self._log_prefix + "sparsity/" + TOTAL_KEY
+        values = self._sparsities(trainer, pl_module)
         if not self.log_per_parameter:
-            values = {total_key: values[total_key]}
+            values = {self._total_key: values[self._total_key]}
         values[self._log_prefix + "target"] = float(target)
         self._last_logged = clock.now(trainer, "step")
         if trainer.is_global_zero:  # on the run clock, as events and regrowth: batches under manual optimization
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=self._last_logged)
-        if log_to_module:
-            # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
-            pl_module.log(
-                self._log_prefix + "sparsity",
-                values[total_key],
-                on_step=False,
-                on_epoch=True,
-                reduce_fx="max",
-                prog_bar=True,
-                sync_dist=True,
-                batch_size=1,  # a maximum weighs no batch; a dataloader_iter training_step has none to infer it from
-            )
+
+    @property
+    def _total_key(self) -> str:
+        return self._log_prefix + "sparsity/" + TOTAL_KEY
+
+    def _sparsities(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """Every selected tensor's sparsity and the total, by logged key (the total kept for :meth:`_log_total`)."""
+        assert self._masked is not None
+        current = {}
+        for qualified, module, name in self._masked.selection:
+            current[qualified] = self._masked.strategy.logged_mask(module, name, trainer.global_rank)
+        values = reporting.sparsities(current, self._log_prefix + "sparsity/", pl_module.device)
+        self._total = values[self._total_key]
+        return values
+
+    def _log_total(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The total sparsity to the module's logged metrics (``callback_metrics``, the progress bar, what
+        ``ModelCheckpoint``/``EarlyStopping`` monitor) once an epoch: the highest of the epoch's training batches,
+        from the total the last event (or logging) counted."""
+        if self._masked is None:
+            return
+        if self._total is None:  # (none counted yet this fit: adopted or restored masks, a level-0 start)
+            self._sparsities(trainer, pl_module)
+        # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
+        pl_module.log(
+            self._log_prefix + "sparsity",
+            self._total,
+            on_step=False,
+            on_epoch=True,
+            reduce_fx="max",
+            prog_bar=True,
+            sync_dist=True,
+            batch_size=1,  # a maximum weighs no batch; a dataloader_iter training_step has none to infer it from
+        )
 
     @property
     def selection(self) -> list[str]:
