@@ -36,7 +36,10 @@ Arms (``--arms``; see :data:`ARMS`):
   amounts at step 0 from the initial weights, then every 100 steps each layer drops 30% of its active weights
   (cosine-decayed to 0 at 75% of the run) and regrows as many where the dense gradient is largest (RigL) or at random
   (SET); ``--regrow EVERY,FRACTION,UNTIL`` changes these three settings (of these arms only), and ``--sparse-init``
-  scales each row's initial weights to its kept fan-in once the first masks are on (Evci et al. 2022).
+  scales each row's initial weights to its kept fan-in once the first masks are on (Evci et al. 2022);
+  ``--warm-regrown-adam`` sets a regrown weight's Adam second moment to the mean of its tensor's other active
+  weights' instead of zero (zeroed, with the global step count long past Adam's bias correction, a regrown weight's
+  first steps are 3-6x the learning rate).
 * ``lp_rigl_erk_3x``, ``lp_set_erk_3x`` (run only when named): the same in 3x the protocol's epochs (60), the
   regrow schedule scaled with the run.
 * ``lp_one_shot_lr_rewind`` (run only when named): the same training and pruning, then learning-rate rewinding
@@ -198,6 +201,7 @@ class Settings:
     masking: str = "reparametrize"  # the lightprune arms' PruningCallback(masking=...)
     importance: str = "magnitude"  # the lightprune arms' PruningCallback(importance=...)
     sparse_init: bool = False  # dynamic sparse training arms: each row's initial weights scaled to its kept fan-in
+    warm_regrown_adam: bool = False  # dynamic sparse training arms: regrown weights' exp_avg_sq at the active mean
     lr_schedule: str = "constant"  # every arm's learning rate: constant, or a cosine to lr / 100 over its epochs
 
 
@@ -362,6 +366,34 @@ class SparseInit(Callback):
                 kept = (weight != 0) if mask is None else (mask != 0)
                 fan_in = kept.shape[1]
                 weight.mul_(torch.sqrt(fan_in / kept.sum(dim=1).clamp(min=1).to(weight.dtype))[:, None])
+
+
+class WarmRegrownAdam(Callback):
+    """After each mask move (placed after the pruning callback, whose moves run in ``on_train_batch_end``): the
+    regrown weights' Adam ``exp_avg_sq`` is set to the mean over the tensor's other active weights (``exp_avg`` stays
+    zero), so that their first steps are about the learning rate, not 3-6x it (a zeroed second moment gets no bias
+    correction once the global step count is large)."""
+
+    def __init__(self, weights: Sequence[tuple[nn.Module, str]]) -> None:
+        self.weights = list(weights)
+        self.masks: list[Tensor] = []
+
+    def _current(self) -> list[Tensor]:
+        return [getattr(module, name + "_mask").detach().bool().clone() for module, name in self.weights]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.masks = self._current()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        from lightprune import prune
+
+        masks = self._current()
+        for (module, name), old, new in zip(self.weights, self.masks, masks, strict=True):
+            grown = new & ~old
+            state = trainer.optimizers[0].state.get(prune.original(module, name), {})
+            if bool(grown.any()) and "exp_avg_sq" in state:
+                state["exp_avg_sq"][grown] = state["exp_avg_sq"][new & ~grown].mean()
+        self.masks = masks
 
 
 class EpochCosineLR(Callback):
@@ -598,6 +630,8 @@ def run_one(run: Run) -> dict[str, Any]:
     callbacks = [*lr_callbacks(settings, epochs), *callbacks]
     if settings.sparse_init:
         callbacks.append(SparseInit(pruned_weights(module)))
+    if settings.warm_regrown_adam:
+        callbacks.append(WarmRegrownAdam(pruned_weights(module)))
     trainer = make_trainer(epochs, [timer, flops, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)
     start = time.perf_counter()
@@ -1094,9 +1128,12 @@ def plan(
             criteria = importances if arm.startswith("lp_") else ("magnitude",)
             regrow = settings.regrow if arm in DST_ARMS else REGROW  # other arms: cached runs stay valid
             init = settings.sparse_init and arm in DST_ARMS
+            warm = settings.warm_regrown_adam and arm in DST_ARMS
             for importance in criteria:
                 for sparsity in arm_sparsities:
-                    arm_settings = replace(settings, importance=importance, regrow=regrow, sparse_init=init)
+                    arm_settings = replace(
+                        settings, importance=importance, regrow=regrow, sparse_init=init, warm_regrown_adam=warm
+                    )
                     runs.append(Run(arm, sparsity, seed, arm_settings))
     return runs
 
@@ -1186,6 +1223,11 @@ def main(argv: list[str] | None = None) -> int:
         help="dynamic sparse training arms: scale each row's initial weights to its kept fan-in (Evci et al. 2022)",
     )
     parser.add_argument(
+        "--warm-regrown-adam",
+        action="store_true",
+        help="dynamic sparse training arms: a regrown weight's Adam exp_avg_sq starts at its tensor's active mean",
+    )
+    parser.add_argument(
         "--lr-schedule",
         default="constant",
         choices=("constant", "cosine"),
@@ -1213,6 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
         gradual=args.gradual,
         regrow=args.regrow,
         sparse_init=args.sparse_init,
+        warm_regrown_adam=args.warm_regrown_adam,
         lr_schedule=args.lr_schedule,
         data_root=args.data_root,
         threads=args.threads,

@@ -180,6 +180,27 @@ def test_sparse_init_reaches_only_dst_arms_and_scales_each_row_to_its_kept_fan_i
     torch.testing.assert_close(scale[:, 0], torch.tensor([1.0, 2.0, 8.0**0.5]))  # sqrt(8 / kept) per row
 
 
+def test_warm_regrown_adam_reaches_only_dst_arms_and_sets_the_regrown_second_moments() -> None:
+    quality = _quality_module()
+    settings = quality.Settings(warm_regrown_adam=True)
+    runs = {r.arm: r for r in quality.plan(["lp_gradual", "lp_rigl_erk"], [0.9], [0], settings)}
+    assert runs["lp_rigl_erk"].settings.warm_regrown_adam and not runs["lp_gradual"].settings.warm_regrown_adam
+    from types import SimpleNamespace
+
+    from lightprune import prune
+
+    layer = torch.nn.Linear(4, 1)
+    prune.custom_from_mask(layer, "weight", torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+    optimizer = torch.optim.Adam(layer.parameters())
+    optimizer.state[layer.weight_orig] = {"exp_avg_sq": torch.tensor([[2.0, 4.0, 0.0, 0.0]])}
+    warm = quality.WarmRegrownAdam([(layer, "weight")])
+    trainer = SimpleNamespace(optimizers=[optimizer])
+    warm.on_train_start(trainer, None)
+    layer.weight_mask.copy_(torch.tensor([[1.0, 0.0, 1.0, 0.0]]))  # the second dropped, the third regrown
+    warm.on_train_batch_end(trainer, None)
+    assert optimizer.state[layer.weight_orig]["exp_avg_sq"].tolist() == [[2.0, 4.0, 2.0, 0.0]]  # the kept one's
+
+
 def test_cosine_lr_schedule_decays_over_each_arms_own_epochs_and_refuses_arms_with_their_own() -> None:
     quality = _quality_module()
     settings = quality.Settings(lr_schedule="cosine")
