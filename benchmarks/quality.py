@@ -631,6 +631,8 @@ def run_one(run: Run) -> dict[str, Any]:
     if settings.sparse_init:
         callbacks.append(SparseInit(pruned_weights(module)))
     if settings.warm_regrown_adam:
+        if settings.masking != "reparametrize":  # (in place, a regrown weight is zero: only the masks show it)
+            raise ValueError("--warm-regrown-adam reads the reparametrization's masks: use --masking reparametrize")
         callbacks.append(WarmRegrownAdam(pruned_weights(module)))
     trainer = make_trainer(epochs, [timer, flops, *callbacks])
     loader = ShuffledBatches(*data["train"], batch_size=settings.batch_size, seed=run.seed)

@@ -353,8 +353,7 @@ def unknown_length_hint(trainer: Trainer, unit: str, alternative: str | None = N
         else:
             why = None
         hint = (
-            f"max_steps={trainer.max_steps} ends the run before its first epoch completes: raise it, or give "
-            "integer times"
+            f"max_steps={trainer.max_steps} ends the run before its first epoch completes: raise it"
             if why is None
             else f"{why}, so max_steps does not give the number of epochs: bound the run by max_epochs without "
             "max_steps"

@@ -507,6 +507,7 @@ class PruningCallback(Callback):
         self._timeline = Timeline(self._title(), unit)  # the schedule resolved for this fit, the last event taken
         self._last_logged = -1
         self._total: float | None = None  # the total sparsity the last event (or logging) counted, for self.log
+        self._module_logged: tuple[int, float] | None = None  # the (epoch, total) self.log was last given
         self._given_snapshot = snapshot
         self._rewind_snapshot: dict[str, Tensor] | None = snapshot
         self._collapsed: set[str] | None = None  # the tensors with every unit pruned, after the last event
@@ -819,6 +820,7 @@ class PruningCallback(Callback):
         self._resumed = False  # a checkpoint's state was restored into the callback (load_state_dict)
         self._last_logged = -1
         self._total = None
+        self._module_logged = None
         self._rewind_snapshot = self._given_snapshot
         self._restored_masks = None
         self._saved_selection = None
@@ -1271,12 +1273,15 @@ class PruningCallback(Callback):
 
     def _log_total(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The total sparsity to the module's logged metrics (``callback_metrics``, the progress bar, what
-        ``ModelCheckpoint``/``EarlyStopping`` monitor) once an epoch: the highest of the epoch's training batches,
-        from the total the last event (or logging) counted."""
+        ``ModelCheckpoint``/``EarlyStopping`` monitor): the highest of the epoch's training batches, from the total
+        the last event (or logging) counted, given to ``self.log`` at an epoch's first batch and when it changes."""
         if self._masked is None:
             return
         if self._total is None:  # (none counted yet this fit: adopted or restored masks, a level-0 start)
             self._sparsities(trainer, pl_module)
+        if self._module_logged == (trainer.current_epoch, self._total):
+            return  # (logged once an epoch and at each change: the epoch's maximum is its last value)
+        self._module_logged = (trainer.current_epoch, self._total)
         # every rank holds the same masks: the max across ranks (sync_dist) is that value, and Lightning is quiet
         pl_module.log(
             self._log_prefix + "sparsity",
