@@ -7,6 +7,7 @@ weight must be an exact zero wherever the base weight is pruned, while the adapt
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -630,3 +631,32 @@ def test_heads_are_pruned_with_the_adapters_on_their_projections(kind: str, targ
         small = remove_units(merged, (), {"input_ids": ids})  # and the pruned heads can be removed
         torch.testing.assert_close(small(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
     assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in merged.parameters())
+
+
+class ZerosInTheBase(Evaluated):
+    """The Llama's adapted projections arrive with 30% exact zeros (pruned before, by another tool)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, parameter in self.model.named_parameters():
+                if re.fullmatch(INCLUDE["llama"], name):
+                    parameter[torch.rand(parameter.shape, generator=generator) < 0.3] = 0.0
+
+
+def test_a_checkpoint_after_fit_keeps_the_update_where_the_mask_keeps_a_zero_base_entry(tmp_path: Path) -> None:
+    """An event after the adapter moved ranks W + s*B*A and keeps entries whose W is 0 (their weight is the update).
+    After fit the checkpoint's masks were read from W's zeros: validate(ckpt_path=...) of a checkpoint written after
+    fit evaluated another model, silently. They are the updates' own masks now, and the fit end warns that a mask read
+    from the base weight's zeros (a saved adapter merged with remask=True) would drop them."""
+    module = ZerosInTheBase()
+    pruning = callback_for("llama", schedule=Constant(0.5, at=6))
+    trainer = quiet_trainer([pruning], max_steps=10, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"keep entries whose base weight is exactly 0 under a LoRA adapter: .*q_proj"):
+        trainer.fit(module)
+    trained = module.logits()
+    path = tmp_path / "after_fit.ckpt"
+    trainer.save_checkpoint(path)
+    trainer.validate(module, dataloaders=tokens(samples=8), ckpt_path=path)
+    torch.testing.assert_close(module.validated[-1], trained, rtol=0, atol=1e-6)

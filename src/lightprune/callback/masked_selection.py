@@ -460,6 +460,22 @@ class MaskedSelection:
         """The weights were rewritten (a rewind, a weight average): mask them, and the averaged copies, again."""
         self.strategy.after_rewrite(self)
 
+    def kept_zeros_under_adapters(self) -> dict[str, int]:
+        """For each adapted base weight (LoRA): how many entries its mask keeps where the weight itself is exactly 0.
+        Their effective weight is the update alone, which a mask read from the weight's zeros (an adapter saved with
+        PEFT and merged with ``remask=True``) drops."""
+        found = {}
+        with torch.no_grad():
+            for qualified, layer in self.adapted.items():
+                mask = adapters.delta_mask(layer)
+                if mask is None:
+                    continue
+                weight = prune.original(adapters.base_of(layer), "weight")
+                count = int(((mask != 0) & (weight == 0).to(mask.device)).sum())
+                if count:
+                    found[qualified] = count
+        return found
+
     def make_permanent(self, remove: bool = True) -> None:
         """End of fit: remove the reparametrization of the tensors this selection masks when ``remove`` (others' are
         left alone); in place, whatever ``remove`` says, zero the weights a last time and stop masking gradients."""
@@ -501,13 +517,15 @@ class MaskedSelection:
         """
         if not self.permanent or self.strategy.collective:
             return self.masks()
-        targets = self.mask_targets()
-        dtype = self.mask_dtype
+        masks = {}
         with torch.no_grad():
-            return {
-                key: (prune.original(module, name) != 0).to(dtype or prune.original(module, name).dtype)
-                for key, (module, name) in targets.items()
-            }
+            for key, (module, name) in self.mask_targets().items():
+                weight = prune.original(module, name)
+                layer = self.adapted.get(key)  # (an adapted base weight's zeros are not its mask: kept entries of W
+                held = None if layer is None else adapters.delta_mask(layer)  # = 0 carry the update; its own mask)
+                kept = held != 0 if held is not None else weight != 0
+                masks[key] = kept.to(self.mask_dtype or weight.dtype)
+        return masks
 
     def restore(self, saved: Mapping[str, Tensor], owner: str) -> None:
         """Put a checkpoint's masks back, checked first (``owner`` names the state in messages), all or nothing."""

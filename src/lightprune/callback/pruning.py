@@ -680,6 +680,7 @@ class PruningCallback(Callback):
             table = self.summary_table()  # sharded: every rank takes part in reducing the counts
             rank_zero_info(table)
         if self._masked is not None:
+            reporting.warn_kept_zeros_under_adapters(self._masked.kept_zeros_under_adapters())
             self._masked.make_permanent(self.make_permanent)
         self._hooks.remove_steps()
         self._importance.close()

@@ -113,3 +113,22 @@ def warn_batch_past_epoch_end(epoch: int, batch_idx: int, batches: int) -> None:
         "or bound the run with max_epochs instead of max_steps",
         category=UserWarning,
     )
+
+
+def warn_kept_zeros_under_adapters(kept: Mapping[str, int]) -> None:
+    """Say which adapted base weights keep entries that are exactly zero (``{qualified name: count}``): the model is
+    right, but a mask read from the base weight's zeros would drop their updates.
+
+    Example:
+        >>> warn_kept_zeros_under_adapters({})
+    """
+    if not kept:
+        return
+    named = ", ".join(f"{name} ({count})" for name, count in list(kept.items())[:3])
+    rank_zero_warn(
+        f"PruningCallback: the masks keep entries whose base weight is exactly 0 under a LoRA adapter: {named}. "
+        "Their effective weight is the update alone, which an adapter saved with save_pretrained (or a checkpoint "
+        "loaded without this callback) cannot restore: merge_lora(remask=True) masks by the base weight's zeros and "
+        "drops it. Merge before saving (merge_lora(model)), or fit with adopt_zeros=True so those zeros stay pruned",
+        category=UserWarning,
+    )
