@@ -171,16 +171,26 @@ def register(entry: Method) -> Method:
     """Add a method to :data:`METHODS` (from user code: the callback and the app's config accept its name at once).
 
     Raises:
-        ValueError: the name is taken, or is one of the unit methods (``neurons``, ``heads``).
+        ValueError: the name is taken, is one of the unit methods (``neurons``, ``heads``) or not a plain name (an
+            import path names a class, not an entry), or the class has an entry already (the callback finds an
+            entry by its class, so a second one would be read as the first: give a subclass its own).
 
     Example:
-        >>> entry = register(Method("l1_again", "lightprune.prune.L1Unstructured", "unstructured"))
-        >>> get("l1_again") is entry
+        >>> entry = register(Method("keep_all", "lightprune.prune.Identity", "unstructured"))
+        >>> get("keep_all") is entry
         True
-        >>> del METHODS["l1_again"]
+        >>> del METHODS["keep_all"]
     """
+    if not (isinstance(entry.name, str) and entry.name.strip() and "." not in entry.name):
+        raise ValueError(f"name={entry.name!r} must be a non-empty name without '.' (an import path names a class)")
     if entry.name in METHODS or entry.name in UNIT_METHODS:
         raise ValueError(f"a method named {entry.name!r} exists already: choose another name")
+    same = next((known.name for known in METHODS.values() if known.target == entry.target), None)
+    if same is not None:
+        raise ValueError(
+            f"{entry.target} is registered already, as {same!r}: the callback finds an entry by its class, so a "
+            "second one would be read as the first; register a subclass of it for other defaults or traits"
+        )
     METHODS[entry.name] = entry
     return entry
 

@@ -173,3 +173,30 @@ def test_a_registered_target_that_is_not_a_pruning_method_is_refused_by_name() -
             PruningCallback(0.5, method="not_a_method")
     finally:
         del registry.METHODS[entry.name]
+
+
+def test_a_class_has_one_entry_and_names_are_plain() -> None:
+    """A second entry for a class was accepted and silently ignored: the callback finds entries by class, so a
+    '1:4' preset of SemiStructured pruned 2:4. Names that are import paths or empty were accepted too."""
+    with pytest.raises(ValueError, match=r"SemiStructured is registered already, as 'semi_structured'.*subclass"):
+        registry.register(registry.Method("semi_1_4", "lightprune.prune.SemiStructured", "n:m", defaults={"n": 1}))
+    for name in ("", "lightprune.prune.L1Unstructured"):
+        with pytest.raises(ValueError, match=r"must be a non-empty name without '\.'"):
+            registry.register(registry.Method(name, f"{__name__}.PruneLeading", "unstructured"))
+    assert "semi_1_4" not in registry.METHODS
+
+
+class StructuredRows(prune.LnStructured):
+    """A structured method of the test's own."""
+
+
+def test_an_entry_whose_kind_its_class_contradicts_is_refused_by_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Declared unstructured, the class structured: the rules read the kind (SET was let through) and the engine the
+    class (channels), so SET moved single weights out of pruned channels, silently."""
+    entry = registry.Method("rows_as_entries", f"{__name__}.StructuredRows", "unstructured")
+    monkeypatch.setitem(registry.METHODS, entry.name, entry)
+    with pytest.raises(ValueError, match=r"'rows_as_entries' says kind='unstructured', but StructuredRows.PRUNING_TYP"):
+        PruningCallback(0.5, method="rows_as_entries", regrow="set")
+    declared = registry.Method(entry.name, entry.target, "structured", defaults={"n": 1})
+    monkeypatch.setitem(registry.METHODS, entry.name, declared)
+    assert PruningCallback(0.5, method="rows_as_entries").scope == "layerwise"

@@ -184,6 +184,32 @@ def method_entry(cls: type[prune.BasePruningMethod]) -> registry.Method | None:
     return dataclasses.replace(base, random=False, signed=False, obs=False, rows=False, sharded=False)
 
 
+_PRUNING_TYPES = {"unstructured": ("unstructured", "global"), "structured": ("structured",), "n:m": ("global",)}
+"""The ``PRUNING_TYPE`` a class of each registry kind has (an unstructured method may see the whole tensor)."""
+
+
+def check_entry(method: Any, cls: type, entry: registry.Method | None) -> None:
+    """Refuse a registry entry that does not describe ``cls``: a name whose class another entry names first (that
+    one's traits would be read), or a kind its class's ``PRUNING_TYPE`` contradicts (the rules read the kind, the
+    engine the class).
+
+    Example:
+        >>> check_entry("ln_structured", prune.LnStructured, method_entry(prune.LnStructured))
+    """
+    if isinstance(method, str) and method in registry.METHODS and method_name(cls) not in (None, method):
+        raise ValueError(
+            f"method={method!r} names {cls.__name__}, which the entry {method_name(cls)!r} names first: its "
+            "defaults and traits would be read; register a subclass of it instead"
+        )
+    own = method_name(cls)
+    pruning_type = getattr(cls, "PRUNING_TYPE", None)
+    if own is not None and entry is not None and pruning_type not in _PRUNING_TYPES[entry.kind]:
+        raise ValueError(
+            f"the registry entry {own!r} says kind={entry.kind!r}, but {cls.__name__}.PRUNING_TYPE is "
+            f"{pruning_type!r}: register it as the kind it prunes"
+        )
+
+
 def raise_problems(problems: list[rules.Problem]) -> None:
     """Raise one ``ValueError`` naming every broken rule (nothing when there is none).
 
@@ -270,6 +296,7 @@ def resolve_method_options(
         raise ValueError("method_kwargs must not contain 'amount': the callback computes it from the schedule")
     kind = getattr(cls, "PRUNING_TYPE", None)
     entry = method_entry(cls)
+    check_entry(method, cls, entry)
     if kind == "structured":
         kwargs.setdefault("dim", 0)  # output channels, for a structured class of the user's too
         if not is_int(kwargs["dim"]):  # (else the first event fails, mid-training)
