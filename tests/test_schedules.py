@@ -6,6 +6,7 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -528,3 +529,32 @@ def test_a_callable_schedule_on_a_run_of_one_unit_has_its_one_event() -> None:
     assert FromCallable(lambda t: 0.5, start=3, end=3).events() == [3]
     with pytest.raises(ValueError, match="start=0 must be < end=0"):  # a ramp of one event is a mistake
         Linear(final=0.5, end=1.0).resolve(1)
+
+
+class Stepped(Points):
+    """A schedule of a user's own: its levels come from ``_level``, which lightprune's constructors never saw."""
+
+    def __init__(self, levels: dict[int, object]) -> None:
+        super().__init__({event: 0.0 for event in levels})
+        self.levels = levels
+
+    def _level(self, event: int) -> float:
+        return self.levels[event]  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("levels", "message"),
+    [
+        ({0: 0.6, 4: 0.3}, r"Stepped: its level at event 4 \(0\.3\) is lower than at event 0 \(0\.6\)"),
+        ({0: 0.3, 4: 1.5}, r"Stepped: its level at event 4 is 1\.5; levels are numbers in \[0, 1\]"),
+        ({0: 0.3, 4: float("nan")}, r"its level at event 4 is nan"),
+        ({0: 0.3, 4: torch.tensor(0.5)}, r"its level at event 4 is tensor\(0\.5000\)"),
+    ],
+)
+def test_a_schedule_subclass_has_its_levels_checked(levels: dict[int, object], message: str) -> None:
+    """Only callables had their levels checked: a subclass decreasing ended at its old level (0.6 for a final 0.3),
+    one above 1 pruned every weight, NaN failed mid-training."""
+    with pytest.raises(ValueError, match=message):
+        Stepped(levels).validate()
+    Stepped({0: 0.3, 4: 0.5}).validate()
+    Points({0: 0.3, 4: 0.5}).validate()  # (built-ins checked their levels when built)

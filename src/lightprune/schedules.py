@@ -199,6 +199,36 @@ class Schedule(ABC):
         """
         return self.events()[-1]
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` where a level is not a number in ``[0, 1]`` or is lower than the one before: the
+        callback checks a resolved schedule before training (lightprune's own schedules check their arguments when
+        built, so theirs returns at once; a subclass of your own gets this check of every event).
+
+        Example:
+            >>> class Halving(Points):  # a subclass of your own: its levels are read
+            ...     def _level(self, event: int) -> float:
+            ...         return super()._level(event) / (1 + event)
+            >>> Halving({0: 0.5, 4: 0.8}).validate()
+            Traceback (most recent call last):
+            ...
+            ValueError: Halving: its level at event 4 (0.16) is lower than at event 0 (0.5): ...
+        """
+        if type(self) in _CHECKED_WHEN_BUILT:
+            return
+        previous: tuple[int, float] | None = None
+        for event in self.events():
+            level = self._level(event)
+            if not (is_int(level) or _is_float(level)) or not 0 <= level <= 1:  # (NaN is in no range)
+                raise ValueError(
+                    f"{type(self).__name__}: its level at event {event} is {level!r}; levels are numbers in [0, 1]"
+                )
+            if previous is not None and level < previous[1]:
+                raise ValueError(
+                    f"{type(self).__name__}: its level at event {event} ({level!r}) is lower than at event "
+                    f"{previous[0]} ({previous[1]!r}): the target sparsity must never decrease"
+                )
+            previous = (event, float(level))
+
     # -- public queries ------------------------------------------------------------------------------------------------
 
     def target(self, t: float) -> float:
@@ -786,6 +816,9 @@ class FromCallable(_Ramp):
 # ----------------------------------------------------------------------------------------------------------------------
 # Registry
 # ----------------------------------------------------------------------------------------------------------------------
+
+_CHECKED_WHEN_BUILT = (Constant, Linear, Cubic, Geometric, Points)
+"""lightprune's schedules, whose constructors check their levels (a subclass may change them: it is checked)."""
 
 SCHEDULES: dict[str, type[Schedule]] = {
     "constant": Constant,
