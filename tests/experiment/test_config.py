@@ -25,6 +25,7 @@ from lightprune.experiment.config import (
     PruningConfig,
     TrainerConfig,
     config_warnings,
+    method_kwargs,
     register_configs,
     unknown_keys,
     validate_config,
@@ -479,3 +480,23 @@ def test_schedule_keys_the_preset_does_not_read_are_warned_about(overrides: tupl
     messages = config_warnings(compose_app(*overrides))
     assert [message.split("=")[0] for message in messages] == [f"pruning.{key}" for key in unused]
     assert all("is not used by" in message and "changes nothing" in message for message in messages)
+
+
+class ChannelsOfMine:
+    """A structured method of a user's own, by import path (only its ``PRUNING_TYPE`` is read here)."""
+
+    PRUNING_TYPE = "structured"
+
+
+@pytest.mark.parametrize("method", ["lightprune.prune.RandomStructured", f"{__name__}.ChannelsOfMine", "registered"])
+def test_pruning_dim_reaches_every_structured_method(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the keys of a registry entry's defaults were passed: a structured method given by import path, or
+    registered without defaults, pruned dim 0 while the config said dim=1, silently."""
+    from lightprune import registry
+
+    if method == "registered":
+        entry = registry.Method("channels_of_mine", f"{__name__}.ChannelsOfMine", "structured")
+        monkeypatch.setitem(registry.METHODS, entry.name, entry)
+        method = entry.name
+    assert method_kwargs(OmegaConf.structured(PruningConfig(method=method, dim=1))) == {"dim": 1}
+    assert method_kwargs(OmegaConf.structured(PruningConfig(method="lightprune.prune.L1Unstructured", dim=1))) == {}

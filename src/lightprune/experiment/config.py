@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -657,20 +658,37 @@ _SCHEDULE_KEYS = {
 def method_kwargs(pruning: Any) -> dict[str, Any]:
     """The callback's ``method_kwargs`` for a ``pruning`` config: every argument its method's registry entry fills in
     (:attr:`~lightprune.registry.Method.defaults`) that the config holds, under the argument's name (``dim``, ``n``),
-    or with the prefix ``nm_`` for an N:M method (``nm_n``, ``nm_m``: ``n`` is ``ln_structured``'s norm). Nothing for
-    a method the registry does not know (an import path: its constructor's defaults apply).
+    or with the prefix ``nm_`` for an N:M method (``nm_n``, ``nm_m``: ``n`` is ``ln_structured``'s norm); and
+    ``pruning.dim`` for every structured method, registered without defaults or given by import path too (the
+    channels' dim; its other arguments keep its constructor's defaults).
 
     Example:
         >>> method_kwargs(OmegaConf.structured(PruningConfig(method="ln_structured", dim=1)))
         {'dim': 1, 'n': 2.0}
         >>> method_kwargs(OmegaConf.structured(PruningConfig(method="semi_structured")))
         {'n': 2, 'm': 4}
+        >>> method_kwargs(OmegaConf.structured(PruningConfig(method="lightprune.prune.RandomStructured", dim=1)))
+        {'dim': 1}
     """
     entry = registry.get(pruning.method)
-    if entry is None:
-        return {}
-    prefix = "nm_" if entry.kind == "n:m" else ""
-    return {key: pruning[prefix + key] for key in entry.defaults or {} if prefix + key in pruning}
+    prefix = "nm_" if entry is not None and entry.kind == "n:m" else ""
+    keys = list(entry.defaults or {}) if entry is not None else []
+    if "dim" not in keys and _structured(pruning.method, entry):
+        keys.append("dim")
+    return {key: pruning[prefix + key] for key in keys if prefix + key in pruning}
+
+
+def _structured(method: str, entry: registry.Method | None) -> bool:
+    """Whether ``method`` (a registry name or an import path) prunes channels; an import that fails is the callback's
+    to report."""
+    if entry is not None:
+        return entry.kind == "structured"
+    module_name, _, class_name = method.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return getattr(cls, "PRUNING_TYPE", None) == "structured"
 
 
 def per_round(pruning: Any) -> float:
