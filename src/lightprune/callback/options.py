@@ -196,12 +196,12 @@ def check_entry(method: Any, cls: type, entry: registry.Method | None) -> None:
     Example:
         >>> check_entry("ln_structured", prune.LnStructured, method_entry(prune.LnStructured))
     """
-    if isinstance(method, str) and method in registry.METHODS and method_name(cls) not in (None, method):
-        raise ValueError(
-            f"method={method!r} names {cls.__name__}, which the entry {method_name(cls)!r} names first: its "
-            "defaults and traits would be read; register a subclass of it instead"
-        )
     own = method_name(cls)
+    if isinstance(method, str) and method in registry.METHODS and own not in (None, method):
+        raise ValueError(
+            f"method={method!r} names {cls.__name__}, which the entry {own!r} names first: its defaults and traits "
+            "would be read; register a subclass of it instead"
+        )
     pruning_type = getattr(cls, "PRUNING_TYPE", None)
     if own is not None and entry is not None and pruning_type not in _PRUNING_TYPES[entry.kind]:
         raise ValueError(
