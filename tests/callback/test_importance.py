@@ -685,3 +685,21 @@ def test_gradient_checkpointing_changes_no_mask(reentrant: bool, importance: str
         masks.append({q: callback._masked.mask(m, n).bool() for q, m, n in callback._masked.selection})
     assert masks[0].keys() == masks[1].keys()
     assert [q for q in masks[0] if not torch.equal(masks[0][q], masks[1][q])] == []
+
+
+def test_integer_callable_scores_rank_channels_too() -> None:
+    """Integer scores worked with every method but ln_structured, whose first event failed inside torch.norm
+    ("linalg.vector_norm ... Long"), naming neither the function nor the tensor. Channels rank by their norms."""
+    schedule = Constant(0.5, at=2)
+
+    def as_integers(qualified: str, module: nn.Module, name: str, weight: Tensor) -> Tensor:
+        return (weight.abs() * 1000).round().long()
+
+    def as_floats(qualified: str, module: nn.Module, name: str, weight: Tensor) -> Tensor:
+        return (weight.abs() * 1000).round()
+
+    models = [fit([PruningCallback(schedule, method="ln_structured", importance=rank)], max_steps=4)
+              for rank in (as_integers, as_floats)]  # fmt: skip
+    for layer in LAYERS:
+        kept = [model.get_submodule(layer).weight.detach().abs().sum(1) != 0 for model in models]
+        assert torch.equal(kept[0], kept[1]) and int((~kept[0]).sum()) == round(0.5 * kept[0].numel()), layer

@@ -1133,6 +1133,8 @@ class PruningCallback(Callback):
                 scores = self._unit_ranking(trainer)
             elif target > 0:
                 scores = self._importance.scores(self._reducer(trainer, "sum"), self._reducer(trainer, "mean"))
+                if self.structured and scores is not None:  # (channel norms: torch.norm refuses integer tensors)
+                    scores = {q: s if s.is_floating_point() else s.double() for q, s in scores.items()}
             self._masked.prune_to(target, event, scores, signed=self._importance.signed)
         if target > 0:
             self._importance.after_event()
