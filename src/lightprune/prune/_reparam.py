@@ -35,6 +35,7 @@ from lightprune.prune.base import (
     _check_same_shape,
     _ranks_current_values,
     next_mask,
+    plain_original,
 )
 
 __all__ = [
@@ -214,13 +215,7 @@ def original_parameter(module: nn.Module, name: str, hook: BasePruningMethod | N
     if not isinstance(name, str):
         raise TypeError(f"name must be a str naming a parameter, got {name!r} ({type(name).__name__})")
     if hook is not None:
-        if name + "_orig" not in module._parameters:  # e.g. moved under module.parametrizations by parametrize
-            raise ValueError(
-                f"{name + '_orig'!r} of {type(module).__name__} is not a plain Parameter of the module (a "
-                "torch.nn.utils.parametrize parametrization?); lightprune masks the Parameter itself: take it off "
-                f"(parametrize.remove_parametrizations(module, {name + '_orig'!r})) before pruning {name!r} again"
-            )
-        return module._parameters[name + "_orig"]
+        return plain_original(module, name, f"pruning {name!r} again")
     if name in module._parameters and module._parameters[name] is not None:
         return module._parameters[name]
     params = ", ".join(repr(p) for p, v in module._parameters.items() if v is not None) or "none"

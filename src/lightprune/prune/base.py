@@ -117,6 +117,26 @@ def replaced_message(module: nn.Module, name: str) -> str:
     )
 
 
+def plain_original(module: nn.Module, name: str, before: str) -> nn.Parameter:
+    """``module``'s Parameter ``name_orig``, or a ``ValueError`` (nothing changed) where a parametrization moved it
+    under ``module.parametrizations``: lightprune masks the Parameter itself, so ``before`` doing that, the user takes
+    the parametrization off.
+
+    Example:
+        >>> layer = nn.Linear(2, 1)
+        >>> layer.register_parameter("weight_orig", layer._parameters.pop("weight"))
+        >>> plain_original(layer, "weight", "pruning again").shape
+        torch.Size([1, 2])
+    """
+    if name + "_orig" not in module._parameters:
+        raise ValueError(
+            f"{name + '_orig'!r} of {type(module).__name__} is not a plain Parameter of the module (a "
+            "torch.nn.utils.parametrize parametrization?); lightprune masks the Parameter itself: take it off "
+            f"(parametrize.remove_parametrizations(module, {name + '_orig'!r})) before {before}; nothing was changed"
+        )
+    return module._parameters[name + "_orig"]
+
+
 class BasePruningMethod(ABC):
     """Base class of pruning methods: compute a mask for a tensor and keep a module's parameter masked.
 
@@ -229,14 +249,7 @@ class BasePruningMethod(ABC):
         from lightprune.prune._reparam import _move_key  # _reparam builds on this module's classes
 
         name = self._attached_name()
-        if name + "_orig" not in module._parameters:  # e.g. moved under module.parametrizations by parametrize
-            raise ValueError(
-                f"{name + '_orig'!r} of {type(module).__name__} is not a plain Parameter of the module (a "
-                "torch.nn.utils.parametrize parametrization?): take it off "
-                f"(parametrize.remove_parametrizations(module, {name + '_orig'!r})) before removing the pruning of "
-                f"{name!r}; nothing was changed"
-            )
-        orig = module._parameters[name + "_orig"]
+        orig = plain_original(module, name, f"removing the pruning of {name!r}")
         with torch.no_grad():
             if in_place:
                 masked_(orig, module._buffers[name + "_mask"])
