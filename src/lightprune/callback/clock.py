@@ -25,6 +25,7 @@ __all__ = [
     "counts_batches",
     "ended_inside_epoch",
     "in_swa_batch_norm_epoch",
+    "last_batch_reached",
     "max_steps_cuts_last_epoch",
     "now",
     "run_length",
@@ -234,10 +235,20 @@ def ended_inside_epoch(trainer: Trainer) -> bool:
         >>> ended_inside_epoch(Trainer(max_epochs=3, logger=False, enable_progress_bar=False))
         False
     """
+    trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return trainer.current_epoch > 0 and trained > 0 and not last_batch_reached(trainer, trained)
+
+
+def last_batch_reached(trainer: Trainer, trained: int) -> bool:
+    """Whether the epoch's batch ``trained`` (counting from 1) is its last: for a loader without length, the fit
+    loop's flag (its fetcher looks one batch ahead), else the count of the epoch's batches.
+
+    Example:
+        >>> trainer = Trainer(max_epochs=3, logger=False, enable_progress_bar=False)
+        >>> trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        False
+    """
     batches = trainer.num_training_batches
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    if trainer.current_epoch == 0 or progress.current.processed == 0:
-        return False
-    if batches == float("inf"):  # a loader without length: whether its last batch was reached
-        return not progress.is_last_batch
-    return progress.current.processed < batches
+    if batches == float("inf"):
+        return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return trained >= batches

@@ -132,11 +132,7 @@ class Timeline:
     def event_next(self, trainer: Trainer, batch_idx: int) -> bool:
         """``unit="epoch"``: whether this batch ends its epoch and an event comes when the next one starts (or fit
         ends), which logs at this same step: one value a step, the one the next batch trains with."""
-        if self.unit != "epoch" or self.resolved is None:
-            return False
-        batches = trainer.num_training_batches
-        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch if batches == float("inf") else None
-        if not (last if last is not None else batch_idx + 1 >= batches):  # (a loader without length: its flag)
+        if self.unit != "epoch" or self.resolved is None or not clock.last_batch_reached(trainer, batch_idx + 1):
             return False
         after = trainer.current_epoch + 1
         return self.resolved.latest_event(after) == after > self.last_event
